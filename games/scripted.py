@@ -1,0 +1,65 @@
+"""Scripted seats: policies that read a game's observation and info and reply with text.
+
+They sit in the league and the evaluation ladder like any LLM policy. Each reads only
+`info["legal_moves"]` (and, for exact solvers, `info["infostate"]`), so a scripted seat never
+makes an invalid reply; the text it returns goes through the game's ordinary parser.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from games.kuhn_poker import equilibrium_policy
+
+
+@runtime_checkable
+class ScriptedPolicy(Protocol):
+    """A seat that replies to one decision; all randomness comes from `rng`."""
+
+    def act(self, observation: str, info: dict[str, Any], rng: np.random.Generator) -> str:
+        """Return the reply text for the decision described by `observation` and `info`."""
+        ...
+
+
+class RandomPolicy:
+    """Uniform over `info["legal_moves"]`."""
+
+    def act(self, observation: str, info: dict[str, Any], rng: np.random.Generator) -> str:
+        """Return one legal move drawn uniformly."""
+        moves = list(info["legal_moves"])
+        if not moves:
+            raise ValueError("RandomPolicy.act called with no legal moves (not this seat's turn)")
+        return str(moves[int(rng.integers(len(moves)))])
+
+
+class KuhnEquilibriumPolicy:
+    """Kuhn poker Nash equilibrium `equilibrium_policy(alpha)`, played from `info["infostate"]`."""
+
+    def __init__(self, alpha: float = 0.0) -> None:
+        self.alpha = alpha
+        self.policy = equilibrium_policy(alpha)
+
+    def act(self, observation: str, info: dict[str, Any], rng: np.random.Generator) -> str:
+        """Bet/call with the equilibrium probability at this info state, else check/fold."""
+        moves = set(info["legal_moves"])
+        aggressive, passive = ("bet", "check") if "bet" in moves else ("call", "fold")
+        if {aggressive, passive} != moves:
+            raise ValueError(f"not a Kuhn poker decision: legal moves {sorted(moves)}")
+        return aggressive if rng.random() < self.policy[info["infostate"]] else passive
+
+
+SCRIPTED: dict[str, type] = {
+    "random": RandomPolicy,
+    "kuhn_equilibrium": KuhnEquilibriumPolicy,
+}
+"""Scripted policies by name."""
+
+
+def make_scripted(name: str, **kwargs: Any) -> ScriptedPolicy:
+    """Construct the scripted policy registered as `name` with `kwargs`."""
+    if name not in SCRIPTED:
+        raise ValueError(f"unknown scripted policy {name!r}; known: {sorted(SCRIPTED)}")
+    policy: ScriptedPolicy = SCRIPTED[name](**kwargs)
+    return policy

@@ -1,0 +1,120 @@
+"""Token-in/token-out batched sampling with a KV cache, one seeded generator per row.
+
+Rows are left-padded into one batch; every step is one forward pass over all unfinished
+rows' new tokens. Each row draws from ``softmax(logits / T)`` truncated by its own top-k and
+top-p, with a ``torch.Generator`` seeded by the row's seed, and reports the log-prob of the
+drawn token under ``log_softmax(logits / T)`` (../shared/DESIGN.md §6). The model's
+``generation_config`` is never consulted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from protocols.messages import SamplingParams, StopReason
+
+# forward(input_ids_B_L, attention_mask_B_L, position_ids_B_L, past) -> (logits_B_V, past)
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, object]]
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    tokens: np.ndarray
+    """``int32[S]`` drawn ids (stop token included when drawn)."""
+    logprobs: np.ndarray
+    """``float32[S]``."""
+    stop_reason: StopReason
+
+
+def validate_params(p: SamplingParams) -> None:
+    """Raise ``ValueError`` naming the bad field of a :class:`SamplingParams`."""
+    if not p.temperature > 0:
+        raise ValueError(f"SamplingParams.temperature must be > 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise ValueError(f"SamplingParams.top_k must be >= 0, got {p.top_k}")
+    if p.max_tokens < 1:
+        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {p.max_tokens}")
+
+
+def _truncate(logits_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Tempered logits with everything outside the top-k / nucleus set to -inf."""
+    if top_k > 0 and top_k < logits_V.numel():
+        kth = torch.topk(logits_V, top_k).values[-1]
+        logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_V, idx_V = torch.sort(logits_V, descending=True)
+        cum_V = torch.softmax(sorted_V, -1).cumsum(-1)
+        drop_V = cum_V - torch.softmax(sorted_V, -1) >= top_p  # keep the token that crosses top_p
+        logits_V = logits_V.masked_fill(torch.zeros_like(drop_V).scatter(0, idx_V, drop_V), float("-inf"))
+    return logits_V
+
+
+@torch.no_grad()
+def sample_rows(
+    forward: Forward,
+    prompts: Sequence[np.ndarray],
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    pad_id: int,
+    device: torch.device,
+) -> list[SampledRow]:
+    """Sample one reply per prompt. ``prompts[i]`` is ``int32[L_i]``, ``L_i >= 1``."""
+    B = len(prompts)
+    if B == 0:
+        return []
+    lens = [len(p) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    L = max(lens)
+    ids_B_L = torch.full((B, L), pad_id, dtype=torch.long)
+    mask_B_L = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids_B_L[i, L - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+        mask_B_L[i, L - len(p):] = 1
+    pos_B_L = (mask_B_L.cumsum(-1) - 1).clamp(min=0)
+    gens = [torch.Generator().manual_seed(int(s) & 0x7FFF_FFFF_FFFF_FFFF) for s in seeds]
+    temps_B = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    stops = [set(p.stop_token_ids) for p in params]
+    out_tok: list[list[int]] = [[] for _ in range(B)]
+    out_lp: list[list[float]] = [[] for _ in range(B)]
+    reasons: list[StopReason | None] = [None] * B
+    max_steps = max(p.max_tokens for p in params)
+
+    ids_B_L, mask_B_L, pos_B_L = ids_B_L.to(device), mask_B_L.to(device), pos_B_L.to(device)
+    logits_B_V, past = forward(ids_B_L, mask_B_L, pos_B_L, None)
+    next_pos_B = pos_B_L[:, -1] + 1
+    for step in range(max_steps):
+        logits_B_V = logits_B_V.float().cpu() / temps_B[:, None]
+        logp_B_V = torch.log_softmax(logits_B_V, -1)
+        new_B = torch.full((B,), pad_id, dtype=torch.long)
+        for i in range(B):
+            if reasons[i] is not None:
+                continue
+            trunc_V = _truncate(logits_B_V[i], params[i].top_k, params[i].top_p)
+            tok = int(torch.multinomial(torch.softmax(trunc_V, -1), 1, generator=gens[i]))
+            out_tok[i].append(tok)
+            out_lp[i].append(float(logp_B_V[i, tok]))
+            new_B[i] = tok
+            if tok in stops[i]:
+                reasons[i] = StopReason.STOP
+            elif len(out_tok[i]) >= params[i].max_tokens:
+                reasons[i] = StopReason.LENGTH
+        if all(r is not None for r in reasons):
+            break
+        mask_B_L = torch.cat([mask_B_L, torch.ones((B, 1), dtype=mask_B_L.dtype, device=device)], 1)
+        logits_B_V, past = forward(new_B[:, None].to(device), mask_B_L, next_pos_B[:, None], past)
+        next_pos_B = next_pos_B + 1
+    return [
+        SampledRow(
+            tokens=np.asarray(out_tok[i], dtype=np.int32),
+            logprobs=np.asarray(out_lp[i], dtype=np.float32),
+            stop_reason=reasons[i] or StopReason.LENGTH,
+        )
+        for i in range(B)
+    ]

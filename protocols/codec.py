@@ -1,0 +1,134 @@
+"""Encode a message as frames ``[header, body, *buffers]`` and decode it back, typed.
+
+* ``header``: msgpack ``[PROTOCOL_VERSION, request_id, n_buffers]``.
+* ``body``: msgpack of the message Struct (tagged by class name); each ``numpy.ndarray`` field
+  is replaced by an :class:`ArrayRef` ``[dtype, shape, index]`` that names its buffer.
+* ``buffers``: the arrays' raw bytes, C-contiguous; sent without copies (``zmq`` takes the
+  ``memoryview``) and wrapped without copies on receipt (read-only views of the frame).
+
+Decoding is typed and bounded: an unknown tag, a wrong field type, a bad dtype, a buffer of the
+wrong size or a message over ``max_bytes`` raise :class:`DecodeError` with an
+:class:`~protocols.messages.ErrorCode` that names what was wrong. No pickle, ever.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgspec
+import numpy as np
+
+from protocols.messages import PROTOCOL_VERSION, ErrorCode, Message
+
+ALLOWED_DTYPES = frozenset({"int32", "int64", "float32", "float64", "uint8", "bool", "float16"})
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
+class ArrayRef(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str
+    shape: tuple[int, ...]
+    index: int
+
+
+class Header(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    request_id: int
+    n_buffers: int
+
+
+class DecodeError(ValueError):
+    """A frame could not be decoded; ``code`` says why, ``request_id`` is set when known."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int | None = None) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.request_id = request_id
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+
+
+def encode(msg: Message, request_id: int = 0) -> list[Any]:
+    """Frames for ``msg``: ``[header_bytes, body_bytes, *array_buffers]``."""
+    buffers: list[memoryview] = []
+
+    def enc_hook(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            if arr.dtype.name not in ALLOWED_DTYPES:
+                raise TypeError(f"array dtype {arr.dtype} is not allowed on the wire")
+            buffers.append(memoryview(arr).cast("B"))
+            return ArrayRef(arr.dtype.name, tuple(arr.shape), len(buffers) - 1)
+        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+    body = msgspec.msgpack.encode(msg, enc_hook=enc_hook)
+    header = _header_encoder.encode(Header(PROTOCOL_VERSION, request_id, len(buffers)))
+    return [header, body, *buffers]
+
+
+def decode_header(frame: bytes | memoryview) -> Header:
+    try:
+        header = _header_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DecodeError(ErrorCode.BAD_FRAME, f"unreadable header: {e}") from None
+    if header.version != PROTOCOL_VERSION:
+        raise DecodeError(
+            ErrorCode.BAD_VERSION,
+            f"peer speaks protocol {header.version}, this side {PROTOCOL_VERSION}",
+            header.request_id,
+        )
+    return header
+
+
+_array_ref_decoder = msgspec.msgpack.Decoder(ArrayRef)
+
+
+def decode(
+    frames: Sequence[bytes | memoryview],
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    type: Any = Message,
+) -> tuple[int, Any]:
+    """``(request_id, message)`` from frames made by :func:`encode`; raises :class:`DecodeError`."""
+    if len(frames) < 2:
+        raise DecodeError(ErrorCode.BAD_FRAME, f"expected >= 2 frames, got {len(frames)}")
+    size = sum(len(f) for f in frames)
+    header = decode_header(frames[0])
+    rid = header.request_id
+    if size > max_bytes:
+        raise DecodeError(ErrorCode.TOO_LARGE, f"message of {size} bytes > limit {max_bytes}", rid)
+    buffers = frames[2:]
+    if len(buffers) != header.n_buffers:
+        raise DecodeError(
+            ErrorCode.BAD_FRAME, f"header names {header.n_buffers} buffers, got {len(buffers)}", rid
+        )
+
+    def dec_hook(tp: Any, obj: Any) -> Any:
+        if tp is np.ndarray:
+            ref = msgspec.convert(obj, ArrayRef)
+            if ref.dtype not in ALLOWED_DTYPES:
+                raise ValueError(f"dtype {ref.dtype!r} not allowed")
+            if not 0 <= ref.index < len(buffers):
+                raise ValueError(f"buffer index {ref.index} out of range")
+            if any(d < 0 for d in ref.shape):
+                raise ValueError(f"negative shape {ref.shape}")
+            dt = np.dtype(ref.dtype)
+            buf = buffers[ref.index]
+            n = int(np.prod(ref.shape, dtype=np.int64))
+            if n * dt.itemsize != len(buf):
+                raise ValueError(
+                    f"buffer {ref.index} holds {len(buf)} bytes, shape {ref.shape} of {ref.dtype} "
+                    f"needs {n * dt.itemsize}"
+                )
+            return np.frombuffer(buf, dtype=dt).reshape(ref.shape)
+        raise NotImplementedError(f"cannot decode type {tp}")
+
+    try:
+        msg = msgspec.msgpack.decode(frames[1], type=type, dec_hook=dec_hook)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        code = ErrorCode.UNKNOWN_TYPE if "Invalid value" in text and "$.type" in text else ErrorCode.BAD_MESSAGE
+        raise DecodeError(code, text, rid) from None
+    except msgspec.DecodeError as e:
+        raise DecodeError(ErrorCode.BAD_FRAME, f"unreadable body: {e}", rid) from None
+    return rid, msg

@@ -1,0 +1,387 @@
+"""Every message of the OpenTinker wire protocol, as frozen, tagged ``msgspec.Struct`` s.
+
+A message travels as three parts (see :mod:`protocols.codec`): a small fixed header, the
+msgpack body of one of the Structs below, and zero or more raw array buffers. Fields typed
+``numpy.ndarray`` never go through msgpack: the codec replaces each with an :class:`ArrayRef`
+naming the extra frame that holds its bytes, so token ids and log-probs move without copies.
+
+Shapes follow the project convention: ``_T`` tokens, ``_B`` rows of a batch, ``_K`` turns.
+Token ids are ``int32``, log-probs and per-token loss inputs are ``float32``.
+
+This module imports nothing of ours: a third party can implement a peer from it alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change to a message's fields; a peer with another version is refused."""
+
+
+class StopReason(enum.StrEnum):
+    """Why a sampled reply ended."""
+
+    STOP = "stop"
+    """A stop token was drawn; it is the last sampled token."""
+    LENGTH = "length"
+    """``max_tokens`` were drawn without a stop token."""
+
+
+class ParseOutcome(enum.StrEnum):
+    """What the game made of a reply."""
+
+    OK = "ok"
+    """The reply named a legal action."""
+    INVALID = "invalid"
+    """No legal action could be read; the game applied its defined outcome (e.g. forfeit)."""
+
+
+class PolicyKind(enum.StrEnum):
+    ADAPTER = "adapter"
+    """A LoRA adapter on the scheduler's base model."""
+    BASE = "base"
+    """The base model with no adapter."""
+    SCRIPTED = "scripted"
+    """A scripted policy of ``games`` (``random``, ...), played inside the env runner."""
+
+
+class PolicyRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Who plays a seat: an adapter (at a version, once known), the base model, or a script."""
+
+    kind: PolicyKind
+    name: str = ""
+    """Adapter name or scripted policy name; empty for the base model."""
+    version: int = -1
+    """Adapter version that produced a sample; -1 where not applicable or not yet known."""
+
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``adapter:main@3``, ``base``, ``scripted:random``."""
+        if self.kind is PolicyKind.BASE:
+            return "base"
+        suffix = f"@{self.version}" if self.version >= 0 else ""
+        return f"{self.kind.value}:{self.name}{suffix}"
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling distribution, completely: the model's ``generation_config`` is ignored.
+
+    Sampler log-probs are ``log_softmax(logits / temperature)`` of the drawn tokens, before
+    top-k / top-p truncation (the distribution the importance ratio is taken against).
+    """
+
+    temperature: float = 1.0
+    """Softmax temperature, > 0."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    max_tokens: int = 16
+    """Most tokens drawn per reply, >= 1."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Drawing any of these ends the reply (the stop token is kept, mask 1)."""
+    seed: int = 0
+    """Row ``i`` of a request draws from a generator seeded with ``seed + i``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler: sampling and log-probs
+
+
+class SampleRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Generate one reply per prompt with ``adapter`` (``None``: the base model).
+
+    Rows from many requests (and many adapters) are served in one forward pass.
+    """
+
+    adapter: str | None
+    prompts: list[np.ndarray]
+    """One ``int32[T]`` token array per row."""
+    params: SamplingParams
+    client: str = ""
+    """Name of the requesting component, for batch accounting."""
+
+
+class SampleResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    tokens: list[np.ndarray]
+    """Per row, the sampled ``int32[T_i]`` ids exactly as drawn (stop token included)."""
+    logprobs: list[np.ndarray]
+    """Per row, ``float32[T_i]`` sampler log-probs of those ids."""
+    stop_reasons: list[StopReason]
+    adapter_version: int
+    """Version of the adapter that sampled (-1 for the base model)."""
+    batch_id: int
+    """Id of the forward batch that served these rows (rows of one batch share it)."""
+
+
+class LogprobsRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Teacher-forced log-probs of every token after the first, with ``adapter`` (or base)."""
+
+    adapter: str | None
+    sequences: list[np.ndarray]
+    """``int32[T_i]`` token arrays."""
+
+
+class LogprobsResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    logprobs: list[np.ndarray]
+    """Per sequence, ``float32[T_i]``; entry 0 is 0 (nothing predicts the first token)."""
+    adapter_version: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler: training and adapters
+
+
+class Datum(msgspec.Struct, frozen=True, kw_only=True):
+    """One training sequence: tokens and named per-token loss inputs.
+
+    Every array in ``loss_inputs`` has the shape of ``tokens`` (``[T]``); entry ``t`` refers
+    to token ``t`` as predicted from tokens ``< t``. ``mask`` (1 on sampled tokens, 0 on
+    observation tokens; entry 0 is always 0) is required; the loss names the others it needs
+    (e.g. ``advantages``, ``sampler_logprobs``).
+    """
+
+    tokens: np.ndarray
+    loss_inputs: dict[str, np.ndarray]
+
+
+class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    seed: int = 0
+    """Seed of the adapter's initialisation."""
+
+
+class AdamParams(msgspec.Struct, frozen=True, kw_only=True):
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this; 0 disables."""
+
+
+class CreateAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    name: str
+    spec: LoraSpec
+
+
+class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    name: str
+    version: int
+
+
+class ForwardBackward(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Accumulate gradients of ``sum(loss) / normalizer`` on ``adapter``.
+
+    The loss is a plain sum over datums and tokens; ``normalizer`` is passed in (e.g. the
+    global count of loss tokens of the whole step), never inferred from this micro-batch, so
+    splitting a batch into several requests gives the same gradient.
+    """
+
+    adapter: str
+    datums: list[Datum]
+    loss: str
+    """Name in ``learners.LOSSES``."""
+    loss_config: dict[str, float] = {}
+    normalizer: float = 1.0
+
+
+class ForwardBackwardResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    loss: float
+    metrics: dict[str, float]
+
+
+class OptimStep(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Apply AdamW to the accumulated gradients, zero them, and bump the adapter version."""
+
+    adapter: str
+    params: AdamParams
+
+
+class OptimStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    version: int
+    grad_norm: float
+
+
+class SaveAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Write the adapter in PEFT format (``adapter_config.json`` + safetensors) to ``path``."""
+
+    adapter: str
+    path: str
+
+
+class Saved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    path: str
+    version: int
+
+
+class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask for (empty) or report the scheduler's counters."""
+
+    counters: dict[str, int] = {}
+    batches: list[list[str]] = []
+    """For the most recent sample batches, the client names of their rows."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Episodes and trajectories
+
+
+class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One episode to play: set by the coordinator from the root seed."""
+
+    episode_id: int
+    group_id: int
+    """Episodes of one group share a start (e.g. the same deal and seat assignment)."""
+    game: str
+    game_kwargs: dict[str, int | float | str | bool] = {}
+    seed: int
+    """Seeds the game's ``reset`` and, with the turn index, every sample of the episode."""
+    seats: dict[str, PolicyRef]
+    """Agent name -> who plays it."""
+    train: bool = True
+    """Whether trajectories go to the learners (False: evaluation)."""
+
+
+class RunEpisodes(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    episodes: list[EpisodeSpec]
+    sampling: SamplingParams
+    learners: dict[str, str] = {}
+    """Trainable policy name -> endpoint of its learner's PULL socket."""
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """One decision of one seat, token-in/token-out.
+
+    ``obs_tokens`` extend the seat's running sequence up to the reply (mask 0: the rendered
+    observation, the chat template's tokens, and whatever the template adds after the previous
+    reply); ``sampled_tokens`` are the reply exactly as drawn (mask 1).
+    """
+
+    obs_tokens: np.ndarray
+    """``int32[O]``."""
+    sampled_tokens: np.ndarray
+    """``int32[S]``."""
+    sampler_logprobs: np.ndarray
+    """``float32[S]``."""
+    policy: PolicyRef
+    """With the adapter version that sampled."""
+    stop_reason: StopReason
+    parse: ParseOutcome
+    reward: float = 0.0
+    """Reward received right after this turn."""
+
+
+class Trajectory(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Everything one LLM seat did in one episode; sent to the learner of its policy."""
+
+    episode_id: int
+    group_id: int
+    seat: str
+    seed: int
+    policy: str
+    """Trainable policy name (the learner this trajectory goes to)."""
+    turns: list[Turn]
+    total_reward: float
+    """Sum of the seat's rewards over the episode."""
+    step: int = 0
+    """Training step the episode was played for."""
+    seq: int = 0
+    """Sender's sequence number, for acknowledgement and de-duplication."""
+
+
+class EpisodeSummary(msgspec.Struct, frozen=True, kw_only=True):
+    episode_id: int
+    group_id: int
+    seed: int
+    rewards: dict[str, float]
+    """Agent -> total reward."""
+    invalid: dict[str, int]
+    """Agent -> count of invalid replies."""
+    turns: dict[str, int]
+    """Agent -> number of decisions."""
+    transcript: list[str] = []
+    """Readable lines ``"agent: text"`` of the episode."""
+
+
+class EpisodesDone(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    summaries: list[EpisodeSummary]
+    trajectories_sent: int
+
+
+class LearnerStep(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Train on the trajectories of ``step`` once ``expected`` of them have arrived."""
+
+    step: int
+    expected: int
+    timeout_s: float = 600.0
+
+
+class LearnerStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    step: int
+    version: int
+    metrics: dict[str, float]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic replies
+
+
+class Ack(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    pass
+
+
+class ErrorCode(enum.StrEnum):
+    BAD_FRAME = "bad_frame"
+    BAD_VERSION = "bad_version"
+    BAD_MESSAGE = "bad_message"
+    UNKNOWN_TYPE = "unknown_type"
+    TOO_LARGE = "too_large"
+    NOT_FOUND = "not_found"
+    INVALID = "invalid"
+    INTERNAL = "internal"
+    TIMEOUT = "timeout"
+
+
+class Error(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Reply to a request that could not be served; the server keeps serving."""
+
+    code: ErrorCode
+    message: str
+
+
+Message = Union[
+    SampleRequest,
+    SampleResult,
+    LogprobsRequest,
+    LogprobsResult,
+    CreateAdapter,
+    AdapterInfo,
+    ForwardBackward,
+    ForwardBackwardResult,
+    OptimStep,
+    OptimStepResult,
+    SaveAdapter,
+    Saved,
+    SchedulerStats,
+    RunEpisodes,
+    EpisodesDone,
+    Trajectory,
+    LearnerStep,
+    LearnerStepResult,
+    Ack,
+    Error,
+]
+"""Every message that may stand as a body on the bus."""
+
+STATE_CHANGING: tuple[type, ...] = (CreateAdapter, ForwardBackward, OptimStep)
+"""Requests whose replies are remembered by request id, so a retry is never applied twice."""
+
