@@ -123,17 +123,17 @@ class ModelHost:
         names = [BASE if a is None else a for a in adapters]
         use_peft = self.model is not self.base
 
-        def forward(ids, mask, pos, past):
+        def forward(ids, mask, pos, past, rows):
             kwargs = dict(
-                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
+                input_ids=ids, attention_mask=mask, position_ids=pos, cache=past,
                 use_cache=True, logits_to_keep=1,
             )
             if use_peft:
-                kwargs["adapter_names"] = names
+                kwargs["adapter_names"] = [names[r] for r in rows]
             out = self.model(**kwargs)
-            return out.logits[:, -1, :], out.past_key_values
+            return out.logits[:, -1, :], out.cache
 
-        return sample_rows(forward, prompts, params, seeds, self.pad_id, self.device)
+        return sample_rows(forward, prompts, params, seeds, self.pad_id, self.device, keys=names)
 
     # ----------------------------------------------------------------------------- log-probs
 

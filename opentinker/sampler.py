@@ -17,8 +17,11 @@ import torch
 
 from protocols.messages import SamplingParams, StopReason
 
-# forward(input_ids_B_L, attention_mask_B_L, position_ids_B_L, past) -> (logits_B_V, past)
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, object]]
+# forward(input_ids_B_L, attention_mask_B_L, position_ids_B_L, past, rows_B) -> (logits_B_V, past)
+# rows_B: which of the caller's rows (hence which adapters) the batch holds, in order.
+Forward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, object, list[int]], tuple[torch.Tensor, object]
+]
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,13 @@ def sample_rows(
     seeds: Sequence[int],
     pad_id: int,
     device: torch.device,
+    keys: Sequence[object] | None = None,
 ) -> list[SampledRow]:
-    """Sample one reply per prompt. ``prompts[i]`` is ``int32[L_i]``, ``L_i >= 1``."""
+    """Sample one reply per prompt. ``prompts[i]`` is ``int32[L_i]``, ``L_i >= 1``.
+
+    Rows with equal ``keys[i]`` (e.g. the same adapter) and equal prompts share one prefill:
+    the prompt is run once and its KV cache is copied to each such row before decoding.
+    """
     B = len(prompts)
     if B == 0:
         return []
@@ -72,12 +80,24 @@ def sample_rows(
     if min(lens) < 1:
         raise ValueError("every prompt needs at least one token")
     L = max(lens)
-    ids_B_L = torch.full((B, L), pad_id, dtype=torch.long)
-    mask_B_L = torch.zeros((B, L), dtype=torch.long)
+    keys = list(keys) if keys is not None else [None] * B
+    first: dict[tuple[object, bytes], int] = {}
+    uniq: list[int] = []  # row index of each distinct (key, prompt)
+    expand_B: list[int] = []  # for each row, its position in ``uniq``
     for i, p in enumerate(prompts):
-        ids_B_L[i, L - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
-        mask_B_L[i, L - len(p):] = 1
-    pos_B_L = (mask_B_L.cumsum(-1) - 1).clamp(min=0)
+        k = (keys[i], np.asarray(p, dtype=np.int64).tobytes())
+        if k not in first:
+            first[k] = len(uniq)
+            uniq.append(i)
+        expand_B.append(first[k])
+    U = len(uniq)
+    ids_U_L = torch.full((U, L), pad_id, dtype=torch.long)
+    mask_U_L = torch.zeros((U, L), dtype=torch.long)
+    for u, i in enumerate(uniq):
+        p = prompts[i]
+        ids_U_L[u, L - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+        mask_U_L[u, L - len(p):] = 1
+    pos_U_L = (mask_U_L.cumsum(-1) - 1).clamp(min=0)
     gens = [torch.Generator().manual_seed(int(s) & 0x7FFF_FFFF_FFFF_FFFF) for s in seeds]
     temps_B = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     stops = [set(p.stop_token_ids) for p in params]
@@ -86,9 +106,13 @@ def sample_rows(
     reasons: list[StopReason | None] = [None] * B
     max_steps = max(p.max_tokens for p in params)
 
-    ids_B_L, mask_B_L, pos_B_L = ids_B_L.to(device), mask_B_L.to(device), pos_B_L.to(device)
-    logits_B_V, past = forward(ids_B_L, mask_B_L, pos_B_L, None)
-    next_pos_B = pos_B_L[:, -1] + 1
+    logits_U_V, past = forward(ids_U_L.to(device), mask_U_L.to(device), pos_U_L.to(device), None, uniq)
+    idx_B = torch.as_tensor(expand_B, dtype=torch.long, device=device)
+    logits_B_V = logits_U_V[idx_B]
+    if U < B:
+        past.reorder_cache(idx_B)
+    mask_B_L = mask_U_L.to(device)[idx_B]
+    next_pos_B = pos_U_L.to(device)[idx_B][:, -1] + 1
     for step in range(max_steps):
         logits_B_V = logits_B_V.float().cpu() / temps_B[:, None]
         logp_B_V = torch.log_softmax(logits_B_V, -1)
@@ -108,7 +132,7 @@ def sample_rows(
         if all(r is not None for r in reasons):
             break
         mask_B_L = torch.cat([mask_B_L, torch.ones((B, 1), dtype=mask_B_L.dtype, device=device)], 1)
-        logits_B_V, past = forward(new_B[:, None].to(device), mask_B_L, next_pos_B[:, None], past)
+        logits_B_V, past = forward(new_B[:, None].to(device), mask_B_L, next_pos_B[:, None], past, list(range(B)))
         next_pos_B = next_pos_B + 1
     return [
         SampledRow(

@@ -247,13 +247,22 @@ class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Seeds the game's ``reset`` and, with the turn index, every sample of the episode."""
     seats: dict[str, PolicyRef]
     """Agent name -> who plays it."""
+    seat_groups: dict[str, int] = {}
+    """Agent name -> group id of that seat's trajectory (advantages are relative within it);
+    e.g. in self-play each seat of a deal forms its own group. Defaults to ``group_id``."""
     train: bool = True
     """Whether trajectories go to the learners (False: evaluation)."""
 
 
 class RunEpisodes(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Play these episodes and reply with :class:`EpisodesDone` when all have ended."""
+
     episodes: list[EpisodeSpec]
     sampling: SamplingParams
+    """Sampling settings of every LLM seat; each sample's seed is derived from the episode's."""
+    system_prompt: str
+    """The system message of every LLM seat's conversation."""
+    step: int = 0
     learners: dict[str, str] = {}
     """Trainable policy name -> endpoint of its learner's PULL socket."""
 

@@ -1,0 +1,289 @@
+"""Coordinator: the job's brain. Derives every episode (id, group, seats, seed) from the root
+seed, hands episodes to env runners, tells each learner when a step is complete, and runs the
+evaluations. It talks to every other component over the bus only; a driver calls it once
+per training step or evaluation, so the number of driver calls per step does not grow with
+the number of episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+from games import names as game_names
+from games.scripted import SCRIPTED
+from games.kuhn_poker import DEALS, exploitability
+from opentinker.bus import Client, LoopThread
+from opentinker.config import JobConfig
+from opentinker.evaluation import kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
+from opentinker.render import ChatTokenizer
+from protocols.messages import (
+    CreateAdapter,
+    EpisodeSpec,
+    EpisodeSummary,
+    EpisodesDone,
+    LearnerStep,
+    LearnerStepResult,
+    LogprobsRequest,
+    LogprobsResult,
+    LoraSpec,
+    PolicyKind,
+    PolicyRef,
+    RunEpisodes,
+    SamplingParams,
+    SaveAdapter,
+    SchedulerStats,
+)
+
+SEATS = ("player_0", "player_1")
+EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
+
+
+class Coordinator:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        model_path: str,
+        scheduler_endpoint: str,
+        runner_endpoints: list[str],
+        learner_endpoints: dict[str, tuple[str, str]],
+    ) -> None:
+        if cfg.game not in game_names():
+            raise ValueError(f"game {cfg.game!r} is not registered; known: {game_names()}")
+        policies = {p.name for p in cfg.policies}
+        for p in cfg.policies:
+            for opp in p.opponents:
+                if opp not in ("self", "base") and opp not in SCRIPTED and opp not in policies:
+                    raise ValueError(
+                        f"policies[{p.name}].opponents: unknown opponent {opp!r}; use self, base, "
+                        f"a scripted policy {sorted(SCRIPTED)} or a policy {sorted(policies)}"
+                    )
+        self.cfg = cfg
+        self.model_path = model_path
+        self.scheduler_endpoint = scheduler_endpoint
+        self.runner_endpoints = list(runner_endpoints)
+        self.learner_endpoints = dict(learner_endpoints)
+        self.sampling = SamplingParams(
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens,
+        )
+        self.transcripts: list[str] = []
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self.tok = ChatTokenizer(self.model_path)
+        self.loop = LoopThread("coordinator-bus")
+        self.loop.run(self._connect())
+
+    async def _connect(self) -> None:
+        ctx = self.loop.ctx
+        self.scheduler = Client(ctx, self.scheduler_endpoint, name="coordinator")
+        self.runners = [Client(ctx, ep, name=f"coordinator->runner{i}") for i, ep in enumerate(self.runner_endpoints)]
+        self.learners = {p: Client(ctx, ep, name=f"coordinator->{p}") for p, (ep, _) in self.learner_endpoints.items()}
+        for p in self.cfg.policies:
+            spec = LoraSpec(
+                rank=p.lora_rank, alpha=p.lora_alpha, target_modules=tuple(p.target_modules),
+                seed=self.cfg.seed,
+            )
+            await self.scheduler.request(CreateAdapter(name=p.name, spec=spec), self.cfg.runtime.timeout_s)
+
+    def stop(self) -> None:
+        if hasattr(self, "loop"):
+            for c in [self.scheduler, *self.runners, *self.learners.values()]:
+                c.close()
+            self.loop.stop()
+
+    # ----------------------------------------------------------------------------- episodes
+
+    def _ref(self, policy: str, opponent: str) -> PolicyRef:
+        if opponent == "self":
+            return PolicyRef(kind=PolicyKind.ADAPTER, name=policy)
+        if opponent == "base":
+            return PolicyRef(kind=PolicyKind.BASE)
+        if opponent in SCRIPTED:
+            return PolicyRef(kind=PolicyKind.SCRIPTED, name=opponent)
+        return PolicyRef(kind=PolicyKind.ADAPTER, name=opponent)
+
+    def train_episodes(self, step: int) -> list[EpisodeSpec]:
+        """The episodes of training step ``step``: a pure function of the config and step."""
+        cfg, tc = self.cfg, self.cfg.train
+        rng = np.random.default_rng([cfg.seed & 0xFFFFFFFF, step, 1])
+        specs: list[EpisodeSpec] = []
+        eid = step * 1_000_000
+        group = step * 100_000
+        for p in cfg.policies:
+            opps = sorted(p.opponents)
+            w = np.asarray([p.opponents[o] for o in opps], dtype=np.float64)
+            for _ in range(tc.groups_per_step):
+                opp = opps[int(rng.choice(len(opps), p=w / w.sum()))]
+                me = int(rng.integers(2))
+                seed = int(rng.integers(1 << 62))
+                seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name), SEATS[1 - me]: self._ref(p.name, opp)}
+                seat_groups = {SEATS[me]: group, SEATS[1 - me]: group + 1}
+                group += 2
+                for _ in range(tc.group_size):
+                    specs.append(
+                        EpisodeSpec(
+                            episode_id=eid, group_id=seat_groups[SEATS[me]], game=cfg.game, seed=seed,
+                            seats=seats, seat_groups=seat_groups, train=True,
+                        )
+                    )
+                    eid += 1
+        return specs
+
+    async def _run(self, specs: list[EpisodeSpec], step: int, train: bool) -> list[EpisodeSummary]:
+        """Split episodes over the runners (round robin, in id order) and wait for all."""
+        n = len(self.runners)
+        learners = {p: pull for p, (_, pull) in self.learner_endpoints.items()} if train else {}
+        parts = [specs[i::n] for i in range(n)]
+        replies = await asyncio.gather(
+            *(
+                r.request(
+                    RunEpisodes(episodes=part, sampling=self.sampling, system_prompt=self.cfg.system_prompt,
+                                learners=learners, step=step),
+                    self.cfg.runtime.timeout_s,
+                )
+                for r, part in zip(self.runners, parts)
+                if part
+            )
+        )
+        summaries = [s for rep in replies for s in rep.summaries if isinstance(rep, EpisodesDone)]
+        return sorted(summaries, key=lambda s: s.episode_id)
+
+    # ----------------------------------------------------------------------------- training
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Play the step's episodes, then train every policy on them; returns metrics."""
+        return self.loop.run(self._train_step(step))
+
+    async def _train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        specs = self.train_episodes(step)
+        summaries = await self._run(specs, step, train=True)
+        t1 = time.perf_counter()
+        expected = {p.name: 0 for p in self.cfg.policies}
+        by_id = {s.episode_id: s for s in summaries}
+        metrics: dict[str, float] = {}
+        for p in self.cfg.policies:
+            rewards, invalid, turns = [], 0, 0
+            for spec in specs:
+                s = by_id[spec.episode_id]
+                for seat, ref in spec.seats.items():
+                    if ref.kind is PolicyKind.ADAPTER and ref.name == p.name and s.turns.get(seat, 0) > 0:
+                        expected[p.name] += 1
+                        rewards.append(s.rewards[seat])
+                        invalid += s.invalid.get(seat, 0)
+                        turns += s.turns.get(seat, 0)
+            metrics[f"train/{p.name}/reward"] = float(np.mean(rewards)) if rewards else float("nan")
+            metrics[f"train/{p.name}/invalid_rate"] = invalid / max(turns, 1)
+        results = await asyncio.gather(
+            *(
+                self.learners[name].request(LearnerStep(step=step, expected=n, timeout_s=self.cfg.runtime.timeout_s),
+                                            self.cfg.runtime.timeout_s + 30)
+                for name, n in expected.items()
+            )
+        )
+        for name, res in zip(expected, results):
+            assert isinstance(res, LearnerStepResult)
+            metrics[f"train/{name}/version"] = res.version
+            for k, v in res.metrics.items():
+                metrics[f"train/{name}/{k}"] = v
+        t2 = time.perf_counter()
+        metrics.update({"timing_s/rollout": t1 - t0, "timing_s/learn": t2 - t1, "train/episodes": len(specs)})
+        self.transcripts = [line for s in summaries[:4] for line in [f"# episode {s.episode_id}", *s.transcript]]
+        return metrics
+
+    # ----------------------------------------------------------------------------- evaluation
+
+    def evaluate(self, step: int, head_to_head: bool, hands_per_stratum: int) -> dict[str, float]:
+        """Every policy against the random opponent (stratified over the 6 deals and both
+        seats), optionally head to head against the base model, and its exploitability."""
+        return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum))
+
+    def _strata_specs(self, policy: str, opponent: PolicyRef, n: int, first_id: int) -> list[EpisodeSpec]:
+        specs, eid = [], first_id
+        for deal in range(len(DEALS)):
+            for me in range(2):
+                for k in range(n):
+                    # The same seeds at every evaluation: before/after comparisons are paired.
+                    seed = int(np.random.SeedSequence([self.cfg.seed & 0xFFFFFFFF, 99, deal, me, k]).generate_state(1)[0])
+                    seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=policy), SEATS[1 - me]: opponent}
+                    specs.append(
+                        EpisodeSpec(episode_id=eid, group_id=deal * 2 + me, game=self.cfg.game,
+                                    game_kwargs={"deal": deal}, seed=seed, seats=seats, train=False)
+                    )
+                    eid += 1
+        return specs
+
+    def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> tuple[float, float, float, int]:
+        strata: dict[int, list[float]] = {}
+        invalid = turns = 0
+        for spec, s in zip(specs, summaries):
+            seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
+            strata.setdefault(spec.group_id, []).append(s.rewards[seat])
+            invalid += s.invalid.get(seat, 0)
+            turns += s.turns.get(seat, 0)
+        mean, ci = stratified_mean_ci(list(strata.values()))
+        return mean, ci, invalid / max(turns, 1), len(specs)
+
+    async def _evaluate(self, step: int, head_to_head: bool, n: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        out: dict[str, float] = {}
+        if self.cfg.game != "kuhn_poker_v0":
+            raise ValueError(f"evaluation is defined for kuhn_poker_v0, not {self.cfg.game}")
+        eid = EVAL_STEP_BASE + step * 1_000_000
+        for p in self.cfg.policies:
+            jobs = [("random", PolicyRef(kind=PolicyKind.SCRIPTED, name="random"), n)]
+            if head_to_head and self.cfg.eval.head_to_head_per_stratum > 0:
+                jobs.append(("base", PolicyRef(kind=PolicyKind.BASE), self.cfg.eval.head_to_head_per_stratum))
+            all_specs = []
+            for _, opp, k in jobs:
+                all_specs.append(self._strata_specs(p.name, opp, k, eid))
+                eid += len(all_specs[-1])
+            flat = [s for specs in all_specs for s in specs]
+            summaries = await self._run(flat, step, train=False)
+            by_id = {s.episode_id: s for s in summaries}
+            for (label, _, _), specs in zip(jobs, all_specs):
+                mean, ci, inv, hands = self._score(p.name, specs, [by_id[s.episode_id] for s in specs])
+                out[f"eval/{p.name}/vs_{label}/chips"] = mean
+                out[f"eval/{p.name}/vs_{label}/ci95"] = ci
+                out[f"eval/{p.name}/vs_{label}/invalid_rate"] = inv
+                out[f"eval/{p.name}/vs_{label}/hands"] = hands
+            if self.cfg.eval.exploitability:
+                seqs, n_reply = kuhn_policy_sequences(self.tok, self.cfg.system_prompt)
+                res = await self.scheduler.request(LogprobsRequest(adapter=p.name, sequences=seqs), self.cfg.runtime.timeout_s)
+                assert isinstance(res, LogprobsResult)
+                policy, mass = kuhn_policy_from_logprobs(res.logprobs, n_reply)
+                out[f"eval/{p.name}/exploitability"] = exploitability(policy)
+                out[f"eval/{p.name}/canonical_mass"] = mass
+                out[f"eval/{p.name}/version"] = res.adapter_version
+        out["timing_s/eval"] = time.perf_counter() - t0
+        return out
+
+    # ----------------------------------------------------------------------------- outputs
+
+    def save_adapters(self, folder: str) -> dict[str, str]:
+        """Save every policy's adapter in PEFT format under ``folder/<policy>``."""
+        async def _save() -> dict[str, str]:
+            out = {}
+            for p in self.cfg.policies:
+                path = f"{folder}/{p.name}"
+                await self.scheduler.request(SaveAdapter(adapter=p.name, path=path), self.cfg.runtime.timeout_s)
+                out[p.name] = path
+            return out
+
+        return self.loop.run(_save())
+
+    def scheduler_stats(self) -> dict[str, Any]:
+        async def _stats() -> Any:
+            s = await self.scheduler.request(SchedulerStats())
+            return {"counters": s.counters, "batches": s.batches}
+
+        return self.loop.run(_stats())
+
+    def recent_transcripts(self) -> list[str]:
+        return list(self.transcripts)

@@ -1,0 +1,189 @@
+"""Start the components of a job and wire them over the bus: on Ray (one actor, hence one
+process, per component) or in this process (``backend = "local"``: the same classes, the same
+sockets, for tests and debugging).
+
+Ray starts, places and supervises the actors and hands out endpoint addresses; it is never
+the data plane. The driver makes one Ray call per training step or evaluation, whatever the
+number of episodes; every actor counts the Ray calls it serves (:meth:`Job.ray_calls`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from typing import Any
+
+import msgspec
+
+from opentinker.config import JobConfig
+from protocols.messages import AdamParams
+
+_KINDS = {
+    "scheduler": "opentinker.scheduler:Scheduler",
+    "env_runner": "opentinker.env_runner:EnvRunner",
+    "learner": "opentinker.learner:Learner",
+    "coordinator": "opentinker.coordinator:Coordinator",
+}
+
+
+def _build(kind: str, kwargs: dict[str, Any]) -> Any:
+    module, cls = _KINDS[kind].split(":")
+    if kind == "coordinator":
+        kwargs = dict(kwargs, cfg=msgspec.convert(kwargs["cfg"], JobConfig))
+    if kind == "learner":
+        kwargs = dict(kwargs, adam=msgspec.convert(kwargs["adam"], AdamParams))
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+class Component:
+    """Holds one component; the Ray actor class and the local backend both use it."""
+
+    def __init__(self, kind: str, kwargs: dict[str, Any]) -> None:
+        self.kind = kind
+        self.obj = _build(kind, kwargs)
+        self.calls = 0
+        self.pid = os.getpid()
+
+    def start(self) -> Any:
+        self.calls += 1
+        return self.obj.start()
+
+    def call(self, method: str, *args: Any) -> Any:
+        self.calls += 1
+        return getattr(self.obj, method)(*args)
+
+    def info(self) -> dict[str, Any]:
+        """Ray calls served so far (this one not counted), process id, bus counters."""
+        counters = self.obj.counters() if hasattr(self.obj, "counters") and callable(self.obj.counters) else {}
+        return {"calls": self.calls, "pid": self.pid, "counters": counters}
+
+    def stop(self) -> None:
+        self.obj.stop()
+
+
+def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str) -> dict[str, Any]:
+    tc = cfg.train
+    return dict(
+        policy=policy,
+        scheduler_endpoint=scheduler_ep,
+        advantage=tc.advantage,
+        loss=tc.loss,
+        loss_config={"clip_low": tc.clip_low, "clip_high": tc.clip_high},
+        adam=msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
+    )
+
+
+class Job:
+    """A running job: the components and a handle on the coordinator."""
+
+    def __init__(self, cfg: JobConfig, model_path: str) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.backend = cfg.runtime.backend
+        self._handles: dict[str, Any] = {}
+        threads = cfg.model.threads or os.cpu_count() or 1
+        sched_kwargs = dict(model_path=model_path, device=cfg.model.device, threads=threads)
+        if self.backend == "ray":
+            self._start_ray(sched_kwargs)
+        else:
+            self._start_local(sched_kwargs)
+
+    # --------------------------------------------------------------------------- local
+
+    def _start_local(self, sched_kwargs: dict[str, Any]) -> None:
+        cfg = self.cfg
+        sched = self._add("scheduler", Component("scheduler", sched_kwargs))
+        ep = sched.start()
+        runners = []
+        for i in range(cfg.runtime.env_runners):
+            r = self._add(f"env_runner{i}", Component("env_runner", dict(name=f"runner{i}", scheduler_endpoint=ep, model_path=self.model_path)))
+            runners.append(r.start())
+        learners = {}
+        for p in cfg.policies:
+            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name)))
+            learners[p.name] = tuple(ln.start())
+        coord = self._add("coordinator", Component("coordinator", dict(
+            cfg=msgspec.to_builtins(cfg), model_path=self.model_path, scheduler_endpoint=ep,
+            runner_endpoints=runners, learner_endpoints=learners)))
+        coord.start()
+
+    def _add(self, name: str, handle: Any) -> Any:
+        self._handles[name] = handle
+        return handle
+
+    # --------------------------------------------------------------------------- ray
+
+    def _start_ray(self, sched_kwargs: dict[str, Any]) -> None:
+        import ray
+
+        cfg = self.cfg
+        if not ray.is_initialized():
+            ray.init(
+                _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count(),
+                object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False,
+            )
+        actor_cls = ray.remote(num_cpus=0)(Component)
+        timeout = cfg.runtime.startup_timeout_s
+
+        def start_all(named: dict[str, Any]) -> dict[str, Any]:
+            refs = {name: h.start.remote() for name, h in named.items()}
+            ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            if pending:
+                names = [n for n, r in refs.items() if r in pending]
+                raise TimeoutError(f"actors still starting after {timeout:.0f} s: {names}")
+            return {name: ray.get(ref) for name, ref in refs.items()}
+
+        sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs))
+        ep = start_all({"scheduler": sched})["scheduler"]
+        group = {}
+        for i in range(cfg.runtime.env_runners):
+            group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
+                "env_runner", dict(name=f"runner{i}", scheduler_endpoint=ep, model_path=self.model_path)))
+        for p in cfg.policies:
+            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name)))
+        eps = start_all(group)
+        runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
+        learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
+        coord = self._add("coordinator", actor_cls.remote("coordinator", dict(
+            cfg=msgspec.to_builtins(cfg), model_path=self.model_path, scheduler_endpoint=ep,
+            runner_endpoints=runners, learner_endpoints=learners)))
+        start_all({"coordinator": coord})
+
+    # --------------------------------------------------------------------------- calls
+
+    def coordinator(self, method: str, *args: Any) -> Any:
+        """Call a coordinator method (one Ray call on the Ray backend)."""
+        h = self._handles["coordinator"]
+        if self.backend == "ray":
+            import ray
+
+            return ray.get(h.call.remote(method, *args), timeout=self.cfg.runtime.timeout_s * 4)
+        return h.call(method, *args)
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        """Per component: Ray calls served, process id, bus counters."""
+        if self.backend == "ray":
+            import ray
+
+            return {n: ray.get(h.info.remote()) for n, h in self._handles.items()}
+        return {n: h.info() for n, h in self._handles.items()}
+
+    def ray_calls(self) -> int:
+        return sum(i["calls"] for i in self.info().values())
+
+    def shutdown(self) -> None:
+        for name in reversed(list(self._handles)):
+            h = self._handles[name]
+            try:
+                if self.backend == "ray":
+                    import ray
+
+                    ray.get(h.stop.remote(), timeout=30)
+                    ray.kill(h)
+                else:
+                    h.stop()
+            except Exception:  # noqa: BLE001 - shut down the rest regardless
+                pass
+        self._handles.clear()
+

@@ -1,0 +1,223 @@
+"""The scheduler: one base model per device, many LoRA adapters, served over the bus.
+
+Requests arrive on an asyncio ROUTER (:class:`opentinker.bus.Server`) and queue for a single
+compute thread, so the bus keeps answering while a training step runs. The compute thread
+takes the oldest request; when it is a sample request it also takes every other sample
+request waiting (from any client, for any adapter) and serves all their rows in one forward
+pass per token. Training requests run in arrival order between sample batches, so neither
+kind starves. State-changing requests are idempotent by request id (the bus remembers their
+replies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from opentinker.bus import LOOPBACK, LoopThread, Server
+from protocols.messages import (
+    AdapterInfo,
+    CreateAdapter,
+    ForwardBackward,
+    ForwardBackwardResult,
+    LogprobsRequest,
+    LogprobsResult,
+    Message,
+    OptimStep,
+    OptimStepResult,
+    SampleRequest,
+    SampleResult,
+    SaveAdapter,
+    Saved,
+    SchedulerStats,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    msg: Message
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class Scheduler:
+    """Owns a :class:`~opentinker.model_host.ModelHost` and serves it on the bus."""
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        threads: int | None = None,
+        endpoint: str = LOOPBACK,
+        batch_window_s: float = 0.003,
+        max_batch_rows: int = 512,
+    ) -> None:
+        self.model_path = model_path
+        self.device = device
+        self.threads = threads
+        self.batch_window_s = batch_window_s
+        self.max_batch_rows = max_batch_rows
+        self._bind = endpoint
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.batches: collections.deque[list[str]] = collections.deque(maxlen=256)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._batch_ids = 0
+        self.host: Any = None
+        self.endpoint = ""
+
+    def start(self) -> str:
+        """Load the model, start the compute thread and the server; return the endpoint."""
+        from opentinker.model_host import ModelHost
+
+        self.host = ModelHost(self.model_path, device=self.device, threads=self.threads)
+        self._worker = threading.Thread(target=self._work, name="scheduler-compute", daemon=True)
+        self._worker.start()
+        self.loop = LoopThread("scheduler-bus")
+        self.server = Server(self._handle, self._bind, name="scheduler")
+        self.endpoint = self.loop.run(self.server.start(self.loop.ctx))
+        return self.endpoint
+
+    # --------------------------------------------------------------------------- bus side
+
+    async def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, SchedulerStats):
+            return SchedulerStats(counters=dict(self.counters), batches=[list(b) for b in self.batches])
+        if not isinstance(msg, (SampleRequest, LogprobsRequest, CreateAdapter, ForwardBackward, OptimStep, SaveAdapter)):
+            raise ValueError(f"the scheduler does not serve {type(msg).__name__}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            self._jobs.append(_Job(msg, fut, loop))
+            self._cv.notify()
+        return await fut
+
+    # --------------------------------------------------------------------------- compute side
+
+    def _take(self) -> list[_Job] | None:
+        with self._cv:
+            while not self._jobs and not self._stop:
+                self._cv.wait()
+            if self._stop:
+                return None
+            head = self._jobs.popleft()
+            if not isinstance(head.msg, SampleRequest):
+                return [head]
+        # A short window lets requests that are already on their way join this batch.
+        if self.batch_window_s > 0:
+            time.sleep(self.batch_window_s)
+        with self._cv:
+            batch, rest, rows = [head], collections.deque(), len(head.msg.prompts)
+            for job in self._jobs:
+                if isinstance(job.msg, SampleRequest) and rows + len(job.msg.prompts) <= self.max_batch_rows:
+                    batch.append(job)
+                    rows += len(job.msg.prompts)
+                else:
+                    rest.append(job)
+            self._jobs = rest
+        return batch
+
+    def _work(self) -> None:
+        while True:
+            jobs = self._take()
+            if jobs is None:
+                return
+            try:
+                if isinstance(jobs[0].msg, SampleRequest):
+                    replies: list[Any] = self._sample(jobs)
+                else:
+                    replies = [self._run(jobs[0].msg)]
+            except Exception as e:  # noqa: BLE001 - the error goes back to the caller
+                for job in jobs:
+                    job.loop.call_soon_threadsafe(_set_exception, job.future, e)
+                continue
+            for job, reply in zip(jobs, replies):
+                job.loop.call_soon_threadsafe(_set_result, job.future, reply)
+
+    def _sample(self, jobs: list[_Job]) -> list[SampleResult]:
+        adapters, prompts, params, seeds, owners = [], [], [], [], []
+        for j, job in enumerate(jobs):
+            m: SampleRequest = job.msg  # type: ignore[assignment]
+            for i, p in enumerate(m.prompts):
+                adapters.append(m.adapter)
+                prompts.append(p)
+                params.append(m.params)
+                seeds.append(m.params.seed + i)
+                owners.append(j)
+        try:
+            rows = self.host.sample(adapters, prompts, params, seeds)
+        except (ValueError, KeyError):
+            if len(jobs) == 1:
+                raise
+            # One bad request must not fail its batch-mates: serve each alone.
+            return [self._sample_or_error(job) for job in jobs]
+        self._batch_ids += 1
+        self.counters["sample_batches"] += 1
+        self.counters["sample_rows"] += len(rows)
+        self.batches.append([jobs[o].msg.client for o in owners])  # type: ignore[union-attr]
+        out = []
+        for j, job in enumerate(jobs):
+            mine = [r for r, o in zip(rows, owners) if o == j]
+            out.append(
+                SampleResult(
+                    tokens=[r.tokens for r in mine],
+                    logprobs=[r.logprobs for r in mine],
+                    stop_reasons=[r.stop_reason for r in mine],
+                    adapter_version=self.host.version(job.msg.adapter),  # type: ignore[union-attr]
+                    batch_id=self._batch_ids,
+                )
+            )
+        return out
+
+    def _sample_or_error(self, job: _Job) -> Any:
+        try:
+            return self._sample([job])[0]
+        except (ValueError, KeyError) as e:
+            return e
+
+    def _run(self, msg: Message) -> Message:
+        host = self.host
+        self.counters[type(msg).__name__] += 1
+        if isinstance(msg, LogprobsRequest):
+            return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))
+        if isinstance(msg, CreateAdapter):
+            return AdapterInfo(name=msg.name, version=host.create_adapter(msg.name, msg.spec))
+        if isinstance(msg, ForwardBackward):
+            loss, metrics = host.forward_backward(msg.adapter, msg.datums, msg.loss, msg.loss_config, msg.normalizer)
+            return ForwardBackwardResult(loss=loss, metrics=metrics)
+        if isinstance(msg, OptimStep):
+            version, grad_norm = host.optim_step(msg.adapter, msg.params)
+            return OptimStepResult(version=version, grad_norm=grad_norm)
+        if isinstance(msg, SaveAdapter):
+            return Saved(path=msg.path, version=host.save(msg.adapter, msg.path))
+        raise ValueError(f"unexpected {type(msg).__name__}")
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if hasattr(self, "loop"):
+            self.loop.run(self.server.stop())
+            self.loop.stop()
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(value, Exception):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
