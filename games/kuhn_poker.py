@@ -26,12 +26,12 @@ legally far more often to a short message ending in the allowed words than to a 
 * a seat not to act: "Kuhn poker, cards J<Q<K. You have the Q. Waiting for the opponent."
 * at the end, the result, e.g. "Showdown: you had K, opponent had Q. You win 1 chip."
 
-**Legal replies.** Case-insensitive; the first of the legal words ("check"/"bet", or
-"call"/"fold" when facing a bet) that occurs as a whole word in the first 512 characters wins,
-so "I'll BET!" is a bet and "bet or check" is a bet.
+**Legal replies.** Case-insensitive; a reply is a move when exactly one of the legal words
+("check"/"bet", or "call"/"fold" when facing a bet) occurs in it as a whole word, within the
+first 512 characters: "I'll BET!" is a bet, "Bet. I bet!" too.
 
 **Invalid reply.** A reply with no legal word (empty, garbage, "call" with no bet pending, a
-non-string) forfeits: the replying seat folds, losing its 1-chip stake (a seat that has bet
+non-string) or with both ("check or bet": echoing the instruction is no decision) forfeits: the replying seat folds, losing its 1-chip stake (a seat that has bet
 never acts again), the opponent gets +1, and the hand ends. Counted in
 `infos[agent]["invalid"]` and `env.unwrapped.invalid_counts`.
 
@@ -99,14 +99,16 @@ Policy = dict[str, float]
 
 
 def parse_reply(reply: object, legal: tuple[str, ...]) -> str | None:
-    """Return the first legal word in `reply` (whole word, any case), or None if invalid.
+    """Return the one legal word named in `reply` (whole word, any case), or None if invalid.
 
-    Only the first `MAX_TEXT` characters are read; anything that is not a string is invalid.
+    A reply that names both legal moves ("check or bet") is ambiguous, hence invalid: echoing
+    the instruction must not count as a decision. Only the first `MAX_TEXT` characters are
+    read; anything that is not a string is invalid.
     """
     if not isinstance(reply, str):
         return None
-    match = _PATTERNS[tuple(legal)].search(reply[:MAX_TEXT])
-    return match.group(1).lower() if match else None
+    found = {m.group(1).lower() for m in _PATTERNS[tuple(legal)].finditer(reply[:MAX_TEXT])}
+    return found.pop() if len(found) == 1 else None
 
 
 def payoff0(deal: tuple[int, int], history: str) -> int:

@@ -56,6 +56,8 @@ class ModelHost:
             p.requires_grad_(False)
         self.model = self.base  # becomes a PeftModel with the first adapter
         self.adapters: dict[str, AdapterState] = {}
+        self.share_prefix = True
+        """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
         self.pad_id = int(self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0)
 
     # ----------------------------------------------------------------------------- adapters
@@ -154,31 +156,68 @@ class ModelHost:
         return contextlib.nullcontext()
 
     def _logp_at(
-        self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]
+        self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True
     ) -> tuple[torch.Tensor, list[tuple[int, np.ndarray]]]:
         """Log-probs of the tokens where ``mask`` is nonzero: ``logp_N`` in (row, position)
-        order, and for each row the positions taken. The vocabulary projection runs only on
-        the N hidden states that predict those tokens."""
-        B = len(seqs)
-        T = max(len(s) for s in seqs)
-        ids_B_T = torch.full((B, T), self.pad_id, dtype=torch.long)
-        att_B_T = torch.zeros((B, T), dtype=torch.long)
-        rows, cols, taken = [], [], []
-        for i, (s, m) in enumerate(zip(seqs, masks)):
-            ids_B_T[i, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
-            att_B_T[i, : len(s)] = 1
-            pos = np.nonzero(np.asarray(m)[1:])[0] + 1  # position 0 is never predicted
-            rows.extend([i] * len(pos))
-            cols.extend(pos.tolist())
-            taken.append((i, pos))
-        ids_B_T, att_B_T = ids_B_T.to(self.device), att_B_T.to(self.device)
+        order, and for each row the positions taken.
+
+        Work saved, exactly (same values, same gradients): identical sequences run once; the
+        prefix that every sequence shares (system prompt, game header) runs once and its KV
+        cache is copied to every row; the vocabulary projection runs only on the N hidden
+        states that predict a loss token.
+        """
+        taken = []
+        for i, m in enumerate(masks):
+            taken.append((i, np.nonzero(np.asarray(m)[1:])[0] + 1))  # position 0 is never predicted
+        first: dict[bytes, int] = {}
+        uniq: list[int] = []
+        inverse: list[int] = []
+        for i, s in enumerate(seqs):
+            key = np.asarray(s, dtype=np.int64).tobytes() + b"|" + taken[i][1].astype(np.int64).tobytes()
+            if key not in first or not share:
+                first[key] = len(uniq)
+                uniq.append(i)
+            inverse.append(first[key])
+        useqs = [np.asarray(seqs[i], dtype=np.int64) for i in uniq]
+        upos = [taken[i][1] for i in uniq]
+        U = len(useqs)
+        # Longest prefix shared by all rows that no loss position needs a hidden state from.
+        P = 0
+        if share and U > 1:
+            P = min(len(s) for s in useqs)
+            for s in useqs[1:]:
+                neq = np.nonzero(s[:P] != useqs[0][:P])[0]
+                P = min(P, int(neq[0]) if len(neq) else P)
+            P = min([P] + [int(p.min()) - 1 for p in upos if len(p)])
+            P = P if P >= 4 else 0
+        S = max(len(s) for s in useqs) - P
+        ids_U_S = torch.full((U, S), self.pad_id, dtype=torch.long)
+        att_U_T = torch.zeros((U, P + S), dtype=torch.long)
+        att_U_T[:, :P] = 1
+        for u, s in enumerate(useqs):
+            ids_U_S[u, : len(s) - P] = torch.as_tensor(s[P:])
+            att_U_T[u, P : len(s)] = 1
         inner = self.model.get_base_model() if self.model is not self.base else self.base
-        hidden_B_T_H = inner.model(input_ids=ids_B_T, attention_mask=att_B_T).last_hidden_state
-        r = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        c = torch.as_tensor(cols, dtype=torch.long, device=self.device)
-        h_N_H = hidden_B_T_H[r, c - 1]
-        logits_N_V = inner.lm_head(h_N_H).float()
-        logp_N = torch.log_softmax(logits_N_V, -1).gather(-1, ids_B_T[r, c][:, None])[:, 0]
+        kwargs: dict = {}
+        if P > 0:
+            prefix = torch.as_tensor(useqs[0][:P])[None].to(self.device)
+            cache = inner.model(input_ids=prefix, use_cache=True).cache
+            cache.reorder_cache(torch.zeros(U, dtype=torch.long, device=self.device))
+            kwargs = dict(cache=cache, use_cache=True, position_ids=(P + torch.arange(S))[None].expand(U, S).to(self.device))
+        hidden_U_S_H = inner.model(
+            input_ids=ids_U_S.to(self.device), attention_mask=att_U_T.to(self.device), **kwargs
+        ).last_hidden_state
+        rows = np.concatenate([np.full(len(p), u) for u, p in enumerate(upos)]).astype(np.int64)
+        cols = np.concatenate(upos).astype(np.int64)
+        r = torch.as_tensor(rows, device=self.device)
+        c = torch.as_tensor(cols, device=self.device)
+        logits_N_V = inner.lm_head(hidden_U_S_H[r, c - 1 - P]).float()
+        targets_N = torch.as_tensor([int(useqs[u][k]) for u, k in zip(rows, cols)], dtype=torch.long, device=self.device)
+        ulogp_N = torch.log_softmax(logits_N_V, -1).gather(-1, targets_N[:, None])[:, 0]
+        # Back to the caller's rows: each row takes its unique sequence's slice.
+        starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])
+        index = np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64)
+        logp_N = ulogp_N[torch.as_tensor(index, device=self.device)] if len(index) else ulogp_N[:0]
         return logp_N, taken
 
     @torch.no_grad()
@@ -190,7 +229,7 @@ class ModelHost:
                 part = [np.asarray(s) for s in seqs[start : start + chunk]]
                 if any(len(s) < 1 for s in part):
                     raise ValueError("empty sequence in LogprobsRequest")
-                logp_N, taken = self._logp_at(part, [np.ones(len(s)) for s in part])
+                logp_N, taken = self._logp_at(part, [np.ones(len(s)) for s in part], self.share_prefix)
                 logp_N = logp_N.cpu().numpy()
                 k = 0
                 for (i, pos), s in zip(taken, part):
@@ -209,7 +248,7 @@ class ModelHost:
         loss: str,
         loss_config: Mapping[str, float],
         normalizer: float,
-        chunk: int = 32,
+        chunk: int = 64,
     ) -> tuple[float, dict[str, float]]:
         """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``.
 
@@ -233,7 +272,9 @@ class ModelHost:
             try:
                 for start in range(0, len(datums), chunk):
                     part = datums[start : start + chunk]
-                    logp_N, taken = self._logp_at([d.tokens for d in part], [d.loss_inputs["mask"] for d in part])
+                    logp_N, taken = self._logp_at(
+                        [d.tokens for d in part], [d.loss_inputs["mask"] for d in part], self.share_prefix
+                    )
                     if logp_N.numel() == 0:
                         continue
                     inputs = {

@@ -1,0 +1,61 @@
+"""``opentinker`` command line: ``opentinker run [CONFIG.toml] [--set key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parse_set(items: list[str]) -> dict:
+    """``["train.steps=3", "runtime.backend=local"]`` -> nested dict (values parsed as JSON
+    where they parse, else kept as strings)."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a job (no config: the bundled default job)")
+    run.add_argument("config", nargs="?", help="job config TOML")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
+    sub.add_parser("games", help="list the registered games")
+    args = parser.parse_args(argv)
+
+    if args.command == "games":
+        import games
+
+        for name in games.names():
+            doc = (sys.modules[type(games.make(name).unwrapped).__module__].__doc__ or "").strip().splitlines()
+            print(f"{name}: {doc[0] if doc else ''}")
+        return 0
+
+    from opentinker.config import load_config
+
+    try:
+        cfg = load_config(args.config, _parse_set(args.set))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"opentinker: bad config: {e}", file=sys.stderr)
+        return 2
+    from opentinker.run import run_job
+
+    run_job(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

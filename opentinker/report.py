@@ -1,0 +1,100 @@
+"""Run outputs: ``metrics.jsonl``, the learning-curve PNG, and the final summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+
+class MetricsLog:
+    """Appends one JSON object per line: ``{"step": s, "kind": "train"|"eval", ...}``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, step: int, kind: str, metrics: dict[str, float]) -> None:
+        row = {"step": step, "kind": kind, **{k: _clean(v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: Path) -> None:
+    """Chips per hand against the random opponent (eval, with 95% bands) and the training
+    reward per step, plus the invalid-reply rate, for each policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in policies:
+        tr = [r for r in rows if r["kind"] == "train" and r.get(f"train/{p}/reward") is not None]
+        ev = [r for r in rows if r["kind"] == "eval" and r.get(f"eval/{p}/vs_random/chips") is not None]
+        if tr:
+            ax.plot([r["step"] for r in tr], [r[f"train/{p}/reward"] for r in tr], alpha=0.4, label=f"{p}: train reward (mixed opponents)")
+            ax2.plot([r["step"] for r in tr], [r[f"train/{p}/invalid_rate"] for r in tr], alpha=0.6, label=f"{p}: train")
+        if ev:
+            x = [r["step"] for r in ev]
+            y = [r[f"eval/{p}/vs_random/chips"] for r in ev]
+            ci = [r[f"eval/{p}/vs_random/ci95"] or 0.0 for r in ev]
+            ax.plot(x, y, "o-", label=f"{p}: eval vs random (95% CI)")
+            ax.fill_between(x, [a - b for a, b in zip(y, ci)], [a + b for a, b in zip(y, ci)], alpha=0.2)
+            ax2.plot(x, [r[f"eval/{p}/vs_random/invalid_rate"] for r in ev], "o-", label=f"{p}: eval")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.axhline(0.458, color="green", lw=0.8, ls="--", label="best response to random (+0.458)")
+    ax.set(xlabel="training step", ylabel="chips per hand", title="Kuhn poker: learning curve")
+    ax.legend(fontsize=7)
+    ax2.set(xlabel="training step", ylabel="invalid-reply rate", title="Invalid replies", ylim=(-0.02, 1.02))
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_table(first: dict[str, float], last: dict[str, float], policies: list[str], steps: int) -> Table:
+    """Untrained start and trained policy side by side."""
+    table = Table(title="OpenTinker: untrained start vs trained policy")
+    table.add_column("policy")
+    table.add_column("metric")
+    table.add_column("untrained (step 0)", justify="right")
+    table.add_column(f"trained (step {steps})", justify="right")
+
+    def fmt(m: dict[str, float], key: str, ci: str | None = None, pct: bool = False) -> str:
+        v = m.get(key)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        if pct:
+            return f"{100 * v:.1f}%"
+        if ci and m.get(ci) is not None:
+            return f"{v:+.3f} ± {m[ci]:.3f}"
+        return f"{v:.4f}"
+
+    for p in policies:
+        rows = [
+            ("chips/hand vs random (95% CI)", f"eval/{p}/vs_random/chips", f"eval/{p}/vs_random/ci95", False),
+            ("hands vs random", f"eval/{p}/vs_random/hands", None, False),
+            ("invalid replies vs random", f"eval/{p}/vs_random/invalid_rate", None, True),
+            ("chips/hand vs base model (95% CI)", f"eval/{p}/vs_base/chips", f"eval/{p}/vs_base/ci95", False),
+            ("invalid replies vs base", f"eval/{p}/vs_base/invalid_rate", None, True),
+            ("exploitability (NashConv/2)", f"eval/{p}/exploitability", None, False),
+            ("prob. mass on canonical replies", f"eval/{p}/canonical_mass", None, False),
+        ]
+        for label, key, ci, pct in rows:
+            a, b = fmt(first, key, ci, pct), fmt(last, key, ci, pct)
+            if key.endswith("/hands"):
+                a = str(int(first[key])) if key in first else "-"
+                b = str(int(last[key])) if key in last else "-"
+            table.add_row(p, label, a, b)
+    return table

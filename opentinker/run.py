@@ -1,0 +1,85 @@
+"""The driver of ``opentinker run``: start a job, train with a progress bar, evaluate, and
+write ``runs/<name>/`` (resolved config, ``metrics.jsonl``, adapters in PEFT format, the
+learning-curve PNG, sample transcripts, the final table as JSON)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from opentinker.config import JobConfig, to_toml
+from opentinker.models import resolve_model
+from opentinker.report import MetricsLog, plot_learning_curves, summary_table
+from opentinker.runtime import Job
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    first_eval: dict[str, float]
+    last_eval: dict[str, float]
+    rows: list[dict[str, Any]]
+    info: dict[str, Any]
+
+
+def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None) -> RunResult:
+    console = console or Console()
+    t_start = time.perf_counter()
+    run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "config.toml").write_bytes(to_toml(cfg))
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    policies = [p.name for p in cfg.policies]
+    console.print(f"[bold]opentinker[/] run [cyan]{run_dir}[/]  model={cfg.model.base}  backend={cfg.runtime.backend}")
+    with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
+        model_path = resolve_model(cfg.model.base)
+    with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
+        job = Job(cfg, model_path)
+    console.print(f"started in {time.perf_counter() - t_start:.1f} s")
+    ev = cfg.eval
+    final_n = ev.final_hands_per_stratum or ev.hands_per_stratum
+    try:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+            console=console, redirect_stdout=True, redirect_stderr=True,
+        ) as progress:
+            task = progress.add_task("eval (untrained)", total=cfg.train.steps, status="")
+            first = job.coordinator("evaluate", 0, True, final_n)
+            log.write(0, "eval", first)
+            last = first
+            progress.update(task, description="train", status=_status(first, policies, "eval"))
+            for step in range(1, cfg.train.steps + 1):
+                m = job.coordinator("train_step", step)
+                log.write(step, "train", m)
+                progress.update(task, advance=1, status=_status(m, policies, "train"))
+                final = step == cfg.train.steps
+                if final or (ev.every and step % ev.every == 0):
+                    progress.update(task, description="eval")
+                    last = job.coordinator("evaluate", step, final, final_n if final else ev.hands_per_stratum)
+                    log.write(step, "eval", last)
+                    progress.update(task, description="train", status=_status(last, policies, "eval"))
+        adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
+        (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
+        info = job.info()
+    finally:
+        job.shutdown()
+    plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png")
+    console.print(summary_table(first, last, policies, cfg.train.steps))
+    total = time.perf_counter() - t_start
+    (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total}, indent=1))
+    console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
+    return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=log.rows, info=info)
+
+
+def _status(m: dict[str, float], policies: list[str], kind: str) -> str:
+    p = policies[0]
+    if kind == "train":
+        return f"reward {m.get(f'train/{p}/reward', float('nan')):+.2f} invalid {m.get(f'train/{p}/invalid_rate', float('nan')):.0%}"
+    return f"eval vs random {m.get(f'eval/{p}/vs_random/chips', float('nan')):+.3f}"

@@ -1,0 +1,51 @@
+"""Shared fixtures: the tiny-random model folder, a scheduler on the bus, and one Ray
+session for the few tests that go through Ray (../shared/DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    from opentinker.models import resolve_model
+
+    return resolve_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def chat_tok(tiny_path):
+    from opentinker.render import ChatTokenizer
+
+    return ChatTokenizer(tiny_path)
+
+
+@pytest.fixture()
+def scheduler(tiny_path):
+    from opentinker.scheduler import Scheduler
+
+    s = Scheduler(tiny_path, threads=2)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(
+        _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+        object_store_memory=100 * 1024 * 1024, log_to_driver=False, configure_logging=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+def run(coro, timeout: float = 120.0):
+    """Run a coroutine to completion with a bound on its time."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
