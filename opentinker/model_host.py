@@ -24,6 +24,7 @@ import torch
 
 from learners import compute_loss
 from opentinker.sampler import SampledRow, sample_rows, validate_params
+from opentinker.shared_forward import selected_logprobs
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -66,8 +67,10 @@ class ModelHost:
         """Add a zero-initialised (B = 0) LoRA adapter; returns its version (0)."""
         from peft import LoraConfig, get_peft_model
 
-        if not name or name == BASE:
-            raise ValueError(f"invalid adapter name {name!r}")
+        if not name.isidentifier() or name == BASE or name in "lora_":
+            # PEFT keys adapter weights by name inside "lora_A.<name>": a name that is part of
+            # "lora_" would be reinitialised when the saved adapter is loaded.
+            raise ValueError(f"invalid adapter name {name!r}: use an identifier that is not part of 'lora_'")
         if name in self.adapters:
             if self.adapters[name].spec != spec:
                 raise ValueError(f"adapter {name!r} exists with another spec")
@@ -158,67 +161,11 @@ class ModelHost:
     def _logp_at(
         self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True
     ) -> tuple[torch.Tensor, list[tuple[int, np.ndarray]]]:
-        """Log-probs of the tokens where ``mask`` is nonzero: ``logp_N`` in (row, position)
-        order, and for each row the positions taken.
-
-        Work saved, exactly (same values, same gradients): identical sequences run once; the
-        prefix that every sequence shares (system prompt, game header) runs once and its KV
-        cache is copied to every row; the vocabulary projection runs only on the N hidden
-        states that predict a loss token.
-        """
-        taken = []
-        for i, m in enumerate(masks):
-            taken.append((i, np.nonzero(np.asarray(m)[1:])[0] + 1))  # position 0 is never predicted
-        first: dict[bytes, int] = {}
-        uniq: list[int] = []
-        inverse: list[int] = []
-        for i, s in enumerate(seqs):
-            key = np.asarray(s, dtype=np.int64).tobytes() + b"|" + taken[i][1].astype(np.int64).tobytes()
-            if key not in first or not share:
-                first[key] = len(uniq)
-                uniq.append(i)
-            inverse.append(first[key])
-        useqs = [np.asarray(seqs[i], dtype=np.int64) for i in uniq]
-        upos = [taken[i][1] for i in uniq]
-        U = len(useqs)
-        # Longest prefix shared by all rows that no loss position needs a hidden state from.
-        P = 0
-        if share and U > 1:
-            P = min(len(s) for s in useqs)
-            for s in useqs[1:]:
-                neq = np.nonzero(s[:P] != useqs[0][:P])[0]
-                P = min(P, int(neq[0]) if len(neq) else P)
-            P = min([P] + [int(p.min()) - 1 for p in upos if len(p)])
-            P = P if P >= 4 else 0
-        S = max(len(s) for s in useqs) - P
-        ids_U_S = torch.full((U, S), self.pad_id, dtype=torch.long)
-        att_U_T = torch.zeros((U, P + S), dtype=torch.long)
-        att_U_T[:, :P] = 1
-        for u, s in enumerate(useqs):
-            ids_U_S[u, : len(s) - P] = torch.as_tensor(s[P:])
-            att_U_T[u, P : len(s)] = 1
+        """``logp_N`` of the masked tokens of ``seqs`` with the active adapter, and per row its
+        positions (see :func:`opentinker.shared_forward.selected_logprobs`)."""
         inner = self.model.get_base_model() if self.model is not self.base else self.base
-        kwargs: dict = {}
-        if P > 0:
-            prefix = torch.as_tensor(useqs[0][:P])[None].to(self.device)
-            cache = inner.model(input_ids=prefix, use_cache=True).cache
-            cache.reorder_cache(torch.zeros(U, dtype=torch.long, device=self.device))
-            kwargs = dict(cache=cache, use_cache=True, position_ids=(P + torch.arange(S))[None].expand(U, S).to(self.device))
-        hidden_U_S_H = inner.model(
-            input_ids=ids_U_S.to(self.device), attention_mask=att_U_T.to(self.device), **kwargs
-        ).last_hidden_state
-        rows = np.concatenate([np.full(len(p), u) for u, p in enumerate(upos)]).astype(np.int64)
-        cols = np.concatenate(upos).astype(np.int64)
-        r = torch.as_tensor(rows, device=self.device)
-        c = torch.as_tensor(cols, device=self.device)
-        logits_N_V = inner.lm_head(hidden_U_S_H[r, c - 1 - P]).float()
-        targets_N = torch.as_tensor([int(useqs[u][k]) for u, k in zip(rows, cols)], dtype=torch.long, device=self.device)
-        ulogp_N = torch.log_softmax(logits_N_V, -1).gather(-1, targets_N[:, None])[:, 0]
-        # Back to the caller's rows: each row takes its unique sequence's slice.
-        starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])
-        index = np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64)
-        logp_N = ulogp_N[torch.as_tensor(index, device=self.device)] if len(index) else ulogp_N[:0]
-        return logp_N, taken
+        logp_N, taken = selected_logprobs(inner.model, inner.lm_head, seqs, masks, self.pad_id, self.device, share)
+        return logp_N, list(enumerate(taken))
 
     @torch.no_grad()
     def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:

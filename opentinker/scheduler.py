@@ -69,7 +69,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self.batches: collections.deque[list[str]] = collections.deque(maxlen=256)
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.compute_counters: collections.Counter[str] = collections.Counter()
         self._batch_ids = 0
         self.host: Any = None
         self.endpoint = ""
@@ -90,7 +90,7 @@ class Scheduler:
 
     async def _handle(self, msg: Message) -> Message:
         if isinstance(msg, SchedulerStats):
-            return SchedulerStats(counters=dict(self.counters), batches=[list(b) for b in self.batches])
+            return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
         if not isinstance(msg, (SampleRequest, LogprobsRequest, CreateAdapter, ForwardBackward, OptimStep, SaveAdapter)):
             raise ValueError(f"the scheduler does not serve {type(msg).__name__}")
         loop = asyncio.get_running_loop()
@@ -160,8 +160,8 @@ class Scheduler:
             # One bad request must not fail its batch-mates: serve each alone.
             return [self._sample_or_error(job) for job in jobs]
         self._batch_ids += 1
-        self.counters["sample_batches"] += 1
-        self.counters["sample_rows"] += len(rows)
+        self.compute_counters["sample_batches"] += 1
+        self.compute_counters["sample_rows"] += len(rows)
         self.batches.append([jobs[o].msg.client for o in owners])  # type: ignore[union-attr]
         out = []
         for j, job in enumerate(jobs):
@@ -185,7 +185,7 @@ class Scheduler:
 
     def _run(self, msg: Message) -> Message:
         host = self.host
-        self.counters[type(msg).__name__] += 1
+        self.compute_counters[type(msg).__name__] += 1
         if isinstance(msg, LogprobsRequest):
             return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))
         if isinstance(msg, CreateAdapter):
@@ -199,6 +199,12 @@ class Scheduler:
         if isinstance(msg, SaveAdapter):
             return Saved(path=msg.path, version=host.save(msg.adapter, msg.path))
         raise ValueError(f"unexpected {type(msg).__name__}")
+
+    def counters(self) -> dict[str, int]:
+        """Bus counters (``recv/SampleRequest``, ``error/...``) and compute counters."""
+        out = dict(self.server.counters) if hasattr(self, "server") else {}
+        out.update(self.compute_counters)
+        return out
 
     def stop(self) -> None:
         with self._cv:

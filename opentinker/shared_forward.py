@@ -1,0 +1,143 @@
+"""Log-probs of selected tokens, computing every shared piece of the batch once.
+
+A training batch of dialogue turns is mostly repetition: every sequence starts with the same
+system prompt and game header, many turns share the whole prompt (the same information
+state) and differ only in the reply, and some sequences are identical. This module runs the
+transformer body on a three-level tree, exactly (same values and gradients as running every
+row in full; a test checks it):
+
+1. the prefix ``P`` common to all sequences, once (batch 1);
+2. each distinct *context* (what lies between the common prefix and the token before the
+   first loss token), once, continuing from the prefix's KV cache copied to each context;
+3. each distinct sequence's *tail*, continuing from its context's KV cache.
+
+Then the 49k-row vocabulary projection runs only on the hidden states that predict a loss
+token. Cache copies are ``index_select`` s, so gradients flow back into the shared levels.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def _lcp(seqs: Sequence[np.ndarray]) -> int:
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        neq = np.nonzero(s[:n] != seqs[0][:n])[0]
+        if len(neq):
+            n = int(neq[0])
+    return n
+
+
+def _unique(keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+    """Indices of first occurrences, and for every key the index of its first occurrence
+    within that list."""
+    first: dict[bytes, int] = {}
+    reps, inverse = [], []
+    for i, k in enumerate(keys):
+        if k not in first:
+            first[k] = len(reps)
+            reps.append(i)
+        inverse.append(first[k])
+    return reps, inverse
+
+
+def selected_logprobs(
+    body: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    seqs: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    pad_id: int,
+    device: torch.device,
+    share: bool = True,
+) -> tuple[torch.Tensor, list[np.ndarray]]:
+    """``logp_N`` of the tokens at positions where ``masks[i]`` is nonzero (position 0 never
+    counts), in (row, position) order, and each row's positions.
+
+    ``body`` maps ``input_ids`` to ``last_hidden_state`` (a Llama-style decoder with a KV
+    cache); ``lm_head`` maps hidden states to logits. ``share=False`` runs every row in full.
+    """
+    taken = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
+    as64 = [np.asarray(s, dtype=np.int64) for s in seqs]
+    if share:
+        reps, inverse = _unique([s.tobytes() + b"|" + p.tobytes() for s, p in zip(as64, taken)])
+    else:
+        reps, inverse = list(range(len(seqs))), list(range(len(seqs)))
+    useqs = [as64[i] for i in reps]
+    upos = [taken[i] for i in reps]
+    U = len(useqs)
+    if U == 0 or sum(len(p) for p in upos) == 0:
+        return torch.zeros(0, device=device), taken
+
+    # Level 1: the common prefix; level 2: contexts up to the token before the first loss token.
+    P = _lcp(useqs) if share and U > 1 else 0
+    split = [max(P, int(p.min()) - 1) if len(p) else len(s) for s, p in zip(useqs, upos)]
+    if share:
+        creps, cinv = _unique([s[P:c].tobytes() for s, c in zip(useqs, split)])
+    else:
+        creps, cinv = list(range(U)), list(range(U))
+    C = len(creps)
+    cache = None
+    h1 = None
+    if P > 0:
+        out = body(input_ids=torch.as_tensor(useqs[0][:P])[None].to(device), use_cache=True)
+        h1, cache = out.last_hidden_state[0], out.cache
+        if C > 1:
+            cache.reorder_cache(torch.zeros(C, dtype=torch.long, device=device))
+    ctx = [useqs[r][P : split[r]] for r in creps]
+    Lc = max(len(c) for c in ctx)
+    att_C = torch.ones((C, P), dtype=torch.long)
+    if Lc > 0:
+        ids = torch.full((C, Lc), pad_id, dtype=torch.long)
+        m = torch.zeros((C, Lc), dtype=torch.long)
+        for i, c in enumerate(ctx):
+            ids[i, : len(c)] = torch.as_tensor(c)
+            m[i, : len(c)] = 1
+        att_C = torch.cat([att_C, m], 1)
+        pos = (P + torch.arange(Lc))[None].expand(C, Lc)
+        cache = body(
+            input_ids=ids.to(device), attention_mask=att_C.to(device), position_ids=pos.to(device),
+            cache=cache, use_cache=True,
+        ).cache
+    idx_U = torch.as_tensor(cinv, dtype=torch.long, device=device)
+    if cache is not None and (U != C or cinv != list(range(C))):
+        cache.reorder_cache(idx_U)
+
+    # Level 3: every distinct sequence's tail.
+    tails = [s[c:] for s, c in zip(useqs, split)]
+    Lt = max(len(t) for t in tails)
+    ids = torch.full((U, Lt), pad_id, dtype=torch.long)
+    m = torch.zeros((U, Lt), dtype=torch.long)
+    for u, t in enumerate(tails):
+        ids[u, : len(t)] = torch.as_tensor(t)
+        m[u, : len(t)] = 1
+    att = torch.cat([att_C[idx_U.cpu()], m], 1)
+    pos = torch.as_tensor(split)[:, None] + torch.arange(Lt)[None]
+    h3 = body(
+        input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
+        cache=cache, use_cache=cache is not None,
+    ).last_hidden_state
+
+    rows = np.concatenate([np.full(len(p), u) for u, p in enumerate(upos)]).astype(np.int64)
+    cols = np.concatenate(upos).astype(np.int64)
+    targets = torch.as_tensor(np.asarray([useqs[u][c] for u, c in zip(rows, cols)], dtype=np.int64), device=device)
+    before = cols - 1
+    splits = np.asarray(split)[rows]
+    in_prefix = before < P
+    if np.any(~in_prefix & (before < splits)):
+        raise AssertionError("a loss position fell inside a shared context")
+    h_N = torch.empty((len(rows), h3.shape[-1]), dtype=h3.dtype, device=device)
+    sel3 = np.nonzero(~in_prefix)[0]
+    h_N = h3[torch.as_tensor(rows[sel3], device=device), torch.as_tensor(before[sel3] - splits[sel3], device=device)]
+    if in_prefix.any():
+        sel1 = np.nonzero(in_prefix)[0]
+        h_all = torch.zeros((len(rows), h3.shape[-1]), dtype=h3.dtype, device=device)
+        h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
+        h_N = h_all.index_copy(0, torch.as_tensor(sel1, device=device), h1[torch.as_tensor(before[sel1], device=device)])
+    ulogp_N = torch.log_softmax(lm_head(h_N).float(), -1).gather(-1, targets[:, None])[:, 0]
+    starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])
+    index = np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64)
+    return ulogp_N[torch.as_tensor(index, device=device)], taken

@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from opentinker.cli import _parse_set, main
+from opentinker.config import JobConfig, load_config
+
+
+def test_default_config_loads_and_names_bad_fields(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, JobConfig) and cfg.model.base == "smollm2-135m"
+    assert "random" in cfg.policies[0].opponents
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlrr = 1\n")
+    with pytest.raises(ValueError, match=r"unknown field `lrr` - at `\$.train`"):
+        load_config(bad)
+    bad.write_text('[train]\nlr = "fast"\n')
+    with pytest.raises(ValueError, match=r"\$.train.lr"):
+        load_config(bad)
+    bad.write_text("[train]\nsteps = -1\n")
+    with pytest.raises(ValueError, match=r"\$.train.steps"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=r"\$.runtime.backend"):
+        load_config(None, {"runtime": {"backend": "slurm"}})
+    with pytest.raises(ValueError, match="policies"):
+        load_config(None, {"policies": [{"name": "self"}]})
+
+
+def test_set_overrides_parse():
+    assert _parse_set(["train.steps=3", "model.base=tiny-random", "x.y.z=[1,2]"]) == {
+        "train": {"steps": 3}, "model": {"base": "tiny-random"}, "x": {"y": {"z": [1, 2]}}
+    }
+
+
+def test_bad_config_exits_2_with_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sampling]\ntemprature = 0.5\n")
+    assert main(["run", str(bad)]) == 2
+    assert "temprature" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_writes_the_run_folder(tmp_path, tiny_path):
+    from peft import PeftConfig
+
+    code = main([
+        "run", "--set", "model.base=tiny-random", "--set", "runtime.backend=local",
+        "--set", "train.steps=2", "--set", "train.groups_per_step=2", "--set", "train.group_size=2",
+        "--set", "eval.hands_per_stratum=1", "--set", "eval.head_to_head_per_stratum=1",
+        "--set", "eval.every=1", "--set", f"out_dir={tmp_path}",
+    ])
+    assert code == 0
+    (run_dir,) = list(tmp_path.iterdir())
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.toml", "metrics.jsonl", "learning_curve.png", "summary.json", "adapters", "transcripts.txt"} <= names
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["eval", "train", "eval", "train", "eval"]
+    assert load_config(run_dir / "config.toml").train.steps == 2
+    assert PeftConfig.from_pretrained(str(run_dir / "adapters" / "main")).r == 8
+    assert (run_dir / "learning_curve.png").stat().st_size > 10_000

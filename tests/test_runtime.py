@@ -1,0 +1,89 @@
+"""The runtime on the local backend with tiny-random: the real bus, scheduler, env runners,
+learner and coordinator in one process."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from opentinker.config import JobConfig
+from opentinker.runtime import Job
+from protocols.messages import PolicyKind
+
+
+def _cfg(**over) -> JobConfig:
+    raw = {
+        "model": {"base": "tiny-random", "threads": 2},
+        "runtime": {"backend": "local", "env_runners": 2, "timeout_s": 120},
+        "train": {"groups_per_step": 4, "group_size": 2, "lr": 1e-2},
+        "sampling": {"max_tokens": 4},
+        "eval": {"hands_per_stratum": 2, "head_to_head_per_stratum": 1},
+        "policies": [{"name": "main", "opponents": {"random": 1, "self": 1, "base": 1, "other": 1}},
+                     {"name": "other", "opponents": {"random": 1}}],
+    }
+    for k, v in over.items():
+        raw.setdefault(k, {}).update(v) if isinstance(v, dict) else raw.__setitem__(k, v)
+    return msgspec.convert(raw, JobConfig)
+
+
+@pytest.fixture(scope="module")
+def job(tiny_path):
+    j = Job(_cfg(), tiny_path)
+    yield j
+    j.shutdown()
+
+
+def test_training_steps_bump_versions_and_count_bus_messages(job):
+    before = job.info()
+    m = job.coordinator("train_step", 1)
+    after = job.info()
+    assert m["train/main/version"] == 1 and m["train/other/version"] == 1
+    coord = job._handles["coordinator"].obj
+    specs = coord.train_episodes(1)
+    assert len(specs) == 2 * 4 * 2  # two policies x groups x group size
+
+    def delta(name, key):
+        return after[name]["counters"].get(key, 0) - before[name]["counters"].get(key, 0)
+
+    samples = sum(delta(f"env_runner{i}", "client/sent/SampleRequest") for i in range(2))
+    pushed = sum(delta(f"env_runner{i}", "pushed/Trajectory") for i in range(2))
+    requests = sum(delta(f"env_runner{i}", "recv/RunEpisodes") for i in range(2))
+    # Every LLM decision is one SampleRequest; every trainable seat one Trajectory; every
+    # runner one RunEpisodes per step, whatever the number of episodes.
+    decisions = m["train/main/turns"] + m["train/other/turns"]
+    llm_decisions_of_base = samples - decisions
+    assert samples >= decisions and llm_decisions_of_base >= 0
+    trainable_seats = sum(
+        sum(1 for r in s.seats.values() if r.kind is PolicyKind.ADAPTER) for s in specs
+    )
+    assert pushed == trainable_seats == m["train/main/n_datums"] + m["train/other/n_datums"]
+    assert requests == 2
+    got = delta("learner_main", "pull/recv/Trajectory") + delta("learner_other", "pull/recv/Trajectory")
+    assert got == pushed
+    assert delta("scheduler", "recv/SampleRequest") == samples
+    assert delta("scheduler", "ForwardBackward") == delta("scheduler", "OptimStep") == 2
+
+
+def test_two_env_runners_share_forward_passes(job):
+    job.coordinator("train_step", 2)
+    stats = job.coordinator("scheduler_stats")
+    mixed = [b for b in stats["batches"] if {"runner0", "runner1"} <= set(b)]
+    assert mixed, f"no batch served rows of both runners: {stats['batches'][:10]}"
+
+
+def test_episodes_are_a_function_of_seed_and_step(job, tiny_path):
+    coord = job._handles["coordinator"].obj
+    a, b = coord.train_episodes(3), coord.train_episodes(3)
+    assert a == b and a != coord.train_episodes(4)
+    seeds = {(s.group_id, s.seed) for s in a}
+    assert len({s.seed for s in a}) == 4 * 2  # a group shares its seed (its deal)
+    assert len(seeds) == len({s.seed for s in a})
+
+
+def test_evaluation_reports_strata_and_exploitability(job):
+    ev = job.coordinator("evaluate", 5, True, 2)
+    for p in ("main", "other"):
+        assert ev[f"eval/{p}/vs_random/hands"] == 6 * 2 * 2
+        assert ev[f"eval/{p}/vs_base/hands"] == 6 * 2 * 1
+        assert 0.0 <= ev[f"eval/{p}/vs_random/invalid_rate"] <= 1.0
+        assert 0.0 < ev[f"eval/{p}/exploitability"] < 1.0

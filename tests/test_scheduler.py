@@ -1,0 +1,174 @@
+"""The scheduler over the bus, on the tiny-random model: sampling, log-probs, training,
+idempotency, saving in PEFT format, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import zmq.asyncio
+
+from conftest import run
+from opentinker.bus import Client, RemoteError
+from opentinker.render import SeatRenderer
+from protocols.messages import (
+    AdamParams, CreateAdapter, Datum, ErrorCode, ForwardBackward, LogprobsRequest, LoraSpec,
+    OptimStep, SampleRequest, SamplingParams, SaveAdapter, SchedulerStats, StopReason,
+)
+
+
+def _prompt(tok, text="Kuhn poker, cards J<Q<K. You have the K. Reply with one word: check or bet."):
+    r = SeatRenderer(tok, "You are a poker player.")
+    r.observe(text)
+    return r.prompt()
+
+
+async def _with_client(scheduler, body):
+    ctx = zmq.asyncio.Context()
+    client = Client(ctx, scheduler.endpoint, name="test")
+    try:
+        return await body(client)
+    finally:
+        client.close()
+        ctx.destroy(0)
+
+
+def test_sampling_is_seeded_and_logprobs_match_the_trainer(scheduler, chat_tok):
+    prompt = _prompt(chat_tok)
+    params = SamplingParams(max_tokens=6, stop_token_ids=(chat_tok.eos_id,), seed=11)
+
+    async def body(c):
+        await c.request(CreateAdapter(name="alpha", spec=LoraSpec(rank=4)))
+        one = await c.request(SampleRequest(adapter="alpha", prompts=[prompt, prompt], params=params))
+        two = await c.request(SampleRequest(adapter="alpha", prompts=[prompt, prompt], params=params))
+        seqs = [np.concatenate([prompt, t]) for t in one.tokens]
+        lp = await c.request(LogprobsRequest(adapter="alpha", sequences=seqs))
+        return one, two, lp
+
+    one, two, lp = run(_with_client(scheduler, body))
+    assert [t.tolist() for t in one.tokens] == [t.tolist() for t in two.tokens]
+    assert one.tokens[0].tolist() != one.tokens[1].tolist()  # rows have their own seeds
+    assert one.adapter_version == 0
+    for toks, lps, reason, teacher in zip(one.tokens, one.logprobs, one.stop_reasons, lp.logprobs):
+        assert len(toks) == len(lps) <= 6
+        assert reason is (StopReason.STOP if toks[-1] == chat_tok.eos_id else StopReason.LENGTH)
+        np.testing.assert_allclose(teacher[len(prompt):], lps, atol=1e-4)
+
+
+def test_mixed_adapter_batch_matches_single_requests(scheduler, chat_tok):
+    prompt = _prompt(chat_tok)
+    params = SamplingParams(max_tokens=5, seed=3)
+
+    async def body(c):
+        for name, seed in (("alpha", 1), ("beta", 2)):
+            await c.request(CreateAdapter(name=name, spec=LoraSpec(rank=4, seed=seed)))
+        # Make "alpha" differ from the base before comparing.
+        d = _datum(prompt, np.array([5, 6, 7], np.int32), adv=1.0)
+        await c.request(ForwardBackward(adapter="alpha", datums=[d], loss="ppo", normalizer=3.0))
+        await c.request(OptimStep(adapter="alpha", params=AdamParams(lr=0.05)))
+        together = await asyncio.gather(*(
+            c.request(SampleRequest(adapter=a, prompts=[prompt], params=params, client=a or "base"))
+            for a in ("alpha", "beta", None)
+        ))
+        alone = [await c.request(SampleRequest(adapter=a, prompts=[prompt], params=params)) for a in ("alpha", "beta", None)]
+        stats = await c.request(SchedulerStats())
+        return together, alone, stats
+
+    together, alone, stats = run(_with_client(scheduler, body))
+    assert any(sorted(b) == ["alpha", "base", "beta"] for b in stats.batches), stats.batches
+    for t, a in zip(together, alone):
+        assert t.tokens[0].tolist() == a.tokens[0].tolist()
+        np.testing.assert_allclose(t.logprobs[0], a.logprobs[0], atol=1e-5)
+    assert together[0].adapter_version == 1 and together[2].adapter_version == -1
+
+
+def _datum(prompt, reply, adv):
+    tokens = np.concatenate([prompt, reply]).astype(np.int32)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(len(reply))].astype(np.float32)
+    return Datum(tokens=tokens, loss_inputs={"mask": mask, "advantages": mask * adv, "sampler_logprobs": mask * -10.8})
+
+
+def test_retried_forward_backward_is_applied_once_and_saved_adapter_reloads(scheduler, chat_tok, tiny_path, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompt(chat_tok)
+    reply = np.array(chat_tok.encode("bet") + [chat_tok.eos_id], np.int32)
+    d = _datum(prompt, reply, adv=1.0)
+    seq = d.tokens
+
+    async def body(c):
+        for name in ("once", "twice"):
+            await c.request(CreateAdapter(name=name, spec=LoraSpec(rank=4)))
+        fb = ForwardBackward(adapter="once", datums=[d], loss="ppo", normalizer=2.0)
+        await c.request(fb)
+        rid = c.next_request_id()
+        fb2 = ForwardBackward(adapter="twice", datums=[d], loss="ppo", normalizer=2.0)
+        r1 = await c.request(fb2, request_id=rid)
+        r2 = await c.request(fb2, request_id=rid)  # a retry: answered, not applied again
+        assert r1 == r2
+        v = [await c.request(OptimStep(adapter=n, params=AdamParams(lr=0.02))) for n in ("once", "twice")]
+        lps = await c.request(LogprobsRequest(adapter="twice", sequences=[seq]))
+        lps_once = await c.request(LogprobsRequest(adapter="once", sequences=[seq]))
+        base = await c.request(LogprobsRequest(adapter=None, sequences=[seq]))
+        saved = await c.request(SaveAdapter(adapter="twice", path=str(tmp_path / "twice")))
+        return v, lps.logprobs[0], lps_once.logprobs[0], base.logprobs[0], saved
+
+    v, lp, lp_once, lp_base, saved = run(_with_client(scheduler, body))
+    assert [x.version for x in v] == [1, 1] and saved.version == 1
+    np.testing.assert_allclose(lp, lp_once, atol=1e-6)  # the retry did not double the gradient
+    assert np.abs(lp - lp_base).max() > 1e-2
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32), str(tmp_path / "twice")).eval()
+    with torch.no_grad():
+        logits = model(torch.as_tensor(seq[None].astype(np.int64))).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.as_tensor(seq[1:].astype(np.int64))[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(ref, lp[1:], atol=1e-4)
+
+
+def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat_tok):
+    prompt = _prompt(chat_tok)
+
+    async def body(c):
+        errors = []
+        for msg in (
+            SampleRequest(adapter="nope", prompts=[prompt], params=SamplingParams()),
+            SampleRequest(adapter=None, prompts=[np.array([10**7], np.int32)], params=SamplingParams()),
+            SampleRequest(adapter=None, prompts=[prompt], params=SamplingParams(temperature=0.0)),
+            OptimStep(adapter="nope", params=AdamParams()),
+            ForwardBackward(adapter="nope", datums=[], loss="ppo", normalizer=0.0),
+        ):
+            with pytest.raises(RemoteError) as e:
+                await c.request(msg)
+            errors.append(e.value.error)
+        ok = await c.request(SampleRequest(adapter=None, prompts=[prompt], params=SamplingParams(max_tokens=2)))
+        return errors, ok
+
+    errors, ok = run(_with_client(scheduler, body))
+    assert all(e.code is ErrorCode.INVALID for e in errors)
+    assert "nope" in errors[0].message and "out of range" in errors[1].message and "temperature" in errors[2].message
+    assert len(ok.tokens[0]) >= 1
+
+
+def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
+    from opentinker.model_host import ModelHost
+
+    host = ModelHost(tiny_path, threads=2)
+    host.create_adapter("alpha", LoraSpec(rank=4))
+    rng = np.random.default_rng(0)
+    datums = []
+    for i in range(9):
+        prompt = _prompt(chat_tok, f"Kuhn poker, cards J<Q<K. You have the {'JQK'[i % 3]}. Reply with one word: check or bet.")
+        reply = rng.integers(100, 4000, size=1 + i % 3).astype(np.int32) if i % 2 else np.array([42, chat_tok.eos_id], np.int32)
+        datums.append(_datum(prompt, reply, adv=float(rng.normal())))
+    grads = []
+    for share in (False, True):
+        host.share_prefix = share
+        loss, _ = host.forward_backward("alpha", datums, "ppo", {}, normalizer=10.0)
+        grads.append((loss, torch.cat([p.grad.flatten() for p in host.adapters["alpha"].params]).clone()))
+        for p in host.adapters["alpha"].params:
+            p.grad = None
+    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-7, rtol=1e-4)
+    assert grads[0][1].abs().sum() > 0
