@@ -15,9 +15,10 @@ import numpy as np
 
 from games import names as game_names
 from games.scripted import SCRIPTED
-from games.kuhn_poker import DEALS, exploitability
+from games.kuhn_poker import exploitability
 from opentinker.bus import Client, LoopThread
 from opentinker.config import JobConfig
+from opentinker.episodes import strata_episodes, train_episodes
 from opentinker.evaluation import kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
 from opentinker.render import ChatTokenizer
 from protocols.messages import (
@@ -38,7 +39,6 @@ from protocols.messages import (
     SchedulerStats,
 )
 
-SEATS = ("player_0", "player_1")
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
 
 
@@ -99,42 +99,6 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- episodes
 
-    def _ref(self, policy: str, opponent: str) -> PolicyRef:
-        if opponent == "self":
-            return PolicyRef(kind=PolicyKind.ADAPTER, name=policy)
-        if opponent == "base":
-            return PolicyRef(kind=PolicyKind.BASE)
-        if opponent in SCRIPTED:
-            return PolicyRef(kind=PolicyKind.SCRIPTED, name=opponent)
-        return PolicyRef(kind=PolicyKind.ADAPTER, name=opponent)
-
-    def train_episodes(self, step: int) -> list[EpisodeSpec]:
-        """The episodes of training step ``step``: a pure function of the config and step."""
-        cfg, tc = self.cfg, self.cfg.train
-        rng = np.random.default_rng([cfg.seed & 0xFFFFFFFF, step, 1])
-        specs: list[EpisodeSpec] = []
-        eid = step * 1_000_000
-        group = step * 100_000
-        for p in cfg.policies:
-            opps = sorted(p.opponents)
-            w = np.asarray([p.opponents[o] for o in opps], dtype=np.float64)
-            for _ in range(tc.groups_per_step):
-                opp = opps[int(rng.choice(len(opps), p=w / w.sum()))]
-                me = int(rng.integers(2))
-                seed = int(rng.integers(1 << 62))
-                seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name), SEATS[1 - me]: self._ref(p.name, opp)}
-                seat_groups = {SEATS[me]: group, SEATS[1 - me]: group + 1}
-                group += 2
-                for _ in range(tc.group_size):
-                    specs.append(
-                        EpisodeSpec(
-                            episode_id=eid, group_id=seat_groups[SEATS[me]], game=cfg.game, seed=seed,
-                            seats=seats, seat_groups=seat_groups, train=True,
-                        )
-                    )
-                    eid += 1
-        return specs
-
     async def _run(self, specs: list[EpisodeSpec], step: int, train: bool) -> list[EpisodeSummary]:
         """Split episodes over the runners (round robin, in id order) and wait for all."""
         n = len(self.runners)
@@ -162,7 +126,7 @@ class Coordinator:
 
     async def _train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        specs = self.train_episodes(step)
+        specs = train_episodes(self.cfg, step)
         summaries = await self._run(specs, step, train=True)
         t1 = time.perf_counter()
         expected = {p.name: 0 for p in self.cfg.policies}
@@ -204,21 +168,6 @@ class Coordinator:
         seats), optionally head to head against the base model, and its exploitability."""
         return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum))
 
-    def _strata_specs(self, policy: str, opponent: PolicyRef, n: int, first_id: int) -> list[EpisodeSpec]:
-        specs, eid = [], first_id
-        for deal in range(len(DEALS)):
-            for me in range(2):
-                for k in range(n):
-                    # The same seeds at every evaluation: before/after comparisons are paired.
-                    seed = int(np.random.SeedSequence([self.cfg.seed & 0xFFFFFFFF, 99, deal, me, k]).generate_state(1)[0])
-                    seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=policy), SEATS[1 - me]: opponent}
-                    specs.append(
-                        EpisodeSpec(episode_id=eid, group_id=deal * 2 + me, game=self.cfg.game,
-                                    game_kwargs={"deal": deal}, seed=seed, seats=seats, train=False)
-                    )
-                    eid += 1
-        return specs
-
     def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> tuple[float, float, float, int]:
         strata: dict[int, list[float]] = {}
         invalid = turns = 0
@@ -242,7 +191,7 @@ class Coordinator:
                 jobs.append(("base", PolicyRef(kind=PolicyKind.BASE), self.cfg.eval.head_to_head_per_stratum))
             all_specs = []
             for _, opp, k in jobs:
-                all_specs.append(self._strata_specs(p.name, opp, k, eid))
+                all_specs.append(strata_episodes(self.cfg, p.name, opp, k, eid))
                 eid += len(all_specs[-1])
             flat = [s for specs in all_specs for s in specs]
             summaries = await self._run(flat, step, train=False)

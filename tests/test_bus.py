@@ -1,6 +1,5 @@
 import asyncio
 
-import numpy as np
 import pytest
 import zmq
 import zmq.asyncio

@@ -1,0 +1,202 @@
+"""Episodes: which ones a job plays (pure functions of the config, the root seed and the
+step) and how one is played (:func:`play_episode`, shared by the env runner and the
+single-process baseline of ``benchmarks/pipeline_pace.py``).
+
+The game is driven through the PettingZoo AEC loop; scripted seats act inside the runner;
+each LLM seat keeps a :class:`~opentinker.render.SeatRenderer`, so a turn adds only its delta
+tokens, and every sample is seeded from the episode (seed, id, seat, turn).
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+import msgspec
+import numpy as np
+
+import games
+from games.kuhn_poker import DEALS
+from games.scripted import SCRIPTED
+from opentinker.config import JobConfig
+from opentinker.render import ChatTokenizer, SeatRenderer
+from protocols.messages import (
+    EpisodeSpec,
+    EpisodeSummary,
+    ParseOutcome,
+    PolicyKind,
+    PolicyRef,
+    RunEpisodes,
+    SampleResult,
+    SamplingParams,
+    StopReason,
+    Trajectory,
+    Turn,
+)
+
+SEATS = ("player_0", "player_1")
+MAX_AGENT_STEPS = 1000
+"""Upper bound on agent-steps in one episode: a game that runs longer is an error."""
+
+SampleFn = Callable[[PolicyRef, np.ndarray, SamplingParams], Awaitable[SampleResult]]
+"""``sample(policy, prompt_T, params)``: one reply from the scheduler (or an in-process host)."""
+
+
+def sample_seed(episode_seed: int, episode_id: int, seat_index: int, turn: int) -> int:
+    """The seed of one decision's sample (63-bit). Episodes of a group share ``episode_seed``
+    (hence the game's start) and differ in ``episode_id``, hence in their samples."""
+    words = np.random.SeedSequence([episode_seed & 0xFFFFFFFF, episode_seed >> 32, episode_id, seat_index, turn])
+    hi, lo = (int(w) for w in words.generate_state(2, np.uint32))
+    return (hi << 31) | (lo >> 1)
+
+
+def opponent_ref(policy: str, opponent: str) -> PolicyRef:
+    """Who plays the other seat: ``self``, ``base``, a scripted policy or another policy."""
+    if opponent == "self":
+        return PolicyRef(kind=PolicyKind.ADAPTER, name=policy)
+    if opponent == "base":
+        return PolicyRef(kind=PolicyKind.BASE)
+    if opponent in SCRIPTED:
+        return PolicyRef(kind=PolicyKind.SCRIPTED, name=opponent)
+    return PolicyRef(kind=PolicyKind.ADAPTER, name=opponent)
+
+
+def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
+    """The episodes of training step ``step``: a pure function of the config and step."""
+    tc = cfg.train
+    rng = np.random.default_rng([cfg.seed & 0xFFFFFFFF, step, 1])
+    specs: list[EpisodeSpec] = []
+    eid = step * 1_000_000
+    group = step * 100_000
+    for p in cfg.policies:
+        opps = sorted(p.opponents)
+        w = np.asarray([p.opponents[o] for o in opps], dtype=np.float64)
+        for _ in range(tc.groups_per_step):
+            opp = opps[int(rng.choice(len(opps), p=w / w.sum()))]
+            me = int(rng.integers(2))
+            seed = int(rng.integers(1 << 62))
+            seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name), SEATS[1 - me]: opponent_ref(p.name, opp)}
+            seat_groups = {SEATS[me]: group, SEATS[1 - me]: group + 1}
+            group += 2
+            for _ in range(tc.group_size):
+                specs.append(
+                    EpisodeSpec(
+                        episode_id=eid, group_id=seat_groups[SEATS[me]], game=cfg.game, seed=seed,
+                        seats=seats, seat_groups=seat_groups, train=True,
+                    )
+                )
+                eid += 1
+    return specs
+
+
+def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, first_id: int) -> list[EpisodeSpec]:
+    """Evaluation episodes: ``n`` per (deal, seat) of Kuhn poker, the same seeds every time."""
+    specs, eid = [], first_id
+    for deal in range(len(DEALS)):
+        for me in range(2):
+            for k in range(n):
+                # The same seeds at every evaluation: before/after comparisons are paired.
+                seed = int(np.random.SeedSequence([cfg.seed & 0xFFFFFFFF, 99, deal, me, k]).generate_state(1)[0])
+                seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=policy), SEATS[1 - me]: opponent}
+                specs.append(
+                    EpisodeSpec(episode_id=eid, group_id=deal * 2 + me, game=cfg.game,
+                                game_kwargs={"deal": deal}, seed=seed, seats=seats, train=False)
+                )
+                eid += 1
+    return specs
+
+
+async def play_episode(
+    spec: EpisodeSpec,
+    msg: RunEpisodes,
+    tok: ChatTokenizer,
+    sample: SampleFn,
+) -> tuple[EpisodeSummary, list[Trajectory]]:
+    """Play one episode; LLM seats reply through ``sample(policy, prompt_T, params)``.
+
+    Returns the episode's summary and, for a training episode, the trajectory of every seat
+    played by a trainable policy named in ``msg.learners``.
+    """
+    env = games.make(spec.game, **spec.game_kwargs)
+    env.reset(seed=spec.seed)
+    agents = list(env.possible_agents)
+    for agent in spec.seats:
+        if agent not in agents:
+            raise ValueError(f"episode {spec.episode_id}: {spec.game} has no seat {agent!r}")
+    scripted = {
+        a: games.make_scripted(ref.name) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED
+    }
+    rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
+    renderers = {a: SeatRenderer(tok, msg.system_prompt) for a in agents if a not in scripted}
+    turns: dict[str, list[Turn]] = {a: [] for a in agents}
+    totals = {a: 0.0 for a in agents}
+    invalid = {a: 0 for a in agents}
+    decisions = {a: 0 for a in agents}
+    transcript: list[str] = []
+    for n, agent in enumerate(env.agent_iter(max_iter=MAX_AGENT_STEPS)):
+        obs, _, term, trunc, info = env.last()
+        if term or trunc:
+            env.step(None)
+            continue
+        ref = spec.seats.get(agent)
+        if ref is None:
+            raise ValueError(f"episode {spec.episode_id}: no policy for seat {agent!r}")
+        decisions[agent] += 1
+        before = dict(getattr(env.unwrapped, "invalid_counts", {}))
+        if agent in scripted:
+            text = scripted[agent].act(obs["text"], info, rng)
+            env.step(text)
+        else:
+            r = renderers[agent]
+            obs_tokens = r.observe(obs["text"])
+            seed = sample_seed(spec.seed, spec.episode_id, agents.index(agent), len(turns[agent]))
+            params = msgspec.structs.replace(
+                msg.sampling, seed=seed, stop_token_ids=msg.sampling.stop_token_ids or (tok.eos_id,)
+            )
+            result = await sample(ref, r.prompt(), params)
+            sampled, logps = result.tokens[0], result.logprobs[0]
+            stop = result.stop_reasons[0]
+            r.add_reply(sampled, stop is StopReason.STOP)
+            text = tok.decode(sampled)
+            env.step(text)
+            bad = getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0) > before.get(agent, 0)
+            turns[agent].append(
+                Turn(
+                    obs_tokens=obs_tokens,
+                    sampled_tokens=np.asarray(sampled, dtype=np.int32),
+                    sampler_logprobs=np.asarray(logps, dtype=np.float32),
+                    policy=msgspec.structs.replace(ref, version=result.adapter_version),
+                    stop_reason=stop,
+                    parse=ParseOutcome.INVALID if bad else ParseOutcome.OK,
+                    reward=float(env.rewards.get(agent, 0.0)),
+                )
+            )
+        if getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0) > before.get(agent, 0):
+            invalid[agent] += 1
+        for a, rew in env.rewards.items():
+            totals[a] += float(rew)
+        transcript.append(f"{agent} [{ref.label()}]: {text!r}")
+    else:
+        if env.agents:
+            raise RuntimeError(f"episode {spec.episode_id} did not end in {MAX_AGENT_STEPS} agent-steps")
+    env.close()
+    trajectories = []
+    if spec.train:
+        for agent, ref in spec.seats.items():
+            if ref.kind is PolicyKind.ADAPTER and ref.name in msg.learners and turns[agent]:
+                trajectories.append(
+                    Trajectory(
+                        episode_id=spec.episode_id,
+                        group_id=spec.seat_groups.get(agent, spec.group_id),
+                        seat=agent,
+                        seed=spec.seed,
+                        policy=ref.name,
+                        turns=turns[agent],
+                        total_reward=totals[agent],
+                        step=msg.step,
+                    )
+                )
+    summary = EpisodeSummary(
+        episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed,
+        rewards=totals, invalid=invalid, turns=decisions, transcript=transcript,
+    )
+    return summary, trajectories
