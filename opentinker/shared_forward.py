@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 
 def _lcp(seqs: Sequence[np.ndarray]) -> int:
@@ -43,6 +44,22 @@ def _unique(keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
             reps.append(i)
         inverse.append(first[k])
     return reps, inverse
+
+
+def _buckets(lengths: Sequence[int], waste: float = 0.25) -> list[list[int]]:
+    """Indices grouped by length (ascending) so that padding a bucket to its longest member
+    adds at most ``waste`` of its real tokens (and never splits rows of equal length)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets:
+            b = buckets[-1]
+            real = sum(lengths[j] for j in b) + lengths[i]
+            if lengths[i] * (len(b) + 1) <= (1 + waste) * real:
+                b.append(i)
+                continue
+        buckets.append([i])
+    return buckets
 
 
 def selected_logprobs(
@@ -102,24 +119,30 @@ def selected_logprobs(
             input_ids=ids.to(device), attention_mask=att_C.to(device), position_ids=pos.to(device),
             cache=cache, use_cache=True,
         ).cache
-    idx_U = torch.as_tensor(cinv, dtype=torch.long, device=device)
-    if cache is not None and (U != C or cinv != list(range(C))):
-        cache.reorder_cache(idx_U)
-
-    # Level 3: every distinct sequence's tail.
+    # Level 3: every distinct sequence's tail, in buckets of similar length so that short
+    # tails are not padded to the longest (a two-turn sequence's tail holds a whole turn).
     tails = [s[c:] for s, c in zip(useqs, split)]
-    Lt = max(len(t) for t in tails)
-    ids = torch.full((U, Lt), pad_id, dtype=torch.long)
-    m = torch.zeros((U, Lt), dtype=torch.long)
-    for u, t in enumerate(tails):
-        ids[u, : len(t)] = torch.as_tensor(t)
-        m[u, : len(t)] = 1
-    att = torch.cat([att_C[idx_U.cpu()], m], 1)
-    pos = torch.as_tensor(split)[:, None] + torch.arange(Lt)[None]
-    h3 = body(
-        input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
-        cache=cache, use_cache=cache is not None,
-    ).last_hidden_state
+    h3: list[torch.Tensor | None] = [None] * U
+    for bucket in _buckets([len(t) for t in tails]):
+        Lt = max(len(tails[u]) for u in bucket)
+        ids = torch.full((len(bucket), Lt), pad_id, dtype=torch.long)
+        m = torch.zeros((len(bucket), Lt), dtype=torch.long)
+        for i, u in enumerate(bucket):
+            ids[i, : len(tails[u])] = torch.as_tensor(tails[u])
+            m[i, : len(tails[u])] = 1
+        ctx_rows = torch.as_tensor([cinv[u] for u in bucket], dtype=torch.long)
+        att = torch.cat([att_C[ctx_rows], m], 1)
+        pos = torch.as_tensor([split[u] for u in bucket])[:, None] + torch.arange(Lt)[None]
+        sub = None
+        if cache is not None:
+            idx = ctx_rows.to(device)
+            sub = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx)) for k, v, *_ in cache])
+        out = body(
+            input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
+            cache=sub, use_cache=sub is not None,
+        ).last_hidden_state
+        for i, u in enumerate(bucket):
+            h3[u] = out[i]
 
     rows = np.concatenate([np.full(len(p), u) for u, p in enumerate(upos)]).astype(np.int64)
     cols = np.concatenate(upos).astype(np.int64)
@@ -129,13 +152,14 @@ def selected_logprobs(
     in_prefix = before < P
     if np.any(~in_prefix & (before < splits)):
         raise AssertionError("a loss position fell inside a shared context")
-    h_N = torch.empty((len(rows), h3.shape[-1]), dtype=h3.dtype, device=device)
     sel3 = np.nonzero(~in_prefix)[0]
-    h_N = h3[torch.as_tensor(rows[sel3], device=device), torch.as_tensor(before[sel3] - splits[sel3], device=device)]
+    h_N = torch.stack([h3[rows[j]][before[j] - splits[j]] for j in sel3]) if len(sel3) else None
     if in_prefix.any():
         sel1 = np.nonzero(in_prefix)[0]
-        h_all = torch.zeros((len(rows), h3.shape[-1]), dtype=h3.dtype, device=device)
-        h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
+        H = h1.shape[-1]
+        h_all = torch.zeros((len(rows), H), dtype=h1.dtype, device=device)
+        if h_N is not None:
+            h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
         h_N = h_all.index_copy(0, torch.as_tensor(sel1, device=device), h1[torch.as_tensor(before[sel1], device=device)])
     ulogp_N = torch.log_softmax(lm_head(h_N).float(), -1).gather(-1, targets[:, None])[:, 0]
     starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])

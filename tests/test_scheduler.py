@@ -170,5 +170,5 @@ def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
         for p in host.adapters["alpha"].params:
             p.grad = None
     assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
-    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-7, rtol=1e-4)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-6, rtol=1e-4)
     assert grads[0][1].abs().sum() > 0
