@@ -126,9 +126,11 @@ class Coordinator:
 
     async def _train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        before = (await self.scheduler.request(SchedulerStats())).counters
         specs = train_episodes(self.cfg, step)
         summaries = await self._run(specs, step, train=True)
         t1 = time.perf_counter()
+        after = (await self.scheduler.request(SchedulerStats())).counters
         expected = {p.name: 0 for p in self.cfg.policies}
         by_id = {s.episode_id: s for s in summaries}
         metrics: dict[str, float] = {}
@@ -157,7 +159,13 @@ class Coordinator:
             for k, v in res.metrics.items():
                 metrics[f"train/{name}/{k}"] = v
         t2 = time.perf_counter()
+        done = (await self.scheduler.request(SchedulerStats())).counters
+        for key in ("SampleRequest", "ForwardBackward", "OptimStep"):
+            k = f"compute_ms/{key}"
+            metrics[f"perf/compute_s/{key}"] = (done.get(k, 0) - before.get(k, 0)) / 1000
         metrics.update({"timing_s/rollout": t1 - t0, "timing_s/learn": t2 - t1, "train/episodes": len(specs)})
+        for key in ("sample_batches", "sample_rows"):
+            metrics[f"perf/{key}"] = after.get(key, 0) - before.get(key, 0)
         self.transcripts = [line for s in summaries[:4] for line in [f"# episode {s.episode_id}", *s.transcript]]
         return metrics
 

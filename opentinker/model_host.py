@@ -12,6 +12,7 @@ that predict a loss token.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -126,26 +127,26 @@ class ModelHost:
             if len(p) and (int(np.min(p)) < 0 or int(np.max(p)) >= vocab):
                 raise ValueError(f"prompt token id out of range [0, {vocab})")
         names = [BASE if a is None else a for a in adapters]
-        use_peft = self.model is not self.base
+        # PEFT's mixed batches split every LoRA layer by adapter; one adapter needs no split.
+        mixed = self.model is not self.base and len(set(names)) > 1
 
         def forward(ids, mask, pos, past, rows):
             kwargs = dict(
                 input_ids=ids, attention_mask=mask, position_ids=pos, cache=past,
                 use_cache=True, logits_to_keep=1,
             )
-            if use_peft:
+            if mixed:
                 kwargs["adapter_names"] = [names[r] for r in rows]
             out = self.model(**kwargs)
             return out.logits[:, -1, :], out.cache
 
-        return sample_rows(forward, prompts, params, seeds, self.pad_id, self.device, keys=names)
+        with (self._select(adapters[0]) if not mixed else contextlib.nullcontext()):
+            return sample_rows(forward, prompts, params, seeds, self.pad_id, self.device, keys=names)
 
     # ----------------------------------------------------------------------------- log-probs
 
     def _select(self, adapter: str | None):
         """Context in which the model computes with ``adapter`` (``None``: the base)."""
-        import contextlib
-
         if self.model is self.base:
             if adapter is not None:
                 self._adapter(adapter)

@@ -56,13 +56,15 @@ class Scheduler:
         device: str = "cpu",
         threads: int | None = None,
         endpoint: str = LOOPBACK,
-        batch_window_s: float = 0.003,
+        batch_window_s: float = 0.005,
+        max_batch_wait_s: float = 0.05,
         max_batch_rows: int = 512,
     ) -> None:
         self.model_path = model_path
         self.device = device
         self.threads = threads
         self.batch_window_s = batch_window_s
+        self.max_batch_wait_s = max_batch_wait_s
         self.max_batch_rows = max_batch_rows
         self._bind = endpoint
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -111,8 +113,16 @@ class Scheduler:
             head = self._jobs.popleft()
             if not isinstance(head.msg, SampleRequest):
                 return [head]
-        # A short window lets requests that are already on their way join this batch.
-        if self.batch_window_s > 0:
+        # Requests that are on their way join this batch: wait while new ones keep arriving
+        # (each within batch_window_s of the last), at most max_batch_wait_s in all.
+        deadline = time.perf_counter() + self.max_batch_wait_s
+        seen = -1
+        while self.batch_window_s > 0 and time.perf_counter() < deadline:
+            with self._cv:
+                n = len(self._jobs)
+            if n == seen:
+                break
+            seen = n
             time.sleep(self.batch_window_s)
         with self._cv:
             batch, rest, rows = [head], collections.deque(), len(head.msg.prompts)
@@ -130,6 +140,7 @@ class Scheduler:
             jobs = self._take()
             if jobs is None:
                 return
+            t0 = time.perf_counter()
             try:
                 if isinstance(jobs[0].msg, SampleRequest):
                     replies: list[Any] = self._sample(jobs)
@@ -139,6 +150,9 @@ class Scheduler:
                 for job in jobs:
                     job.loop.call_soon_threadsafe(_set_exception, job.future, e)
                 continue
+            finally:
+                # Time spent computing, by kind of request: the rest of a client's wait is queueing and transport.
+                self.compute_counters[f"compute_ms/{type(jobs[0].msg).__name__}"] += int(1000 * (time.perf_counter() - t0))
             for job, reply in zip(jobs, replies):
                 job.loop.call_soon_threadsafe(_set_result, job.future, reply)
 
