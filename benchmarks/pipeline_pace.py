@@ -44,6 +44,7 @@ class Args:
     groups: int = 16
     group_size: int = 4
     backends: str = "single,local,ray"
+    device: str = "cpu"
     json: str = ""
 
 
@@ -57,7 +58,7 @@ def parse() -> Args:
 def job_config(args: Args, backend: str) -> JobConfig:
     return msgspec.convert(
         {
-            "model": {"base": args.model},
+            "model": {"base": args.model, "device": args.device},
             "runtime": {"backend": "local" if backend == "single" else backend},
             "train": {"groups_per_step": args.groups, "group_size": args.group_size},
             "policies": [{"name": "main", "opponents": {"random": 0.75, "self": 0.25}}],
@@ -72,7 +73,7 @@ class SingleProcessLoop:
 
     def __init__(self, cfg: JobConfig, path: str) -> None:
         self.cfg = cfg
-        self.host = ModelHost(path, threads=os.cpu_count())
+        self.host = ModelHost(path, threads=os.cpu_count(), device=cfg.model.device)
         p = cfg.policies[0]
         self.host.create_adapter(p.name, LoraSpec(rank=p.lora_rank, alpha=p.lora_alpha, target_modules=tuple(p.target_modules), seed=cfg.seed))
         self.tok = ChatTokenizer(path)

@@ -33,6 +33,7 @@ class Args:
     rows: int = 64
     repeats: int = 3
     threads: int = 2
+    device: str = "cpu"
     seed: int = 0
     json: str = ""
 
@@ -78,7 +79,7 @@ def timed(host: ModelHost, datums: list[Datum], share: bool, repeats: int) -> tu
         t = time.perf_counter()
         loss, _ = host.forward_backward("bench", datums, "ppo", {}, normalizer)
         times.append(time.perf_counter() - t)
-        grad = torch.cat([p.grad.flatten() for p in host.adapters["bench"].params]).clone()
+        grad = torch.cat([p.grad.flatten() for p in host.adapters["bench"].params]).cpu().clone()
         for p in host.adapters["bench"].params:
             p.grad = None
     return times, loss, grad
@@ -87,7 +88,7 @@ def timed(host: ModelHost, datums: list[Datum], share: bool, repeats: int) -> tu
 def main() -> None:
     args = parse()
     path = resolve_model(args.model)
-    host = ModelHost(path, threads=args.threads)
+    host = ModelHost(path, threads=args.threads, device=args.device)
     host.create_adapter("bench", LoraSpec(rank=8))
     tok = ChatTokenizer(path)
     datums = kuhn_batch(host, tok, args.rows, args.seed)
@@ -99,7 +100,7 @@ def main() -> None:
     assert abs(plain_loss - tree_loss) < 1e-4 and rel < 1e-3, (plain_loss, tree_loss, rel)
 
     results = {
-        "model": args.model, "rows": args.rows, "tokens": tokens, "threads": args.threads,
+        "model": args.model, "device": args.device, "rows": args.rows, "tokens": tokens, "threads": args.threads,
         "plain_s": statistics.median(plain_t), "shared_s": statistics.median(tree_t),
         "speedup": statistics.median(plain_t) / statistics.median(tree_t),
         "loss_plain": plain_loss, "loss_shared": tree_loss, "max_grad_rel_diff": rel,

@@ -43,7 +43,11 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
         tr = [r for r in rows if r["kind"] == "train" and r.get(f"train/{p}/reward") is not None]
         ev = [r for r in rows if r["kind"] == "eval" and r.get(f"eval/{p}/vs_random/chips") is not None]
         if tr:
-            ax.plot([r["step"] for r in tr], [r[f"train/{p}/reward"] for r in tr], alpha=0.4, label=f"{p}: train reward (mixed opponents)")
+            x, y = [r["step"] for r in tr], [r[f"train/{p}/reward"] for r in tr]
+            ax.plot(x, y, alpha=0.25, color="tab:blue", label=f"{p}: train reward (mixed opponents)")
+            k = min(5, len(y))
+            smooth = [sum(y[max(0, i - k + 1) : i + 1]) / len(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
+            ax.plot(x, smooth, color="tab:blue", lw=1.5, label=f"{p}: train reward, mean of last {k} steps")
             ax2.plot([r["step"] for r in tr], [r[f"train/{p}/invalid_rate"] for r in tr], alpha=0.6, label=f"{p}: train")
         if ev:
             x = [r["step"] for r in ev]

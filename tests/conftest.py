@@ -10,12 +10,16 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+DEVICE = os.environ.get("OPENTINKER_TEST_DEVICE", "cpu")
+"""Torch device of the model in tests (``cuda`` on a GPU machine; CI has none)."""
+
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
+    """The tiny-random model folder (``OPENTINKER_TEST_MODEL`` points at a copy elsewhere)."""
     from opentinker.models import resolve_model
 
-    return resolve_model("tiny-random")
+    return os.environ.get("OPENTINKER_TEST_MODEL") or resolve_model("tiny-random")
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +33,7 @@ def chat_tok(tiny_path):
 def scheduler(tiny_path):
     from opentinker.scheduler import Scheduler
 
-    s = Scheduler(tiny_path, threads=2)
+    s = Scheduler(tiny_path, threads=2, device=DEVICE)
     s.start()
     yield s
     s.stop()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq.asyncio
 
-from conftest import run
+from conftest import DEVICE, run
 from opentinker.bus import Client, RemoteError
 from opentinker.render import SeatRenderer
 from protocols.messages import (
@@ -154,7 +154,7 @@ def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat
 def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
     from opentinker.model_host import ModelHost
 
-    host = ModelHost(tiny_path, threads=2)
+    host = ModelHost(tiny_path, threads=2, device=DEVICE)
     host.create_adapter("alpha", LoraSpec(rank=4))
     rng = np.random.default_rng(0)
     datums = []
@@ -166,7 +166,7 @@ def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
     for share in (False, True):
         host.share_prefix = share
         loss, _ = host.forward_backward("alpha", datums, "ppo", {}, normalizer=10.0)
-        grads.append((loss, torch.cat([p.grad.flatten() for p in host.adapters["alpha"].params]).clone()))
+        grads.append((loss, torch.cat([p.grad.flatten() for p in host.adapters["alpha"].params]).cpu().clone()))
         for p in host.adapters["alpha"].params:
             p.grad = None
     assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
