@@ -104,6 +104,15 @@ class ModelHost:
             raise KeyError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
         return self.adapters[name]
 
+    def _check_tokens(self, seqs: Sequence[np.ndarray], where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` for an empty sequence or an id outside the vocabulary."""
+        vocab = self.base.config.vocab_size
+        for i, s in enumerate(seqs):
+            if len(s) == 0:
+                raise ValueError(f"{where}[{i}] is empty")
+            if int(np.min(s)) < 0 or int(np.max(s)) >= vocab:
+                raise ValueError(f"{where}[{i}]: token id out of range [0, {vocab})")
+
     def version(self, name: str | None) -> int:
         return -1 if name is None else self._adapter(name).version
 
@@ -122,10 +131,7 @@ class ModelHost:
         for a in set(adapters):
             if a is not None:
                 self._adapter(a)
-        vocab = self.base.config.vocab_size
-        for p in prompts:
-            if len(p) and (int(np.min(p)) < 0 or int(np.max(p)) >= vocab):
-                raise ValueError(f"prompt token id out of range [0, {vocab})")
+        self._check_tokens(prompts, "SampleRequest.prompts")
         names = [BASE if a is None else a for a in adapters]
         # PEFT's mixed batches split every LoRA layer by adapter; one adapter needs no split.
         mixed = self.model is not self.base and len(set(names)) > 1
@@ -171,12 +177,11 @@ class ModelHost:
     @torch.no_grad()
     def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
         """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0)."""
+        self._check_tokens(seqs, "LogprobsRequest.sequences")
         out: list[np.ndarray] = []
         with self._select(adapter):
             for start in range(0, len(seqs), chunk):
                 part = [np.asarray(s) for s in seqs[start : start + chunk]]
-                if any(len(s) < 1 for s in part):
-                    raise ValueError("empty sequence in LogprobsRequest")
                 logp_N, taken = self._logp_at(part, [np.ones(len(s)) for s in part], self.share_prefix)
                 logp_N = logp_N.cpu().numpy()
                 k = 0
@@ -205,6 +210,7 @@ class ModelHost:
         if not normalizer > 0:
             raise ValueError(f"ForwardBackward.normalizer must be > 0, got {normalizer}")
         state = self._adapter(adapter)
+        self._check_tokens([d.tokens for d in datums], "ForwardBackward.datums.tokens")
         for d in datums:
             if "mask" not in d.loss_inputs:
                 raise ValueError("Datum.loss_inputs needs 'mask'")

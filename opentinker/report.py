@@ -53,8 +53,8 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
             x = [r["step"] for r in ev]
             y = [r[f"eval/{p}/vs_random/chips"] for r in ev]
             ci = [r[f"eval/{p}/vs_random/ci95"] or 0.0 for r in ev]
-            ax.plot(x, y, "o-", label=f"{p}: eval vs random (95% CI)")
-            ax.fill_between(x, [a - b for a, b in zip(y, ci)], [a + b for a, b in zip(y, ci)], alpha=0.2)
+            ax.plot(x, y, "o-", color="tab:orange", label=f"{p}: eval vs random (95% CI)")
+            ax.fill_between(x, [a - b for a, b in zip(y, ci)], [a + b for a, b in zip(y, ci)], color="tab:orange", alpha=0.2)
             ax2.plot(x, [r[f"eval/{p}/vs_random/invalid_rate"] for r in ev], "o-", label=f"{p}: eval")
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.axhline(0.458, color="green", lw=0.8, ls="--", label="best response to random (+0.458)")

@@ -138,6 +138,7 @@ def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat
             SampleRequest(adapter=None, prompts=[prompt], params=SamplingParams(temperature=0.0)),
             OptimStep(adapter="nope", params=AdamParams()),
             ForwardBackward(adapter="nope", datums=[], loss="ppo", normalizer=0.0),
+            LogprobsRequest(adapter=None, sequences=[np.array([], np.int32)]),
         ):
             with pytest.raises(RemoteError) as e:
                 await c.request(msg)
@@ -148,6 +149,7 @@ def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat
     errors, ok = run(_with_client(scheduler, body))
     assert all(e.code is ErrorCode.INVALID for e in errors)
     assert "nope" in errors[0].message and "out of range" in errors[1].message and "temperature" in errors[2].message
+    assert "LogprobsRequest.sequences[0] is empty" in errors[-1].message
     assert len(ok.tokens[0]) >= 1
 
 
