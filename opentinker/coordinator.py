@@ -18,7 +18,7 @@ from games.scripted import SCRIPTED
 from games.kuhn_poker import exploitability
 from opentinker.bus import Client, LoopThread
 from opentinker.config import JobConfig
-from opentinker.episodes import strata_episodes, train_episodes
+from opentinker.episodes import KUHN, strata_episodes, train_episodes
 from opentinker.evaluation import kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
 from opentinker.render import ChatTokenizer
 from protocols.messages import (
@@ -190,8 +190,6 @@ class Coordinator:
     async def _evaluate(self, step: int, head_to_head: bool, n: int) -> dict[str, float]:
         t0 = time.perf_counter()
         out: dict[str, float] = {}
-        if self.cfg.game != "kuhn_poker_v0":
-            raise ValueError(f"evaluation is defined for kuhn_poker_v0, not {self.cfg.game}")
         eid = EVAL_STEP_BASE + step * 1_000_000
         for p in self.cfg.policies:
             jobs = [("random", PolicyRef(kind=PolicyKind.SCRIPTED, name="random"), n)]
@@ -210,7 +208,7 @@ class Coordinator:
                 out[f"eval/{p.name}/vs_{label}/ci95"] = ci
                 out[f"eval/{p.name}/vs_{label}/invalid_rate"] = inv
                 out[f"eval/{p.name}/vs_{label}/hands"] = hands
-            if self.cfg.eval.exploitability:
+            if self.cfg.eval.exploitability and self.cfg.game == KUHN:
                 seqs, n_reply = kuhn_policy_sequences(self.tok, self.cfg.system_prompt)
                 res = await self.scheduler.request(LogprobsRequest(adapter=p.name, sequences=seqs), self.cfg.runtime.timeout_s)
                 assert isinstance(res, LogprobsResult)

@@ -9,6 +9,7 @@ tokens, and every sample is seeded from the episode (seed, id, seat, turn).
 
 from __future__ import annotations
 
+import functools
 from typing import Awaitable, Callable
 
 import msgspec
@@ -33,7 +34,7 @@ from protocols.messages import (
     Turn,
 )
 
-SEATS = ("player_0", "player_1")
+KUHN = "kuhn_poker_v0"
 MAX_AGENT_STEPS = 1000
 """Upper bound on agent-steps in one episode: a game that runs longer is an error."""
 
@@ -60,9 +61,27 @@ def opponent_ref(policy: str, opponent: str) -> PolicyRef:
     return PolicyRef(kind=PolicyKind.ADAPTER, name=opponent)
 
 
+@functools.lru_cache(maxsize=None)
+def game_agents(game: str) -> tuple[str, ...]:
+    """The seats of a registered game, in their order."""
+    return tuple(games.make(game).possible_agents)
+
+
+def eval_starts(game: str) -> list[dict[str, int]]:
+    """The strata of an evaluation: game kwargs of each start. Kuhn poker has 6 deals; other
+    games are stratified by seat only (6 blocks of seeds each)."""
+    if game == KUHN:
+        return [{"deal": d} for d in range(len(DEALS))]
+    return [{} for _ in range(6)]
+
+
 def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
-    """The episodes of training step ``step``: a pure function of the config and step."""
+    """The episodes of training step ``step``: a pure function of the config and step.
+
+    Each group is one start (one reset seed), one seat for the policy, one opponent drawn from
+    the policy's mix for every other seat; ``group_size`` episodes differ only in sampling."""
     tc = cfg.train
+    agents = game_agents(cfg.game)
     rng = np.random.default_rng([cfg.seed & 0xFFFFFFFF, step, 1])
     specs: list[EpisodeSpec] = []
     eid = step * 1_000_000
@@ -72,15 +91,16 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
         w = np.asarray([p.opponents[o] for o in opps], dtype=np.float64)
         for _ in range(tc.groups_per_step):
             opp = opps[int(rng.choice(len(opps), p=w / w.sum()))]
-            me = int(rng.integers(2))
+            me = agents[int(rng.integers(len(agents)))]
             seed = int(rng.integers(1 << 62))
-            seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name), SEATS[1 - me]: opponent_ref(p.name, opp)}
-            seat_groups = {SEATS[me]: group, SEATS[1 - me]: group + 1}
-            group += 2
+            seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name) if a == me else opponent_ref(p.name, opp) for a in agents}
+            # Every seat is its own group: in self-play the two seats' rewards are not comparable.
+            seat_groups = {a: group + i for i, a in enumerate(agents)}
+            group += len(agents)
             for _ in range(tc.group_size):
                 specs.append(
                     EpisodeSpec(
-                        episode_id=eid, group_id=seat_groups[SEATS[me]], game=cfg.game, seed=seed,
+                        episode_id=eid, group_id=seat_groups[me], game=cfg.game, seed=seed,
                         seats=seats, seat_groups=seat_groups, train=True,
                     )
                 )
@@ -89,17 +109,19 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
 
 
 def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, first_id: int) -> list[EpisodeSpec]:
-    """Evaluation episodes: ``n`` per (deal, seat) of Kuhn poker, the same seeds every time."""
+    """Evaluation episodes: ``n`` per (start, seat) (Kuhn poker: per deal and seat), the
+    policy in that seat and ``opponent`` in every other; the same seeds every time, so
+    evaluations before and after training are paired. ``group_id`` is the stratum."""
+    agents = game_agents(cfg.game)
     specs, eid = [], first_id
-    for deal in range(len(DEALS)):
-        for me in range(2):
+    for s, kwargs in enumerate(eval_starts(cfg.game)):
+        for i, me in enumerate(agents):
             for k in range(n):
-                # The same seeds at every evaluation: before/after comparisons are paired.
-                seed = int(np.random.SeedSequence([cfg.seed & 0xFFFFFFFF, 99, deal, me, k]).generate_state(1)[0])
-                seats = {SEATS[me]: PolicyRef(kind=PolicyKind.ADAPTER, name=policy), SEATS[1 - me]: opponent}
+                seed = int(np.random.SeedSequence([cfg.seed & 0xFFFFFFFF, 99, s, i, k]).generate_state(1)[0])
+                seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=policy) if a == me else opponent for a in agents}
                 specs.append(
-                    EpisodeSpec(episode_id=eid, group_id=deal * 2 + me, game=cfg.game,
-                                game_kwargs={"deal": deal}, seed=seed, seats=seats, train=False)
+                    EpisodeSpec(episode_id=eid, group_id=s * len(agents) + i, game=cfg.game,
+                                game_kwargs=kwargs, seed=seed, seats=seats, train=False)
                 )
                 eid += 1
     return specs
