@@ -10,21 +10,43 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pettingzoo import AECEnv
+from pettingzoo import AECEnv, ParallelEnv
 
-from games import kuhn_poker
+from games import kuhn_poker, tictactoe
+from games.bridge import from_pettingzoo
 from games.scripted import SCRIPTED, ScriptedPolicy, make_scripted
 
-__all__ = ["SCRIPTED", "ScriptedPolicy", "make", "make_scripted", "names", "register"]
+__all__ = [
+    "SCRIPTED",
+    "ScriptedPolicy",
+    "from_pettingzoo",
+    "make",
+    "make_parallel",
+    "make_scripted",
+    "names",
+    "register",
+]
 
 _REGISTRY: dict[str, Callable[..., AECEnv]] = {}
+_PARALLEL: dict[str, Callable[..., ParallelEnv]] = {}
 
 
-def register(name: str, factory: Callable[..., AECEnv]) -> None:
-    """Register `factory(**kwargs) -> AECEnv` under the versioned `name`; duplicates are errors."""
+def register(
+    name: str,
+    factory: Callable[..., AECEnv],
+    *,
+    parallel: Callable[..., ParallelEnv] | None = None,
+) -> None:
+    """Register `factory(**kwargs) -> AECEnv` under the versioned `name`; duplicates are errors.
+
+    A simultaneous-move game also passes `parallel(**kwargs) -> ParallelEnv`, its Parallel
+    form for `make_parallel`; `factory` must still give the AEC form (`parallel_to_aec`).
+    """
     if name in _REGISTRY:
         raise ValueError(f"game {name!r} is already registered")
     _REGISTRY[name] = factory
+    if parallel is not None:
+        _PARALLEL[name] = parallel
 
 
 def names() -> list[str]:
@@ -39,4 +61,19 @@ def make(name: str, **kwargs: Any) -> AECEnv:
     return _REGISTRY[name](**kwargs)
 
 
+def make_parallel(name: str, **kwargs: Any) -> ParallelEnv:
+    """Make the Parallel form of the game registered as `name`; ValueError for a turn-based game,
+    which has only the AEC form that `make` gives."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown game {name!r}; known games: {names()}")
+    if name not in _PARALLEL:
+        with_parallel = sorted(_PARALLEL) or "none"
+        raise ValueError(
+            f"game {name!r} has no parallel form (it is turn-based); use games.make({name!r}) "
+            f"for its AEC form. Games with a parallel form: {with_parallel}"
+        )
+    return _PARALLEL[name](**kwargs)
+
+
 register("kuhn_poker_v0", kuhn_poker.env)
+register("tictactoe_v0", tictactoe.env)

@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from games.kuhn_poker import equilibrium_policy
+from games.tictactoe import minimax_moves, to_move
 
 
 @runtime_checkable
@@ -50,9 +51,30 @@ class KuhnEquilibriumPolicy:
         return aggressive if rng.random() < self.policy[info["infostate"]] else passive
 
 
+class MinimaxPolicy:
+    """Exact tic-tac-toe play from `info["infostate"]` (the board): never loses.
+
+    `randomize=True` draws uniformly among the optimal cells (`minimax_moves`), so a league
+    meets more than one line of perfect play; False always plays the lowest optimal cell.
+    """
+
+    def __init__(self, randomize: bool = True) -> None:
+        self.randomize = randomize
+
+    def act(self, observation: str, info: dict[str, Any], rng: np.random.Generator) -> str:
+        """Return an optimal empty cell number for the mark to move, as text."""
+        if not info["legal_moves"]:
+            raise ValueError("MinimaxPolicy.act called with no legal moves (not this seat's turn)")
+        board = info["infostate"]
+        best = minimax_moves(board, to_move(board))
+        pick = best[int(rng.integers(len(best)))] if self.randomize else best[0]
+        return str(pick)
+
+
 SCRIPTED: dict[str, type] = {
     "random": RandomPolicy,
     "kuhn_equilibrium": KuhnEquilibriumPolicy,
+    "tictactoe_minimax": MinimaxPolicy,
 }
 """Scripted policies by name."""
 

@@ -25,7 +25,10 @@ def _cfg(**over) -> JobConfig:
                      {"name": "other", "opponents": {"random": 1}}],
     }
     for k, v in over.items():
-        raw.setdefault(k, {}).update(v) if isinstance(v, dict) else raw.__setitem__(k, v)
+        if isinstance(v, dict):
+            raw.setdefault(k, {}).update(v)
+        else:
+            raw[k] = v
     return msgspec.convert(raw, JobConfig)
 
 
@@ -90,3 +93,18 @@ def test_evaluation_reports_strata_and_exploitability(job):
         assert ev[f"eval/{p}/vs_base/hands"] == 6 * 2 * 1
         assert 0.0 <= ev[f"eval/{p}/vs_random/invalid_rate"] <= 1.0
         assert 0.0 < ev[f"eval/{p}/exploitability"] < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("game", __import__("games").names())
+def test_every_game_trains_and_evaluates_through_the_runtime(game, tiny_path):
+    cfg = _cfg(game=game, policies=[{"name": "main", "opponents": {"random": 1, "self": 1}}])
+    job = Job(cfg, tiny_path)
+    try:
+        m = job.coordinator("train_step", 1)
+        assert m["train/main/version"] == 1 and m["train/episodes"] == 4 * 2
+        ev = job.coordinator("evaluate", 1, True, 1)
+        assert ev["eval/main/vs_random/hands"] >= 6 * 2
+        assert ("eval/main/exploitability" in ev) == (game == "kuhn_poker_v0")
+    finally:
+        job.shutdown()

@@ -1,0 +1,305 @@
+"""Tic-tac-toe as a two-seat dialogue game, with an exact minimax solver.
+
+| Creation           | `games.make("tictactoe_v0")` or `tictactoe.env()`               |
+|--------------------|-----------------------------------------------------------------|
+| API                | PettingZoo AEC, turn-based, not parallelizable                  |
+| Agents             | `["player_x", "player_o"]`; player_x (X) moves first            |
+| Observation        | `Dict({"text": Text(512, charset=string.printable)})`           |
+| Action             | `Text(512, charset=string.printable)`: the seat's free-text reply |
+| Rewards            | at the end: win +1, loss -1, draw 0; zero-sum                   |
+
+**Game.** A 3x3 board with cells numbered 1-9 row by row. The seats alternate placing their
+mark (X, then O) in an empty cell; three of one mark in a row, column or diagonal wins, a full
+board with no line is a draw. Deterministic: `reset(seed=...)` only reseeds `np_random`.
+
+**What each seat sees.** One short user message per decision that carries the whole board, so
+every message stands alone. Empty cells show their number (the number is the move), marks show
+`X` or `O`, three cells per line:
+* the seat to act, e.g. player_o after X took 5:
+  "Tic-tac-toe. You are O. Opponent took cell 5.\\n1 2 3\\n4 X 6\\n7 8 9\\n
+  Reply with the number of an empty cell (1-9)." (player_x's first message has no
+  "Opponent took" sentence);
+* a seat not to act: "Tic-tac-toe. You are O.\\n1 2 3\\n4 5 6\\n7 8 9\\nWaiting for the opponent.";
+* at the end, the final board then the result: "You win: three in a row.", "You lose: three
+  in a row.", "Draw: the board is full.", "Your reply was invalid, a forfeit. You lose." or
+  "Opponent's reply was invalid, a forfeit. You win."
+
+**Legal replies.** A cell is mentioned by a digit 1-9 standing alone (not part of a longer
+number) within the first 512 characters: "5", "Cell 5.", "I take cell 5!" all mean cell 5;
+"10" mentions no cell. The reply is a move when exactly one distinct cell is mentioned and
+that cell is empty ("5, 5" is cell 5).
+
+**Invalid reply.** No cell mentioned (empty, garbage, "ten", a non-string), two or more
+distinct cells ("5 and 7", or an echo of the board: several numbers are no decision), or an
+occupied cell: the replying seat forfeits, -1 to it and +1 to the opponent, and the game ends.
+Counted in `infos[agent]["invalid"]` and `env.unwrapped.invalid_counts`.
+
+**Infos.** Always `invalid`, `infostate` (the board as 9 characters `X`/`O`/`.` row by row,
+e.g. "X...O...." ; the mark to move follows from the counts) and `legal_moves` (the empty cell
+numbers as strings, ascending; empty when not to act); at the end also `winner` (an agent, or
+None for a draw), `reason` ("line", "draw" or "forfeit") and `last_action` (the seat's last
+cell as a string, "invalid", or None if it never moved).
+
+**End.** After a line, a full board or a forfeit; all agents terminate together.
+
+**Exact play.** `minimax_moves(board, player)` gives every optimal cell by full game-tree
+search (memoized: 5,478 positions), preferring faster wins and slower losses;
+`minimax_move` the lowest of them. Optimal play never loses; both seats optimal is a draw.
+
+**Version history.** v0: initial release.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from functools import cache
+from typing import Any
+
+import gymnasium
+from gymnasium import spaces
+from gymnasium.utils import seeding
+from pettingzoo import AECEnv
+from pettingzoo.utils import wrappers
+
+AGENTS = ("player_x", "player_o")
+MARKS = ("X", "O")
+EMPTY = "."
+MAX_TEXT = 512
+HEADER = "Tic-tac-toe."
+INSTRUCTION = "Reply with the number of an empty cell (1-9)."
+LINES: tuple[tuple[int, int, int], ...] = (
+    (0, 1, 2), (3, 4, 5), (6, 7, 8),
+    (0, 3, 6), (1, 4, 7), (2, 5, 8),
+    (0, 4, 8), (2, 4, 6),
+)  # fmt: skip
+"""The 8 winning lines as 0-based board indices (cell number - 1)."""
+_CELL = re.compile(r"(?<![0-9])[1-9](?![0-9])")
+
+
+def parse_reply(reply: object, board: str) -> int | None:
+    """Return the cell number (1-9) that `reply` names, or None if the reply is invalid.
+
+    Valid when exactly one distinct cell number (a lone digit 1-9) occurs in the first
+    `MAX_TEXT` characters and that cell of `board` (9 characters `X`/`O`/`.`) is empty.
+    """
+    if not isinstance(reply, str):
+        return None
+    cells = {int(m.group()) for m in _CELL.finditer(reply[:MAX_TEXT])}
+    if len(cells) != 1:
+        return None
+    cell = cells.pop()
+    return cell if board[cell - 1] == EMPTY else None
+
+
+def winner_mark(board: str) -> str | None:
+    """The mark ("X" or "O") with three in a row on `board`, else None."""
+    for a, b, c in LINES:
+        if board[a] != EMPTY and board[a] == board[b] == board[c]:
+            return board[a]
+    return None
+
+
+def to_move(board: str) -> str:
+    """The mark to move on a consistent `board`: X when the counts are equal, else O."""
+    return MARKS[0] if board.count("X") == board.count("O") else MARKS[1]
+
+
+def _check_board(board: str, player: str) -> None:
+    if len(board) != 9 or set(board) - {"X", "O", EMPTY}:
+        raise ValueError(f"board must be 9 characters of 'X', 'O', '.', got {board!r}")
+    if board.count("X") - board.count("O") not in (0, 1):
+        raise ValueError(f"inconsistent mark counts on board {board!r}")
+    if player != to_move(board):
+        raise ValueError(f"it is {to_move(board)}'s move on {board!r}, not {player!r}'s")
+    if winner_mark(board) is not None or EMPTY not in board:
+        raise ValueError(f"the game on board {board!r} is over")
+
+
+@cache
+def _value(board: str) -> int:
+    """Negamax value for the mark to move: 10 - marks at the end for a win (faster wins score
+    higher), minus that for a loss, 0 for a draw."""
+    if winner_mark(board) is not None:  # the previous mover made the line
+        return -(10 - (9 - board.count(EMPTY)))
+    if EMPTY not in board:
+        return 0
+    player = to_move(board)
+    return max(-_value(_place(board, i, player)) for i in range(9) if board[i] == EMPTY)
+
+
+def _place(board: str, index: int, mark: str) -> str:
+    return board[:index] + mark + board[index + 1 :]
+
+
+def minimax_moves(board: str, player: str) -> tuple[int, ...]:
+    """All optimal cells (1-9, ascending) for `player` ("X" or "O") to move on `board`.
+
+    Exact negamax over the full game tree; among moves with the same game value it keeps the
+    fastest wins (or slowest losses). Raises ValueError for a malformed or finished board or
+    when it is not `player`'s move.
+    """
+    _check_board(board, player)
+    scores = {i + 1: -_value(_place(board, i, player)) for i in range(9) if board[i] == EMPTY}
+    best = max(scores.values())
+    return tuple(cell for cell, score in scores.items() if score == best)
+
+
+def minimax_move(board: str, player: str) -> int:
+    """The lowest-numbered optimal cell (1-9) for `player` to move on `board`; see
+    `minimax_moves`."""
+    return minimax_moves(board, player)[0]
+
+
+def render_board(board: str) -> str:
+    """Three lines, marks as X/O and empty cells as their number: "X 2 3\\n4 O 6\\n7 8 9"."""
+    cells = [c if c != EMPTY else str(i + 1) for i, c in enumerate(board)]
+    return "\n".join(" ".join(cells[r : r + 3]) for r in (0, 3, 6))
+
+
+class raw_env(AECEnv[str, dict[str, str], str]):
+    """Tic-tac-toe AEC env; see the module docstring for the full card."""
+
+    metadata = {"name": "tictactoe_v0", "is_parallelizable": False, "render_modes": ["ansi"]}
+
+    def __init__(self, render_mode: str | None = None) -> None:
+        super().__init__()
+        self.render_mode = render_mode
+        self.possible_agents = list(AGENTS)
+        self.observation_spaces = {
+            a: spaces.Dict({"text": spaces.Text(MAX_TEXT, charset=string.printable)})
+            for a in AGENTS
+        }
+        self.action_spaces = {a: spaces.Text(MAX_TEXT, charset=string.printable) for a in AGENTS}
+        self.np_random, self.np_random_seed = seeding.np_random(None)
+        self.invalid_counts: dict[str, int] = {a: 0 for a in AGENTS}
+        self._board = EMPTY * 9
+        self._forfeiter: str | None = None
+        self._last_action: dict[str, str | None] = {a: None for a in AGENTS}
+        self._last_cell: int | None = None
+
+    def observation_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
+        return self.observation_spaces[agent]
+
+    def action_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
+        return self.action_spaces[agent]
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
+        if seed is not None:
+            self.np_random, self.np_random_seed = seeding.np_random(seed)
+        self._board = EMPTY * 9
+        self._forfeiter = None
+        self._last_action = {a: None for a in AGENTS}
+        self._last_cell = None
+        self.invalid_counts = {a: 0 for a in AGENTS}
+        self.agents = list(AGENTS)
+        self.agent_selection = AGENTS[0]
+        self.rewards = {a: 0 for a in AGENTS}
+        self._cumulative_rewards = {a: 0 for a in AGENTS}
+        self.terminations = {a: False for a in AGENTS}
+        self.truncations = {a: False for a in AGENTS}
+        self.infos = {a: {} for a in AGENTS}
+        self._update_infos()
+
+    def step(self, action: str | None) -> None:
+        agent = self.agent_selection
+        if self.terminations[agent] or self.truncations[agent]:
+            self._was_dead_step(action)
+            return
+        self._cumulative_rewards[agent] = 0
+        self.rewards = {a: 0 for a in self.agents}
+        cell = parse_reply(action, self._board)
+        if cell is None:
+            self._forfeiter = agent
+            self.invalid_counts[agent] += 1
+            self._last_action[agent] = "invalid"
+        else:
+            self._board = _place(self._board, cell - 1, MARKS[self._seat(agent)])
+            self._last_action[agent] = str(cell)
+            self._last_cell = cell
+        if self._done():
+            winner = self._winner()
+            if winner is not None:
+                self.rewards = {a: 1 if a == winner else -1 for a in AGENTS}
+            self.terminations = {a: True for a in self.agents}
+        else:
+            self.agent_selection = AGENTS[1 - self._seat(agent)]
+        self._update_infos()
+        self._accumulate_rewards()
+
+    def observe(self, agent: str) -> dict[str, str]:
+        return {"text": self._text(agent)}
+
+    def render(self) -> str | None:
+        if self.render_mode is None:
+            gymnasium.logger.warn("render() called without a render_mode; use render_mode='ansi'.")
+            return None
+        end = f"\nforfeit by {self._forfeiter}" if self._forfeiter else ""
+        return f"tictactoe_v0\n{render_board(self._board)}{end}"
+
+    def close(self) -> None:
+        pass
+
+    def _seat(self, agent: str) -> int:
+        return AGENTS.index(agent)
+
+    def _done(self) -> bool:
+        return (
+            self._forfeiter is not None
+            or winner_mark(self._board) is not None
+            or EMPTY not in self._board
+        )
+
+    def _winner(self) -> str | None:
+        """The winning agent of a finished game, None for a draw."""
+        if self._forfeiter is not None:
+            return AGENTS[1 - self._seat(self._forfeiter)]
+        mark = winner_mark(self._board)
+        return None if mark is None else AGENTS[MARKS.index(mark)]
+
+    def _reason(self) -> str:
+        if self._forfeiter is not None:
+            return "forfeit"
+        return "draw" if winner_mark(self._board) is None else "line"
+
+    def _update_infos(self) -> None:
+        done = self._done()
+        legal = [str(i + 1) for i, c in enumerate(self._board) if c == EMPTY]
+        for agent in self.agents:
+            to_act = not done and agent == self.agent_selection
+            info: dict[str, Any] = {
+                "invalid": self.invalid_counts[agent],
+                "infostate": self._board,
+                "legal_moves": list(legal) if to_act else [],
+            }
+            if done:
+                info["winner"] = self._winner()
+                info["reason"] = self._reason()
+                info["last_action"] = self._last_action[agent]
+            self.infos[agent] = info
+
+    def _text(self, agent: str) -> str:
+        intro = f"{HEADER} You are {MARKS[self._seat(agent)]}."
+        board = render_board(self._board)
+        if self._done():
+            reason, winner = self._reason(), self._winner()
+            if reason == "forfeit":
+                if self._forfeiter == agent:
+                    result = "Your reply was invalid, a forfeit. You lose."
+                else:
+                    result = "Opponent's reply was invalid, a forfeit. You win."
+            elif reason == "draw":
+                result = "Draw: the board is full."
+            else:
+                result = f"You {'win' if winner == agent else 'lose'}: three in a row."
+            return f"{intro}\n{board}\n{result}"
+        if agent != self.agent_selection:
+            return f"{intro}\n{board}\nWaiting for the opponent."
+        took = f" Opponent took cell {self._last_cell}." if self._last_cell is not None else ""
+        return f"{intro}{took}\n{board}\n{INSTRUCTION}"
+
+
+def env(**kwargs: Any) -> AECEnv[str, dict[str, str], str]:
+    """Make the order-enforced tic-tac-toe env (`raw_env(**kwargs)`); Text spaces rule out the
+    AssertOutOfBounds wrapper."""
+    return wrappers.OrderEnforcingWrapper(raw_env(**kwargs))
