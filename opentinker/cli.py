@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job (no config: the bundled default job)")
-    run.add_argument("config", nargs="?", help="job config TOML")
+    run.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job (default, tictactoe)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
     sub.add_parser("games", help="list the registered games")
     args = parser.parse_args(argv)

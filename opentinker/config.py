@@ -126,14 +126,25 @@ class JobConfig(_Config):
         return f"{self.game}__{self.name}__{self.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+BUNDLED = Path(__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """Names of the job configs shipped with the package (``opentinker run NAME``)."""
+    return sorted(p.stem for p in BUNDLED.glob("*.toml"))
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> JobConfig:
-    """Decode a TOML job file (``None``: the bundled default job), then apply overrides
-    (a nested dict) and validate again. Raises ``ValueError`` naming a bad field."""
+    """Decode a TOML job file (``None``: the bundled default job; a bare name such as
+    ``tictactoe``: a bundled job), then apply overrides (a nested dict) and validate again.
+    Raises ``ValueError`` naming a bad field."""
     if path is None:
-        path = Path(__file__).parent / "configs" / "default.toml"
+        path = "default"
     path = Path(path)
+    if not path.is_file() and path.suffix == "" and (BUNDLED / f"{path}.toml").is_file():
+        path = BUNDLED / f"{path}.toml"
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
+        raise FileNotFoundError(f"config file {path} does not exist (bundled jobs: {bundled_configs()})")
     try:
         cfg = msgspec.toml.decode(path.read_bytes(), type=JobConfig)
     except msgspec.ValidationError as e:

@@ -67,8 +67,10 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
     plt.close(fig)
 
 
-def summary_table(first: dict[str, float], last: dict[str, float], policies: list[str], steps: int) -> Table:
-    """Untrained start and trained policy side by side."""
+def summary_table(
+    first: dict[str, float], last: dict[str, float], policies: list[str], steps: int, unit: str = "chips/hand"
+) -> Table:
+    """Untrained start and trained policy side by side (rows a game does not report are left out)."""
     table = Table(title="OpenTinker: untrained start vs trained policy")
     table.add_column("policy")
     table.add_column("metric")
@@ -87,15 +89,17 @@ def summary_table(first: dict[str, float], last: dict[str, float], policies: lis
 
     for p in policies:
         rows = [
-            ("chips/hand vs random (95% CI)", f"eval/{p}/vs_random/chips", f"eval/{p}/vs_random/ci95", False),
-            ("hands vs random", f"eval/{p}/vs_random/hands", None, False),
+            (f"{unit} vs random (95% CI)", f"eval/{p}/vs_random/chips", f"eval/{p}/vs_random/ci95", False),
+            ("games vs random", f"eval/{p}/vs_random/hands", None, False),
             ("invalid replies vs random", f"eval/{p}/vs_random/invalid_rate", None, True),
-            ("chips/hand vs base model (95% CI)", f"eval/{p}/vs_base/chips", f"eval/{p}/vs_base/ci95", False),
+            (f"{unit} vs base model (95% CI)", f"eval/{p}/vs_base/chips", f"eval/{p}/vs_base/ci95", False),
             ("invalid replies vs base", f"eval/{p}/vs_base/invalid_rate", None, True),
             ("exploitability (NashConv/2)", f"eval/{p}/exploitability", None, False),
             ("prob. mass on canonical replies", f"eval/{p}/canonical_mass", None, False),
         ]
         for label, key, ci, pct in rows:
+            if key not in first and key not in last:
+                continue
             a, b = fmt(first, key, ci, pct), fmt(last, key, ci, pct)
             if key.endswith("/hands"):
                 a = str(int(first[key])) if key in first else "-"

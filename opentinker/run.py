@@ -71,7 +71,8 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     finally:
         job.shutdown()
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png")
-    console.print(summary_table(first, last, policies, cfg.train.steps))
+    unit = "chips/hand" if cfg.game == "kuhn_poker_v0" else "reward/game"
+    console.print(summary_table(first, last, policies, cfg.train.steps, unit))
     total = time.perf_counter() - t_start
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total}, indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")

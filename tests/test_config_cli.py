@@ -26,6 +26,17 @@ def test_default_config_loads_and_names_bad_fields(tmp_path):
         load_config(None, {"policies": [{"name": "self"}]})
 
 
+def test_bundled_configs_load_by_name():
+    from opentinker.config import bundled_configs
+
+    assert {"default", "tictactoe"} <= set(bundled_configs())
+    for name in bundled_configs():
+        cfg = load_config(name)
+        assert cfg.game in __import__("games").names()
+    with pytest.raises(FileNotFoundError, match="bundled jobs"):
+        load_config("no_such_job")
+
+
 def test_set_overrides_parse():
     assert _parse_set(["train.steps=3", "model.base=tiny-random", "x.y.z=[1,2]"]) == {
         "train": {"steps": 3}, "model": {"base": "tiny-random"}, "x": {"y": {"z": [1, 2]}}
