@@ -10,6 +10,19 @@ The importance ratio is taken against the SAMPLER's log-probs (not a recomputed 
 it corrects both for off-policy staleness and for sampler-vs-trainer numerical mismatch, and
 ``logp_diff_mean`` / ``logp_diff_p95`` expose that mismatch. Every loss logs the same
 diagnostics (STYLE: clip fraction, approximate KL, entropy proxy, log-prob difference).
+
+Two registries share the one signature ``fn(first_N, inputs, config) -> LossOutput`` and both
+are reached through :func:`compute_loss`:
+
+* :data:`LOSSES`: policy-gradient losses on ``advantages`` and ``sampler_logprobs`` (``ppo``,
+  ``importance_sampling``, ``cispo``). Every entry has the REINFORCE gradient ``-A`` at ratio 1
+  and the ratio diagnostics; ``tests/test_learners.py`` checks that of every entry.
+* :data:`OBJECTIVES`: everything else (``value``, ``entropy``, ``kl_k1/2/3``, ``sft``, and
+  ``dpo`` / ``ipo`` from :mod:`learners.preferences`). Their first argument is whatever model
+  output the objective needs (log-probs, or predicted values for ``value``), and they need
+  other inputs, so they cannot honour the policy-gradient contract above.
+
+A name is unique across both registries.
 """
 
 from __future__ import annotations
@@ -34,23 +47,39 @@ LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]
 """``fn(logp_N, inputs, config) -> LossOutput``."""
 
 LOSSES: dict[str, LossFn] = {}
-"""Loss name -> function; fill it with :func:`register_loss`."""
+"""Policy-gradient loss name -> function; fill it with :func:`register_loss`."""
+
+OBJECTIVES: dict[str, LossFn] = {}
+"""Other token objective name -> function (value, entropy, KL, SFT, preference); fill it with
+:func:`register_objective`."""
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator that adds ``fn`` to :data:`LOSSES` under ``name``.
-
-    Raises:
-        ValueError: ``name`` is already registered.
-    """
-
+def _register(registry: dict[str, LossFn], name: str) -> Callable[[LossFn], LossFn]:
     def decorator(fn: LossFn) -> LossFn:
-        if name in LOSSES:
+        if name in LOSSES or name in OBJECTIVES:
             raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
+        registry[name] = fn
         return fn
 
     return decorator
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Decorator that adds a policy-gradient loss ``fn`` to :data:`LOSSES` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered (in either registry).
+    """
+    return _register(LOSSES, name)
+
+
+def register_objective(name: str) -> Callable[[LossFn], LossFn]:
+    """Decorator that adds a non-policy-gradient objective to :data:`OBJECTIVES`.
+
+    Raises:
+        ValueError: ``name`` is already registered (in either registry).
+    """
+    return _register(OBJECTIVES, name)
 
 
 def _require(
@@ -70,7 +99,7 @@ def _require(
 
 def _check_logp(logp_N: torch.Tensor, loss: str) -> torch.Tensor:
     if logp_N.ndim != 1:
-        raise ValueError(f"loss {loss!r}: logp_N must be 1-D, got {tuple(logp_N.shape)}")
+        raise ValueError(f"loss {loss!r}: first argument must be 1-D, got {tuple(logp_N.shape)}")
     # bf16 log-probs lose ~3 digits; the ratio exp(a - b) must be taken in float32.
     return logp_N.float()
 
@@ -127,14 +156,22 @@ def ppo(
     clip-higher, Yu et al. 2025, §3.1). Where the clipped term is the minimum the token has
     zero gradient; elsewhere ``d l_t / d logp_t = -A_t r_t``.
 
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    Reinforcement Learning", eq. 5): for ``A_t < 0`` the surrogate is further bounded as
+    ``max(min(r_t A_t, clip(r_t) A_t), c A_t)``, so a token whose ratio has blown up
+    (``r_t > c``) contributes at most ``-c A_t`` and no gradient, instead of an unbounded
+    ``-r_t A_t``. Tokens with ``A_t >= 0`` are unchanged.
+
     Args:
         logp_N: ``float[N]`` trainer log-probs of the loss tokens (differentiable).
         inputs: ``advantages`` and ``sampler_logprobs``, each ``float[N]``.
-        config: ``clip_low`` (default 0.2), ``clip_high`` (default 0.2).
+        config: ``clip_low`` (default 0.2), ``clip_high`` (default 0.2), ``dual_clip``
+            (``c > 1``; absent or 0 disables it, giving exactly the plain PPO loss).
 
     Returns:
         ``loss_sum = sum_t l_t`` and diagnostics; ``clip_frac`` is the fraction of tokens
-        whose clipped term is strictly active (zero gradient).
+        whose clipped (or dual-clipped) term is strictly active (zero gradient). With dual
+        clip on, ``dual_clip_frac`` is the fraction where the dual bound is active.
     """
     logp_N = _check_logp(logp_N, "ppo")
     advantages_N = _require(inputs, "advantages", "ppo", logp_N)
@@ -144,8 +181,52 @@ def ppo(
     ratio_N = torch.exp(logp_N - sampler_logp_N)
     unclipped_N = ratio_N * advantages_N
     clipped_N = torch.clamp(ratio_N, 1.0 - clip_low, 1.0 + clip_high) * advantages_N
-    loss_N = -torch.minimum(unclipped_N, clipped_N)
-    metrics = _diagnostics(logp_N, sampler_logp_N, clipped_N.detach() < unclipped_N.detach())
+    surrogate_N = torch.minimum(unclipped_N, clipped_N)
+    clipped_mask_N = clipped_N.detach() < unclipped_N.detach()
+    dual_clip = float(config.get("dual_clip", 0.0))
+    if dual_clip == 0.0:
+        metrics = _diagnostics(logp_N, sampler_logp_N, clipped_mask_N)
+        return LossOutput(loss_sum=-surrogate_N.sum(), metrics=metrics)
+    if not dual_clip > 1.0:
+        raise ValueError(f"loss 'ppo': dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
+    bound_N = dual_clip * advantages_N
+    dual_N = (advantages_N < 0) & (bound_N > surrogate_N.detach())
+    surrogate_N = torch.where(dual_N, bound_N, surrogate_N)
+    metrics = _diagnostics(logp_N, sampler_logp_N, clipped_mask_N | dual_N)
+    metrics["dual_clip_frac"] = dual_N.float().mean().item() if dual_N.numel() else 0.0
+    return LossOutput(loss_sum=-surrogate_N.sum(), metrics=metrics)
+
+
+@register_loss("cispo")
+def cispo(
+    logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> LossOutput:
+    """CISPO: REINFORCE on every token with a clipped, stop-gradient importance weight.
+
+    Per token: ``l_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t`` with ``r_t =
+    exp(logp_t - sampler_logp_t)`` (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute
+    Efficiently with Lightning Attention", §3.1, the CISPO objective). Unlike PPO it clips the
+    WEIGHT, not the update, so no token loses its gradient: ``d l_t / d logp_t = -A_t
+    clip(r_t)``. The paper sets no lower bound, hence the default ``eps_low = 1`` (weight >= 0).
+
+    Args:
+        logp_N: ``float[N]`` trainer log-probs of the loss tokens (differentiable).
+        inputs: ``advantages`` and ``sampler_logprobs``, each ``float[N]``.
+        config: ``eps_low`` (default 1.0), ``eps_high`` (default 0.2).
+
+    Returns:
+        ``loss_sum = sum_t l_t`` and diagnostics; ``clip_frac`` is the fraction of tokens
+        whose weight was clipped.
+    """
+    logp_N = _check_logp(logp_N, "cispo")
+    advantages_N = _require(inputs, "advantages", "cispo", logp_N)
+    sampler_logp_N = _require(inputs, "sampler_logprobs", "cispo", logp_N)
+    low = 1.0 - float(config.get("eps_low", 1.0))
+    high = 1.0 + float(config.get("eps_high", 0.2))
+    ratio_N = torch.exp(logp_N.detach() - sampler_logp_N)
+    weight_N = torch.clamp(ratio_N, low, high)
+    loss_N = -(weight_N * advantages_N * logp_N)
+    metrics = _diagnostics(logp_N, sampler_logp_N, (ratio_N < low) | (ratio_N > high))
     return LossOutput(loss_sum=loss_N.sum(), metrics=metrics)
 
 
@@ -181,18 +262,176 @@ def importance_sampling(
     return LossOutput(loss_sum=loss_N.sum(), metrics=metrics)
 
 
+# ---------------------------------------------------------------------------------------------
+# Objectives other than policy gradients (registered in OBJECTIVES).
+
+
+@register_objective("value")
+def value(
+    values_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> LossOutput:
+    """Clipped value-regression loss, summed over tokens (or turns).
+
+    ``l_t = 0.5 max((v_t - R_t)^2, (clip(v_t, v_old_t - eps, v_old_t + eps) - R_t)^2)``: the
+    value clipping of the reference PPO implementation (OpenAI baselines ``ppo2``; Engstrom et
+    al. 2020, "Implementation Matters in Deep Policy Gradients", §3, optimization 1), which
+    keeps a value update inside an ``eps`` trust region around the values at sampling time.
+
+    NOTE: the first argument is the model output this loss needs, the PREDICTED VALUES, not
+    log-probs (same position, so the one signature and :func:`compute_loss` serve).
+
+    Args:
+        values_N: ``float[N]`` predicted values (differentiable).
+        inputs: ``returns`` (targets, e.g. :func:`learners.advantages.gae`'s) and
+            ``old_values`` (values when the data was sampled), each ``float[N]``.
+        config: ``value_clip`` ``eps`` (default 0.2; 0 disables clipping).
+
+    Returns:
+        ``loss_sum = sum_t l_t``; metrics ``n_tokens``, ``value_mse`` (unclipped),
+        ``value_clip_frac`` (tokens where the clipped error is strictly larger: no gradient).
+    """
+    values_N = _check_logp(values_N, "value")
+    returns_N = _require(inputs, "returns", "value", values_N)
+    old_N = _require(inputs, "old_values", "value", values_N)
+    eps = float(config.get("value_clip", 0.2))
+    error_N = (values_N - returns_N) ** 2
+    if eps > 0:
+        clipped_N = (torch.clamp(values_N, old_N - eps, old_N + eps) - returns_N) ** 2
+    else:
+        clipped_N = error_N
+    loss_N = 0.5 * torch.maximum(error_N, clipped_N)
+    return LossOutput(loss_sum=loss_N.sum(), metrics={
+        "n_tokens": float(values_N.numel()),
+        "value_mse": _mean(error_N),
+        "value_clip_frac": _mean(clipped_N > error_N),
+    })
+
+
+@register_objective("entropy")
+def entropy(
+    logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> LossOutput:
+    """Entropy bonus: ``loss = -coef * sum_t H_t`` (Williams & Peng 1991, "Function
+    Optimization using Connectionist Reinforcement Learning Algorithms"; as the ``c2 S``
+    term of Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 9).
+
+    ``H_t = -sum_v p(v) log p(v)`` is the full entropy of position ``t``'s next-token
+    distribution; it needs the whole vocabulary, so the CALLER computes it from the logits and
+    passes it (differentiable) as ``inputs["entropy"]``. ``-logp_t`` of the sampled token is
+    only a one-sample estimate of ``H_t`` whose gradient is not the entropy gradient, so it is
+    NOT used; ``logp_N`` only fixes ``N`` and the device.
+
+    Args:
+        logp_N: ``float[N]`` log-probs of the loss tokens (shape only).
+        inputs: ``entropy`` ``float[N]``.
+        config: ``coef`` (default 1.0).
+
+    Returns:
+        ``loss_sum``; metrics ``n_tokens``, ``entropy_mean``.
+    """
+    logp_N = _check_logp(logp_N, "entropy")
+    entropy_N = _require(inputs, "entropy", "entropy", logp_N)
+    coef = float(config.get("coef", 1.0))
+    return LossOutput(
+        loss_sum=-coef * entropy_N.sum(),
+        metrics={"n_tokens": float(logp_N.numel()), "entropy_mean": _mean(entropy_N)},
+    )
+
+
+def _kl_loss(
+    name: str,
+    estimator: Callable[[torch.Tensor], torch.Tensor],
+    logp_N: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    config: Mapping[str, float],
+) -> LossOutput:
+    """KL penalty to a reference policy, ``loss = coef * sum_t k(x_t)``, ``x_t = logp_t - ref_t``,
+    with the estimators of Schulman 2020, "Approximating KL Divergence": ``k1 = x`` (unbiased,
+    high variance; ``dk/dlogp = 1``), ``k2 = x^2 / 2`` (biased, low variance; ``x``), ``k3 =
+    exp(-x) + x - 1 = exp(ref - logp) - (ref - logp) - 1`` (unbiased, never negative;
+    ``1 - exp(-x)``). Tokens come from the sampler, so this estimates KL(policy || ref) only
+    on-policy.
+
+    Args: ``logp_N`` ``float[N]`` (differentiable); inputs ``ref_logprobs`` ``float[N]``;
+    config ``coef`` (default 1.0). Returns ``loss_sum`` and metrics ``n_tokens``, ``kl_mean``.
+    """
+    logp_N = _check_logp(logp_N, name)
+    ref_N = _require(inputs, "ref_logprobs", name, logp_N)
+    k_N = estimator(logp_N - ref_N)
+    coef = float(config.get("coef", 1.0))
+    metrics = {"n_tokens": float(logp_N.numel()), "kl_mean": _mean(k_N)}
+    return LossOutput(loss_sum=coef * k_N.sum(), metrics=metrics)
+
+
+@register_objective("kl_k1")
+def kl_k1(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+          config: Mapping[str, float]) -> LossOutput:
+    """KL penalty with Schulman's ``k1 = logp - ref``; see :func:`_kl_loss`."""
+    return _kl_loss("kl_k1", lambda x: x, logp_N, inputs, config)
+
+
+@register_objective("kl_k2")
+def kl_k2(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+          config: Mapping[str, float]) -> LossOutput:
+    """KL penalty with Schulman's ``k2 = (logp - ref)^2 / 2``; see :func:`_kl_loss`."""
+    return _kl_loss("kl_k2", lambda x: 0.5 * x**2, logp_N, inputs, config)
+
+
+@register_objective("kl_k3")
+def kl_k3(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+          config: Mapping[str, float]) -> LossOutput:
+    """KL penalty with Schulman's ``k3 = exp(ref - logp) - (ref - logp) - 1``; see
+    :func:`_kl_loss`."""
+    return _kl_loss("kl_k3", lambda x: torch.exp(-x) + x - 1.0, logp_N, inputs, config)
+
+
+@register_objective("sft")
+def sft(
+    logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> LossOutput:
+    """Supervised fine-tuning: token cross-entropy ``loss = -sum_t w_t logp_t``.
+
+    The maximum-likelihood objective (Radford et al. 2018, "Improving Language Understanding
+    by Generative Pre-Training", eq. 1, on the target tokens); ``d loss / d logp_t = -w_t``.
+
+    Args:
+        logp_N: ``float[N]`` trainer log-probs of the target tokens (differentiable).
+        inputs: optional ``weights`` ``float[N]`` (default 1 per token).
+        config: unused.
+
+    Returns:
+        ``loss_sum``; metrics ``n_tokens``, ``nll_mean`` (unweighted mean of ``-logp_t``).
+    """
+    del config
+    logp_N = _check_logp(logp_N, "sft")
+    if "weights" in inputs:
+        loss_N = -_require(inputs, "weights", "sft", logp_N) * logp_N
+    else:
+        loss_N = -logp_N
+    return LossOutput(loss_sum=loss_N.sum(), metrics={
+        "n_tokens": float(logp_N.numel()), "nll_mean": _mean(-logp_N),
+    })
+
+
+@torch.no_grad()
+def _mean(values_N: torch.Tensor) -> float:
+    """Mean as a float; 0.0 for an empty tensor (``mean`` would give nan)."""
+    return values_N.float().mean().item() if values_N.numel() else 0.0
+
+
 def compute_loss(
     name: str,
     logp_N: torch.Tensor,
     inputs: Mapping[str, torch.Tensor],
     config: Mapping[str, float],
 ) -> LossOutput:
-    """Look ``name`` up in :data:`LOSSES` and apply it.
+    """Look ``name`` up in :data:`LOSSES`, then :data:`OBJECTIVES`, and apply it.
 
     Raises:
         ValueError: unknown loss (naming the known ones), or an input the loss needs is
             missing (naming the key and the loss).
     """
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; known: {sorted(LOSSES)}")
-    return LOSSES[name](logp_N, inputs, config)
+    fn = LOSSES.get(name) or OBJECTIVES.get(name)
+    if fn is None:
+        raise ValueError(f"unknown loss {name!r}; known: {sorted({**LOSSES, **OBJECTIVES})}")
+    return fn(logp_N, inputs, config)

@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from opentinker.config import load_config
 
+    from opentinker.learner import check_algorithms
+
     try:
         cfg = load_config(args.config, _parse_set(args.set))
+        check_algorithms(cfg.train.advantage, cfg.train.loss)
     except (ValueError, FileNotFoundError) as e:
         print(f"opentinker: bad config: {e}", file=sys.stderr)
         return 2

@@ -53,9 +53,9 @@ class TrainConfig(_Config):
     group_size: PosInt = 4
     """Episodes per group (differing only in sampling seeds): advantages are group-relative."""
     advantage: str = "dr_grpo"
-    """Name in ``learners.ADVANTAGES``."""
+    """Group estimator, a name in ``learners.ADVANTAGES`` (``dr_grpo``, ``grpo``, ``rloo``)."""
     loss: str = "ppo"
-    """Name in ``learners.LOSSES``."""
+    """Policy-gradient loss, a name in ``learners.LOSSES`` (``ppo``, ``importance_sampling``, ``cispo``)."""
     clip_low: Annotated[float, Meta(ge=0)] = 0.2
     clip_high: Annotated[float, Meta(ge=0)] = 0.2
     lr: PosFloat = 1e-3

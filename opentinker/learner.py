@@ -12,7 +12,7 @@ import collections
 import logging
 from typing import Mapping
 
-from learners import assemble, loss_token_count
+from learners import ADVANTAGES, LOSSES, assemble, loss_token_count
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
 from protocols.messages import (
     AdamParams,
@@ -29,6 +29,14 @@ from protocols.messages import (
 log = logging.getLogger(__name__)
 
 
+def check_algorithms(advantage: str, loss: str) -> None:
+    """Raise ``ValueError`` naming an advantage estimator or policy loss this learner lacks."""
+    if advantage not in ADVANTAGES:
+        raise ValueError(f"train.advantage {advantage!r} is not a group estimator; known: {sorted(ADVANTAGES)}")
+    if loss not in LOSSES:
+        raise ValueError(f"train.loss {loss!r} is not a policy-gradient loss; known: {sorted(LOSSES)}")
+
+
 class Learner:
     """Trains adapter ``policy`` on the scheduler."""
 
@@ -43,6 +51,7 @@ class Learner:
         advantage_config: Mapping[str, float] | None = None,
         endpoint: str = LOOPBACK,
     ) -> None:
+        check_algorithms(advantage, loss)
         self.policy = policy
         self.scheduler_endpoint = scheduler_endpoint
         self.advantage = advantage

@@ -29,6 +29,9 @@ class RunResult:
 
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None) -> RunResult:
+    from opentinker.learner import check_algorithms
+
+    check_algorithms(cfg.train.advantage, cfg.train.loss)  # before any actor starts
     console = console or Console()
     t_start = time.perf_counter()
     run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()

@@ -43,6 +43,29 @@ def test_set_overrides_parse():
     }
 
 
+def test_unknown_algorithm_is_refused_before_start(capsys):
+    assert main(["run", "--set", "train.loss=dpo_typo", "--set", "model.base=tiny-random"]) == 2
+    assert "train.loss 'dpo_typo'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage, loss", [("grpo", "importance_sampling"), ("rloo", "cispo")])
+def test_each_group_learner_runs_a_short_job(advantage, loss, tiny_path):
+    import msgspec
+
+    from opentinker.config import JobConfig
+    from opentinker.runtime import Job
+
+    cfg = msgspec.convert({"runtime": {"backend": "local"}, "train": {"advantage": advantage, "loss": loss, "groups_per_step": 2, "group_size": 2},
+                           "sampling": {"max_tokens": 3}}, JobConfig)
+    job = Job(cfg, tiny_path)
+    try:
+        m = job.coordinator("train_step", 1)
+        assert m["train/main/version"] == 1 and "train/main/loss/n_tokens" in m
+    finally:
+        job.shutdown()
+
+
 def test_bad_config_exits_2_with_the_field(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text("[sampling]\ntemprature = 0.5\n")
