@@ -90,7 +90,7 @@ def summary_table(
     for p in policies:
         rows = [
             (f"{unit} vs random (95% CI)", f"eval/{p}/vs_random/chips", f"eval/{p}/vs_random/ci95", False),
-            ("games vs random", f"eval/{p}/vs_random/hands", None, False),
+            (f"{'hands' if unit == 'chips/hand' else 'games'} vs random", f"eval/{p}/vs_random/hands", None, False),
             ("invalid replies vs random", f"eval/{p}/vs_random/invalid_rate", None, True),
             (f"{unit} vs base model (95% CI)", f"eval/{p}/vs_base/chips", f"eval/{p}/vs_base/ci95", False),
             ("invalid replies vs base", f"eval/{p}/vs_base/invalid_rate", None, True),
