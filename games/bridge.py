@@ -7,10 +7,10 @@
 | Action       | `Text(max_length, charset=string.printable)`: the seat's free-text reply      |
 | Rewards      | the wrapped env's, step by step; -1 to a seat whose reply is invalid          |
 
-**Requirements on the wrapped env.** Every agent's action space is `Discrete(n, start)` and its
-observation is a dict holding an `action_mask` (n entries, 1 = legal), as in
-`pettingzoo.classic` (TypeError for another action space, ValueError for no mask, at
-construction). The bridge steps the wrapped env with integer action ids and copies its
+**Requirements on the wrapped env.** Every agent's action space is `Discrete(n, start)`
+(TypeError otherwise, at construction). Legal moves come from an `action_mask` entry of a dict
+observation (n entries, 1 = legal), as in `pettingzoo.classic`; an env without one (e.g.
+`rps_v2`) has every action legal at every turn. The bridge steps the wrapped env with integer action ids and copies its
 agents, turn, rewards, accumulated rewards, terminations and truncations after every step, so a
 game played with valid replies is exactly the wrapped game.
 
@@ -148,10 +148,6 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
             act, obs = inner.action_space(agent), inner.observation_space(agent)
             if not isinstance(act, spaces.Discrete):
                 raise TypeError(f"{name}: agent {agent!r} has action space {act}, not Discrete")
-            if not (isinstance(obs, spaces.Dict) and "action_mask" in obs.spaces):
-                raise ValueError(
-                    f"{name}: agent {agent!r} observation space {obs} has no 'action_mask'"
-                )
         self.observation_spaces = {
             a: spaces.Dict({"text": spaces.Text(max_length, charset=string.printable)})
             for a in self.possible_agents
@@ -246,9 +242,13 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         )
 
     def _legal(self, agent: str) -> dict[int, str | None]:
-        """{legal action id: label or None} from the wrapped env's action mask."""
-        mask = np.asarray(self.env.observe(agent)["action_mask"])
-        start = int(self.env.action_space(agent).start)
+        """{legal action id: label or None} from the wrapped env's action mask (every action
+        when it has none)."""
+        obs = self.env.observe(agent)
+        space = self.env.action_space(agent)
+        has_mask = isinstance(obs, Mapping) and "action_mask" in obs
+        mask = np.asarray(obs["action_mask"]) if has_mask else np.ones(int(space.n), dtype=np.int8)
+        start = int(space.start)
         ids = [start + int(i) for i in np.flatnonzero(mask)]
         return {a: self._render_moves(agent, a) if self._render_moves else None for a in ids}
 

@@ -560,8 +560,10 @@ def test_bridge_rejects_unsuitable_envs() -> None:
         def action_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
             return spaces.Text(8)
 
-    with pytest.raises(ValueError, match="action_mask"):
-        games.from_pettingzoo(NoMask, name="x_v0")
+    # Without an action mask every action is legal.
+    nomask = games.from_pettingzoo(NoMask, name="x_v0")
+    nomask.reset(seed=0)
+    assert nomask.unwrapped.infos[nomask.agent_selection]["legal_moves"] == ["0", "1", "2"]
     with pytest.raises(TypeError, match="not Discrete"):
         games.from_pettingzoo(TextActions(), name="x_v0")
     with pytest.raises(TypeError, match="AECEnv"):
