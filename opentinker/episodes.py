@@ -154,7 +154,7 @@ async def play_episode(
     invalid = {a: 0 for a in agents}
     decisions = {a: 0 for a in agents}
     transcript: list[str] = []
-    for n, agent in enumerate(env.agent_iter(max_iter=MAX_AGENT_STEPS)):
+    for agent in env.agent_iter(max_iter=MAX_AGENT_STEPS):
         obs, _, term, trunc, info = env.last()
         if term or trunc:
             env.step(None)
@@ -163,7 +163,7 @@ async def play_episode(
         if ref is None:
             raise ValueError(f"episode {spec.episode_id}: no policy for seat {agent!r}")
         decisions[agent] += 1
-        before = dict(getattr(env.unwrapped, "invalid_counts", {}))
+        invalid_before = getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0)
         if agent in scripted:
             text = scripted[agent].act(obs["text"], info, rng)
             env.step(text)
@@ -175,25 +175,24 @@ async def play_episode(
                 msg.sampling, seed=seed, stop_token_ids=msg.sampling.stop_token_ids or (tok.eos_id,)
             )
             result = await sample(ref, r.prompt(), params)
-            sampled, logps = result.tokens[0], result.logprobs[0]
-            stop = result.stop_reasons[0]
+            sampled, stop = result.tokens[0], result.stop_reasons[0]
             r.add_reply(sampled, stop is StopReason.STOP)
             text = tok.decode(sampled)
             env.step(text)
-            bad = getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0) > before.get(agent, 0)
+        bad = getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0) > invalid_before
+        invalid[agent] += int(bad)
+        if agent not in scripted:
             turns[agent].append(
                 Turn(
                     obs_tokens=obs_tokens,
                     sampled_tokens=np.asarray(sampled, dtype=np.int32),
-                    sampler_logprobs=np.asarray(logps, dtype=np.float32),
+                    sampler_logprobs=np.asarray(result.logprobs[0], dtype=np.float32),
                     policy=msgspec.structs.replace(ref, version=result.adapter_version),
                     stop_reason=stop,
                     parse=ParseOutcome.INVALID if bad else ParseOutcome.OK,
                     reward=float(env.rewards.get(agent, 0.0)),
                 )
             )
-        if getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0) > before.get(agent, 0):
-            invalid[agent] += 1
         for a, rew in env.rewards.items():
             totals[a] += float(rew)
         transcript.append(f"{agent} [{ref.label()}]: {text!r}")
