@@ -1,0 +1,38 @@
+"""The bus benchmark runs end to end with a tiny budget: every (kind, transport, payload) row is
+there with positive numbers (the numbers themselves come from the script's own full run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+KINDS = ("bus_async", "raw_zmq", "ray")
+TRANSPORTS = ("ipc", "tcp")
+PAYLOADS = ("small", "1MiB")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_bus_benchmark(tmp_path):
+    out = tmp_path / "bus.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/bus.py", "--n", "50", "--n_large", "5", "--transports", ",".join(TRANSPORTS),
+         "--kinds", ",".join(KINDS), "--json", str(out)],
+        cwd=ROOT, check=True, timeout=300, capture_output=True,
+    )
+    rows = json.loads(out.read_text())["results"]
+    got = {(r["kind"], r["transport"], r["payload"]): r for r in rows}
+    want = {(k, t, p) for k in KINDS if k != "ray" for t in TRANSPORTS for p in PAYLOADS}
+    want |= {("ray", "ray", p) for p in PAYLOADS}
+    assert set(got) == want and len(rows) == len(want)
+    for key, r in got.items():
+        assert r["n"] == (50 if key[2] == "small" else 5), key
+        for field in ("bytes", "p50_us", "p99_us", "msgs_per_s", "mib_per_s", "vs_raw_zmq"):
+            assert r[field] is not None and r[field] > 0, (key, field, r[field])
+        assert r["p99_us"] >= r["p50_us"], key
+    assert all(r["vs_raw_zmq"] == 1.0 for (k, _, _), r in got.items() if k == "raw_zmq")
+    assert got[("bus_async", "tcp", "1MiB")]["bytes"] > 1 << 20
