@@ -145,7 +145,7 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         self._parse_reply = parse_reply
         self.possible_agents = list(inner.possible_agents)
         for agent in self.possible_agents:
-            act, obs = inner.action_space(agent), inner.observation_space(agent)
+            act = inner.action_space(agent)
             if not isinstance(act, spaces.Discrete):
                 raise TypeError(f"{name}: agent {agent!r} has action space {act}, not Discrete")
         self.observation_spaces = {

@@ -54,16 +54,15 @@ from __future__ import annotations
 
 import itertools
 import re
-import string
 from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
 import numpy as np
-from gymnasium import spaces
-from gymnasium.utils import seeding
 from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
+
+from games.text_env import TextAECEnv
 
 CARDS = "JQK"
 DEALS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))
@@ -126,38 +125,22 @@ def _check_deal(deal: object) -> None:
         raise ValueError(f"deal must be None or in 0..{len(DEALS) - 1}, got {deal!r}")
 
 
-class raw_env(AECEnv[str, dict[str, str], str]):
+class raw_env(TextAECEnv):
     """Kuhn poker AEC env; see the module docstring for the full card."""
 
     metadata = {"name": "kuhn_poker_v0", "is_parallelizable": False, "render_modes": ["ansi"]}
 
     def __init__(self, deal: int | None = None, render_mode: str | None = None) -> None:
-        super().__init__()
+        super().__init__(AGENTS, MAX_TEXT, render_mode)
         _check_deal(deal)
         self.deal = deal
-        self.render_mode = render_mode
-        self.possible_agents = list(AGENTS)
-        self.observation_spaces = {
-            a: spaces.Dict({"text": spaces.Text(MAX_TEXT, charset=string.printable)})
-            for a in AGENTS
-        }
-        self.action_spaces = {a: spaces.Text(MAX_TEXT, charset=string.printable) for a in AGENTS}
-        self.np_random, self.np_random_seed = seeding.np_random(None)
-        self.invalid_counts: dict[str, int] = {a: 0 for a in AGENTS}
         self._cards: tuple[int, int] = DEALS[0]
         self._history = ""
         self._forfeiter: str | None = None
         self._last_action: dict[str, str | None] = {a: None for a in AGENTS}
 
-    def observation_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
-        return self.observation_spaces[agent]
-
-    def action_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
-        return self.action_spaces[agent]
-
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
-        if seed is not None:
-            self.np_random, self.np_random_seed = seeding.np_random(seed)
+        self._reset_bookkeeping(seed)
         deal = (options or {}).get("deal", self.deal)
         _check_deal(deal)
         if deal is None:
@@ -166,14 +149,6 @@ class raw_env(AECEnv[str, dict[str, str], str]):
         self._history = ""
         self._forfeiter = None
         self._last_action = {a: None for a in AGENTS}
-        self.invalid_counts = {a: 0 for a in AGENTS}
-        self.agents = list(AGENTS)
-        self.agent_selection = AGENTS[0]
-        self.rewards = {a: 0 for a in AGENTS}
-        self._cumulative_rewards = {a: 0 for a in AGENTS}
-        self.terminations = {a: False for a in AGENTS}
-        self.truncations = {a: False for a in AGENTS}
-        self.infos = {a: {} for a in AGENTS}
         self._update_infos()
 
     def step(self, action: str | None) -> None:

@@ -52,15 +52,14 @@ search (memoized: 5,478 positions), preferring faster wins and slower losses;
 from __future__ import annotations
 
 import re
-import string
 from functools import cache
 from typing import Any
 
 import gymnasium
-from gymnasium import spaces
-from gymnasium.utils import seeding
 from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
+
+from games.text_env import TextAECEnv
 
 AGENTS = ("player_x", "player_o")
 MARKS = ("X", "O")
@@ -157,48 +156,24 @@ def render_board(board: str) -> str:
     return "\n".join(" ".join(cells[r : r + 3]) for r in (0, 3, 6))
 
 
-class raw_env(AECEnv[str, dict[str, str], str]):
+class raw_env(TextAECEnv):
     """Tic-tac-toe AEC env; see the module docstring for the full card."""
 
     metadata = {"name": "tictactoe_v0", "is_parallelizable": False, "render_modes": ["ansi"]}
 
     def __init__(self, render_mode: str | None = None) -> None:
-        super().__init__()
-        self.render_mode = render_mode
-        self.possible_agents = list(AGENTS)
-        self.observation_spaces = {
-            a: spaces.Dict({"text": spaces.Text(MAX_TEXT, charset=string.printable)})
-            for a in AGENTS
-        }
-        self.action_spaces = {a: spaces.Text(MAX_TEXT, charset=string.printable) for a in AGENTS}
-        self.np_random, self.np_random_seed = seeding.np_random(None)
-        self.invalid_counts: dict[str, int] = {a: 0 for a in AGENTS}
+        super().__init__(AGENTS, MAX_TEXT, render_mode)
         self._board = EMPTY * 9
         self._forfeiter: str | None = None
         self._last_action: dict[str, str | None] = {a: None for a in AGENTS}
         self._last_cell: int | None = None
 
-    def observation_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
-        return self.observation_spaces[agent]
-
-    def action_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
-        return self.action_spaces[agent]
-
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
-        if seed is not None:
-            self.np_random, self.np_random_seed = seeding.np_random(seed)
+        self._reset_bookkeeping(seed)
         self._board = EMPTY * 9
         self._forfeiter = None
         self._last_action = {a: None for a in AGENTS}
         self._last_cell = None
-        self.invalid_counts = {a: 0 for a in AGENTS}
-        self.agents = list(AGENTS)
-        self.agent_selection = AGENTS[0]
-        self.rewards = {a: 0 for a in AGENTS}
-        self._cumulative_rewards = {a: 0 for a in AGENTS}
-        self.terminations = {a: False for a in AGENTS}
-        self.truncations = {a: False for a in AGENTS}
-        self.infos = {a: {} for a in AGENTS}
         self._update_infos()
 
     def step(self, action: str | None) -> None:
