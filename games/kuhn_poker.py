@@ -136,8 +136,6 @@ class raw_env(TextAECEnv):
         self.deal = deal
         self._cards: tuple[int, int] = DEALS[0]
         self._history = ""
-        self._forfeiter: str | None = None
-        self._last_action: dict[str, str | None] = {a: None for a in AGENTS}
 
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
         self._reset_bookkeeping(seed)
@@ -147,37 +145,23 @@ class raw_env(TextAECEnv):
             deal = int(self.np_random.integers(len(DEALS)))
         self._cards = DEALS[deal]
         self._history = ""
-        self._forfeiter = None
-        self._last_action = {a: None for a in AGENTS}
         self._update_infos()
 
-    def step(self, action: str | None) -> None:
-        agent = self.agent_selection
-        if self.terminations[agent] or self.truncations[agent]:
-            self._was_dead_step(action)
-            return
-        self._cumulative_rewards[agent] = 0
-        self.rewards = {a: 0 for a in self.agents}
+    def _play(self, agent: str, action: object) -> bool:
         moves = _MOVES[self._history]
         move = parse_reply(action, moves)
         if move is None:
-            self._forfeiter = agent
-            self.invalid_counts[agent] += 1
-            self._last_action[agent] = "invalid"
-        else:
-            self._last_action[agent] = move
-            self._history += "pb"[moves.index(move)]
-        if self._done():
-            r0 = self._result0()
-            self.rewards = {AGENTS[0]: r0, AGENTS[1]: -r0}
-            self.terminations = {a: True for a in self.agents}
-        else:
-            self.agent_selection = AGENTS[len(self._history) % 2]
-        self._update_infos()
-        self._accumulate_rewards()
+            return False
+        self._last_action[agent] = move
+        self._history += "pb"[moves.index(move)]
+        return True
 
-    def observe(self, agent: str) -> dict[str, str]:
-        return {"text": self._text(agent)}
+    def _final_rewards(self) -> dict[str, float]:
+        r0 = self._result0()
+        return {AGENTS[0]: r0, AGENTS[1]: -r0}
+
+    def _next_agent(self, agent: str) -> str:
+        return AGENTS[len(self._history) % 2]
 
     def render(self) -> str | None:
         if self.render_mode is None:
@@ -186,9 +170,6 @@ class raw_env(TextAECEnv):
         cards = "/".join(CARDS[c] for c in self._cards)
         end = f" forfeit by {self._forfeiter}" if self._forfeiter else ""
         return f"kuhn_poker_v0 cards={cards} history={self._history or '-'}{end}"
-
-    def close(self) -> None:
-        pass
 
     def _done(self) -> bool:
         return self._forfeiter is not None or self._history in _TERMINALS

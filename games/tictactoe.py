@@ -164,46 +164,29 @@ class raw_env(TextAECEnv):
     def __init__(self, render_mode: str | None = None) -> None:
         super().__init__(AGENTS, MAX_TEXT, render_mode)
         self._board = EMPTY * 9
-        self._forfeiter: str | None = None
-        self._last_action: dict[str, str | None] = {a: None for a in AGENTS}
         self._last_cell: int | None = None
 
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
         self._reset_bookkeeping(seed)
         self._board = EMPTY * 9
-        self._forfeiter = None
-        self._last_action = {a: None for a in AGENTS}
         self._last_cell = None
         self._update_infos()
 
-    def step(self, action: str | None) -> None:
-        agent = self.agent_selection
-        if self.terminations[agent] or self.truncations[agent]:
-            self._was_dead_step(action)
-            return
-        self._cumulative_rewards[agent] = 0
-        self.rewards = {a: 0 for a in self.agents}
+    def _play(self, agent: str, action: object) -> bool:
         cell = parse_reply(action, self._board)
         if cell is None:
-            self._forfeiter = agent
-            self.invalid_counts[agent] += 1
-            self._last_action[agent] = "invalid"
-        else:
-            self._board = _place(self._board, cell - 1, MARKS[self._seat(agent)])
-            self._last_action[agent] = str(cell)
-            self._last_cell = cell
-        if self._done():
-            winner = self._winner()
-            if winner is not None:
-                self.rewards = {a: 1 if a == winner else -1 for a in AGENTS}
-            self.terminations = {a: True for a in self.agents}
-        else:
-            self.agent_selection = AGENTS[1 - self._seat(agent)]
-        self._update_infos()
-        self._accumulate_rewards()
+            return False
+        self._board = _place(self._board, cell - 1, MARKS[self._seat(agent)])
+        self._last_action[agent] = str(cell)
+        self._last_cell = cell
+        return True
 
-    def observe(self, agent: str) -> dict[str, str]:
-        return {"text": self._text(agent)}
+    def _final_rewards(self) -> dict[str, float]:
+        winner = self._winner()
+        return {a: 0 if winner is None else 1 if a == winner else -1 for a in AGENTS}
+
+    def _next_agent(self, agent: str) -> str:
+        return AGENTS[1 - self._seat(agent)]
 
     def render(self) -> str | None:
         if self.render_mode is None:
@@ -211,9 +194,6 @@ class raw_env(TextAECEnv):
             return None
         end = f"\nforfeit by {self._forfeiter}" if self._forfeiter else ""
         return f"tictactoe_v0\n{render_board(self._board)}{end}"
-
-    def close(self) -> None:
-        pass
 
     def _seat(self, agent: str) -> int:
         return AGENTS.index(agent)

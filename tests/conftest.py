@@ -53,3 +53,17 @@ def ray_session():
 def run(coro, timeout: float = 120.0):
     """Run a coroutine to completion with a bound on its time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def play_to_end(env, replies, max_iter: int = 100):
+    """Step ``replies`` in order for whoever is to act, then drain the dead steps; return each
+    agent's total reward, checking every observation lies in its space and every reply is used."""
+    totals = {a: 0.0 for a in env.possible_agents}
+    pending = list(replies)
+    for agent in env.agent_iter(max_iter=max_iter):
+        obs, reward, term, trunc, _ = env.last()
+        assert env.observation_space(agent).contains(obs), obs
+        totals[agent] += reward
+        env.step(None if term or trunc else pending.pop(0))
+    assert not pending and not env.agents
+    return totals

@@ -23,6 +23,7 @@ from games.kuhn_poker import (
     exploitability,
 )
 from games.scripted import KuhnEquilibriumPolicy, RandomPolicy, make_scripted
+from conftest import play_to_end
 
 KQ, JK, QJ = DEALS.index((2, 1)), DEALS.index((0, 2)), DEALS.index((1, 0))
 
@@ -32,15 +33,7 @@ def play(deal: int, replies: list[Any], seed: int = 0) -> tuple[Any, dict[str, f
     and each agent's total reward, checking every observation lies in its space."""
     env = games.make("kuhn_poker_v0", deal=deal)
     env.reset(seed=seed)
-    totals = {a: 0.0 for a in env.possible_agents}
-    pending = list(replies)
-    for agent in env.agent_iter(max_iter=20):
-        obs, reward, term, trunc, _ = env.last()
-        assert env.observation_space(agent).contains(obs), obs
-        totals[agent] += reward
-        env.step(None if term or trunc else pending.pop(0))
-    assert not pending and not env.agents
-    return env, totals
+    return env, play_to_end(env, replies, max_iter=20)
 
 
 @pytest.mark.parametrize("name", games.names())

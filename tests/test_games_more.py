@@ -21,6 +21,7 @@ import games
 from games.bridge import default_parse_reply, printable
 from games.scripted import MinimaxPolicy, RandomPolicy, make_scripted
 from games.tictactoe import minimax_move, minimax_moves, parse_reply
+from conftest import play_to_end
 
 # --- tic-tac-toe --------------------------------------------------------------------------
 
@@ -32,15 +33,7 @@ def play_ttt(replies: list[Any]) -> tuple[Any, dict[str, float]]:
     checking every observation lies in its space."""
     env = games.make("tictactoe_v0")
     env.reset(seed=0)
-    totals = {a: 0.0 for a in env.possible_agents}
-    pending = list(replies)
-    for agent in env.agent_iter(max_iter=30):
-        obs, reward, term, trunc, _ = env.last()
-        assert env.observation_space(agent).contains(obs), obs
-        totals[agent] += reward
-        env.step(None if term or trunc else pending.pop(0))
-    assert not pending and not env.agents
-    return env, totals
+    return env, play_to_end(env, replies, max_iter=30)
 
 
 def test_registry_has_tictactoe_and_no_parallel_forms() -> None:
