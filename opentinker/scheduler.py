@@ -23,8 +23,10 @@ from opentinker.bus import LOOPBACK, LoopThread, Server
 from protocols.messages import (
     AdapterInfo,
     CreateAdapter,
+    DropAdapter,
     ForwardBackward,
     ForwardBackwardResult,
+    LoadAdapter,
     LogprobsRequest,
     LogprobsResult,
     Message,
@@ -35,9 +37,17 @@ from protocols.messages import (
     SaveAdapter,
     Saved,
     SchedulerStats,
+    SnapshotAdapter,
 )
 
 log = logging.getLogger(__name__)
+
+
+COMPUTE_OPS = (
+    SampleRequest, LogprobsRequest, CreateAdapter, DropAdapter, SnapshotAdapter, LoadAdapter,
+    ForwardBackward, OptimStep, SaveAdapter,
+)
+"""Requests that queue for the compute thread."""
 
 
 @dataclass
@@ -45,6 +55,8 @@ class _Job:
     msg: Message
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    started: bool = False
+    """Taken by the compute thread (under the queue's lock): too late to cancel."""
 
 
 class Scheduler:
@@ -93,14 +105,25 @@ class Scheduler:
     async def _handle(self, msg: Message) -> Message:
         if isinstance(msg, SchedulerStats):
             return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
-        if not isinstance(msg, (SampleRequest, LogprobsRequest, CreateAdapter, ForwardBackward, OptimStep, SaveAdapter)):
+        if not isinstance(msg, COMPUTE_OPS):
             raise ValueError(f"the scheduler does not serve {type(msg).__name__}")
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        job = _Job(msg, loop.create_future(), loop)
         with self._cv:
-            self._jobs.append(_Job(msg, fut, loop))
+            self._jobs.append(job)
             self._cv.notify()
-        return await fut
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            with self._cv:
+                if not job.started:  # still queued: it never runs
+                    self._jobs.remove(job)
+                    self.compute_counters["cancelled_queued"] += 1
+                    raise
+            # Already computing: a state-changing op will have happened, so finish it and
+            # reply (the bus keeps the reply for retries) rather than pretend it was cancelled.
+            self.compute_counters["cancel_too_late"] += 1
+            return await job.future
 
     # --------------------------------------------------------------------------- compute side
 
@@ -111,6 +134,7 @@ class Scheduler:
             if self._stop:
                 return None
             head = self._jobs.popleft()
+            head.started = True
             if not isinstance(head.msg, SampleRequest):
                 return [head]
         # Requests that are on their way join this batch: wait while new ones keep arriving
@@ -128,6 +152,7 @@ class Scheduler:
             batch, rest, rows = [head], collections.deque(), len(head.msg.prompts)
             for job in self._jobs:
                 if isinstance(job.msg, SampleRequest) and rows + len(job.msg.prompts) <= self.max_batch_rows:
+                    job.started = True
                     batch.append(job)
                     rows += len(job.msg.prompts)
                 else:
@@ -212,6 +237,13 @@ class Scheduler:
             return OptimStepResult(version=version, grad_norm=grad_norm)
         if isinstance(msg, SaveAdapter):
             return Saved(path=msg.path, version=host.save(msg.adapter, msg.path))
+        if isinstance(msg, DropAdapter):
+            host.drop_adapter(msg.name)
+            return AdapterInfo(name=msg.name, version=-1)
+        if isinstance(msg, SnapshotAdapter):
+            return AdapterInfo(name=msg.name, version=host.snapshot(msg.adapter, msg.name))
+        if isinstance(msg, LoadAdapter):
+            return AdapterInfo(name=msg.name, version=host.load(msg.path, msg.name, trainable=msg.trainable))
         raise ValueError(f"unexpected {type(msg).__name__}")
 
     def counters(self) -> dict[str, int]:

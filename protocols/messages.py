@@ -19,8 +19,9 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change to a message's fields; a peer with another version is refused."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
+and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
 
 class StopReason(enum.StrEnum):
@@ -211,11 +212,36 @@ class OptimStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     grad_norm: float
 
 
+class DropAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Free an adapter (weights and optimizer state); replied with :class:`AdapterInfo`
+    (``version`` -1). Unknown names are a ``not_found`` error."""
+
+    name: str
+
+
+class SnapshotAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Freeze a copy of ``adapter`` at its current version under ``name`` (for leagues and
+    evaluation); the copy samples and scores but never trains. Replied with :class:`AdapterInfo`."""
+
+    adapter: str
+    name: str
+
+
 class SaveAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Write the adapter in PEFT format (``adapter_config.json`` + safetensors) to ``path``."""
+    """Write the adapter in PEFT format (``adapter_config.json`` + safetensors), with its
+    optimizer state and version, to ``path`` (atomically). Replied with :class:`Saved`."""
 
     adapter: str
     path: str
+
+
+class LoadAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Load an adapter written by :class:`SaveAdapter` from ``path`` as ``name`` (its
+    optimizer state and version too); replied with :class:`AdapterInfo`."""
+
+    path: str
+    name: str
+    trainable: bool = True
 
 
 class Saved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -340,6 +366,60 @@ class LearnerStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     metrics: dict[str, float]
 
 
+class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A component's metrics at a step, streamed one way (PUSH) to whoever draws progress."""
+
+    source: str
+    """Component name, e.g. ``learner-main``."""
+    step: int
+    values: dict[str, float]
+    time: float = 0.0
+    """Sender's wall-clock time (``time.time()``), for plots; not used for ordering."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Session: handshake, liveness, cancellation, shutdown
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A client's first request on a connection; the server answers :class:`Welcome`, or an
+    ``Error`` with code ``bad_version``. Until then every other request gets ``no_handshake``."""
+
+    version: int
+    """The client's ``PROTOCOL_VERSION`` (also in the frame header)."""
+    peer: str = ""
+    """Client name, for logs and counters."""
+
+
+class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    version: int
+    peer: str = ""
+    """Server name."""
+    heartbeat_s: float = 0.0
+    """The server's heartbeat interval: a client silent for 3 of them is dropped."""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Liveness, either way: the server answers each one with a ``Heartbeat``. A peer from which
+    nothing arrived for 3 heartbeat intervals is lost (``peer_lost``)."""
+
+    seq: int = 0
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Cancel this client's request ``request_id``: replied with :class:`Ack` when it was
+    cancelled, ``not_found`` when it was not in flight. A state-changing request that has
+    already started runs to completion (and its reply is kept for retries)."""
+
+    request_id: int
+
+
+class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask the server to stop after replying :class:`Ack`."""
+
+    reason: str = ""
+
+
 # ---------------------------------------------------------------------------------------------
 # Generic replies
 
@@ -358,6 +438,12 @@ class ErrorCode(enum.StrEnum):
     INVALID = "invalid"
     INTERNAL = "internal"
     TIMEOUT = "timeout"
+    NO_HANDSHAKE = "no_handshake"
+    """A request from a peer that has not said :class:`Hello` (or was dropped as lost)."""
+    BUSY = "busy"
+    """The server's bounded queue of requests is full; retry later."""
+    CANCELLED = "cancelled"
+    PEER_LOST = "peer_lost"
 
 
 class Error(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -378,9 +464,18 @@ Message = Union[
     ForwardBackwardResult,
     OptimStep,
     OptimStepResult,
+    DropAdapter,
+    SnapshotAdapter,
     SaveAdapter,
+    LoadAdapter,
     Saved,
     SchedulerStats,
+    Metrics,
+    Hello,
+    Welcome,
+    Heartbeat,
+    Cancel,
+    Shutdown,
     RunEpisodes,
     EpisodesDone,
     Trajectory,
@@ -391,6 +486,8 @@ Message = Union[
 ]
 """Every message that may stand as a body on the bus."""
 
-STATE_CHANGING: tuple[type, ...] = (CreateAdapter, ForwardBackward, OptimStep)
+STATE_CHANGING: tuple[type, ...] = (
+    CreateAdapter, DropAdapter, SnapshotAdapter, LoadAdapter, ForwardBackward, OptimStep,
+)
 """Requests whose replies are remembered by request id, so a retry is never applied twice."""
 

@@ -1,0 +1,56 @@
+"""The message bus: typed ZeroMQ request-reply (ROUTER/DEALER) and PUSH/PULL.
+
+* :class:`Server` (``server.py``): sessions (``Hello`` with the protocol version), a task per
+  request, idempotent state-changing requests, cancellation, heartbeats, bounded work,
+  typed ``Error`` replies and counters for every bad frame.
+* :class:`Client` (asyncio) and :class:`SyncClient` (blocking): many requests in flight,
+  per-request timeouts that cancel on the server, ``PeerLost`` after 3 silent heartbeats.
+* :class:`Pusher` / :class:`Puller`: one-way messages (trajectories); PUSH round-robins and
+  never fans out, so each learner binds its own PULL.
+* :class:`LoopThread`: an asyncio loop in a daemon thread, so a component serves the bus
+  while its owner (a Ray actor method, a test) blocks.
+* ``common.py``: endpoint rules (``tcp://``, ``ipc://``, ``inproc://``; no non-loopback bind
+  without CURVE keys), :class:`CurveKeys`, socket options (``LINGER=0``, high-water marks, a
+  frame-size cap), and the heartbeat counter.
+
+The protocol itself is in ``protocols/`` and ``docs/protocol.md``.
+"""
+
+from opentinker.bus.client import Client, LoopThread, Puller, Pusher, next_request_id
+from opentinker.bus.common import (
+    DEFAULT_HEARTBEAT_S,
+    LOOPBACK,
+    MISSED_BEATS,
+    BeatCounter,
+    Counters,
+    CurveKeys,
+    PeerLost,
+    ProtocolMismatch,
+    RemoteError,
+    check_bind,
+    is_loopback,
+)
+from opentinker.bus.server import Handler, Server
+from opentinker.bus.sync import SyncClient
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_S",
+    "LOOPBACK",
+    "MISSED_BEATS",
+    "BeatCounter",
+    "Client",
+    "Counters",
+    "CurveKeys",
+    "Handler",
+    "LoopThread",
+    "PeerLost",
+    "ProtocolMismatch",
+    "Puller",
+    "Pusher",
+    "RemoteError",
+    "Server",
+    "SyncClient",
+    "check_bind",
+    "is_loopback",
+    "next_request_id",
+]

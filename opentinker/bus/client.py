@@ -1,0 +1,329 @@
+"""The asyncio side of the bus: a DEALER :class:`Client` with many requests in flight,
+one-way :class:`Pusher`/:class:`Puller`, and :class:`LoopThread`.
+
+A client says ``Hello`` on its first request (the versions are compared there: a mismatch is
+:class:`~opentinker.bus.common.ProtocolMismatch` here and a counted ``bad_version`` on
+the server), then sends a ``Heartbeat`` every ``heartbeat_s``. Every frame from the server
+counts as a sign of life; after 3 intervals with none, every pending request fails with
+:class:`~opentinker.bus.common.PeerLost`. A request that times out or whose caller is
+cancelled is cancelled on the server too (``Cancel``). At most ``max_inflight`` requests are
+in flight; further callers wait for a slot (backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from opentinker.bus.common import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_HWM,
+    LOOPBACK,
+    BeatCounter,
+    Counters,
+    CurveKeys,
+    PeerLost,
+    ProtocolMismatch,
+    RemoteError,
+    check_bind,
+    configure,
+)
+from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Message,
+    Welcome,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_ids = itertools.count(1)
+_BASE = int.from_bytes(os.urandom(3), "little") << 32
+"""Request ids are unique across processes: a random high half and a counter."""
+
+
+def next_request_id() -> int:
+    return _BASE | next(_ids)
+
+
+class Client:
+    """DEALER client: many requests in flight, matched to replies by request id.
+
+    Args:
+        ctx: the asyncio ZeroMQ context (``inproc://`` needs the server's).
+        endpoint: the server's bound endpoint.
+        keys: CURVE keys of this client (``CurveKeys.client_of(server_keys)``).
+        heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
+        max_inflight: requests in flight at once; more callers wait.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        name: str = "client",
+        *,
+        keys: CurveKeys | None = None,
+        heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
+        max_inflight: int = 1024,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        hwm: int = DEFAULT_HWM,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.heartbeat_s = heartbeat_s
+        self.max_bytes = max_bytes
+        self.counters = Counters()
+        self.welcome: Welcome | None = None
+        self.beats = BeatCounter()
+        self._sock = configure(ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
+        self._sock.connect(endpoint)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._beater: asyncio.Task | None = None
+        self._connecting: asyncio.Future | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._max_inflight = max_inflight
+
+    def next_request_id(self) -> int:
+        return next_request_id()
+
+    async def connect(self, timeout: float = 30.0) -> Welcome:
+        """Say ``Hello`` (once; concurrent callers share it) and return the server's ``Welcome``."""
+        if self.welcome is not None:
+            return self.welcome
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._hello(timeout))
+        try:
+            return await asyncio.shield(self._connecting)
+        finally:
+            if self._connecting is not None and self._connecting.done():
+                self._connecting = None
+
+    async def _hello(self, timeout: float) -> Welcome:
+        self._start()
+        reply = await self._roundtrip(Hello(version=PROTOCOL_VERSION, peer=self.name), next_request_id(), timeout)
+        if isinstance(reply, Error):
+            if reply.code is ErrorCode.BAD_VERSION:
+                raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: {reply.message}")
+            raise RemoteError(reply, f"{self.name} -> {self.endpoint} (Hello)")
+        if not isinstance(reply, Welcome):
+            raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: answered Hello with {type(reply).__name__}")
+        self.welcome = reply
+        self.beats.heard()
+        if self.heartbeat_s and self._beater is None:
+            self._beater = asyncio.create_task(self._beat(self.heartbeat_s))
+        return reply
+
+    def _start(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+            self._slots = asyncio.Semaphore(self._max_inflight)
+
+    async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None) -> Message:
+        """Send ``msg`` and return the reply.
+
+        Raises:
+            RemoteError: the server answered ``Error`` (e.g. ``invalid``, ``busy``).
+            TimeoutError: no reply in ``timeout`` s; the request is cancelled on the server.
+            PeerLost: the server went silent for 3 heartbeats.
+            ProtocolMismatch: the server speaks another protocol version.
+        """
+        rid = next_request_id() if request_id is None else request_id
+        for attempt in range(2):
+            if self.welcome is None:
+                await self.connect(timeout)
+            assert self._slots is not None
+            async with self._slots:
+                reply = await self._roundtrip(msg, rid, timeout)
+            if isinstance(reply, Error) and reply.code is ErrorCode.NO_HANDSHAKE and attempt == 0:
+                self.welcome = None  # the server restarted or dropped us: say Hello again, retry
+                continue
+            break
+        if isinstance(reply, Error):
+            raise RemoteError(reply, f"{self.name} -> {self.endpoint} ({type(msg).__name__})")
+        return reply
+
+    async def _roundtrip(self, msg: Message, rid: int, timeout: float) -> Message:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self.counters[f"sent/{type(msg).__name__}"] += 1
+        try:
+            await self._sock.send_multipart(encode(msg, rid), copy=False)
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._cancel_remote(rid)
+            raise TimeoutError(
+                f"{self.name}: no reply to {type(msg).__name__} from {self.endpoint} in {timeout:.3g} s"
+            ) from None
+        except asyncio.CancelledError:
+            self._cancel_remote(rid)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+
+    def _cancel_remote(self, rid: int) -> None:
+        if self._sock.closed:
+            return
+        self.counters["sent/Cancel"] += 1
+        self._fire(Cancel(request_id=rid), "cancel")
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self.beats.heard()
+            try:
+                rid, reply = decode([f.buffer for f in frames], self.max_bytes)
+            except DecodeError as e:
+                self.counters[f"error/{e.code.value}"] += 1
+                fut = self._pending.get(e.request_id) if e.request_id is not None else None
+                if fut is not None and not fut.done():
+                    fut.set_result(Error(code=e.code, message=str(e)))
+                continue
+            self.counters[f"recv/{type(reply).__name__}"] += 1
+            fut = self._pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def _beat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.tick()
+
+    def tick(self) -> bool:
+        """One heartbeat interval passed: send a ``Heartbeat``, or, after 3 intervals with no
+        frame from the server, fail every pending request with :class:`PeerLost`. Returns
+        True when the server is lost."""
+        if self.welcome is None:
+            return False
+        if self.beats.tick():
+            self.counters["peer_lost"] += 1
+            err = PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats")
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            self.welcome = None  # the next request says Hello again
+            self.beats.heard()
+            return True
+        self.counters["sent/Heartbeat"] += 1
+        self._fire(Heartbeat(seq=self.beats.missed), "heartbeat")
+        return False
+
+    def _fire(self, msg: Message, what: str) -> None:
+        """Send without waiting; a full queue or an unconnected socket drops it (counted)."""
+
+        def done(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                self.counters[f"error/{what}_not_sent"] += 1
+
+        try:
+            sent = self._sock.send_multipart(encode(msg, next_request_id()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counters[f"error/{what}_not_sent"] += 1
+            return
+        if isinstance(sent, asyncio.Future):
+            sent.add_done_callback(done)
+
+    def close(self) -> None:
+        for task in (self._reader, self._beater):
+            if task is not None:
+                task.cancel()
+        self._sock.close(linger=0)
+
+
+class Pusher:
+    """PUSH socket for one-way messages (trajectories) to one receiver; a full queue (``hwm``)
+    makes :meth:`send` wait, up to ``timeout`` s (backpressure, not unbounded memory)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, keys: CurveKeys | None = None,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.endpoint = endpoint
+        self.sent = 0
+        self._sock = configure(ctx.socket(zmq.PUSH), hwm=hwm, keys=keys)
+        self._sock.connect(endpoint)
+
+    async def send(self, msg: Message, timeout: float = 600.0) -> None:
+        try:
+            await asyncio.wait_for(self._sock.send_multipart(encode(msg), copy=False), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"push to {self.endpoint}: queue full for {timeout:.3g} s") from None
+        self.sent += 1
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Puller:
+    """PULL socket bound by a receiver (a learner); undecodable frames are counted, dropped."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str = LOOPBACK, max_bytes: int = DEFAULT_MAX_BYTES,
+                 *, keys: CurveKeys | None = None, hwm: int = DEFAULT_HWM) -> None:
+        check_bind(endpoint, keys)
+        self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=max_bytes, keys=keys, server=True)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.max_bytes = max_bytes
+        self.counters = Counters()
+
+    async def recv(self) -> Message:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                _, msg = decode([f.buffer for f in frames], self.max_bytes)
+            except DecodeError as e:
+                self.counters[f"error/{e.code.value}"] += 1
+                log.warning("puller %s: dropped bad frame: %s", self.endpoint, e)
+                continue
+            self.counters[f"recv/{type(msg).__name__}"] += 1
+            return msg
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, with its own ZeroMQ context."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ctx = zmq.asyncio.Context()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def _cancel_all() -> None:
+            me = asyncio.current_task()
+            for t in asyncio.all_tasks():
+                if t is not me:
+                    t.cancel()
+
+        if self.loop.is_running():
+            try:
+                self.run(_cancel_all(), timeout=5)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        self.ctx.destroy(linger=0)

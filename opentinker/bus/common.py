@@ -1,0 +1,158 @@
+"""What every bus socket shares: endpoint rules, CURVE keys, socket options, counters, the
+errors a caller sees, and the heartbeat counter.
+
+Endpoints are ``tcp://``, ``ipc://`` or ``inproc://``. A socket binds a non-loopback TCP
+address only with CURVE keys (authentication and encryption); local runs bind
+``tcp://127.0.0.1:*`` and publish the port the OS picked.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+from dataclasses import dataclass
+
+import zmq
+
+from protocols.codec import DEFAULT_MAX_BYTES
+from protocols.messages import Error
+
+LOOPBACK = "tcp://127.0.0.1:*"
+DEFAULT_HEARTBEAT_S = 3.0
+"""Heartbeat interval: a peer that sends nothing for ``MISSED_BEATS`` of them is lost."""
+MISSED_BEATS = 3
+DEFAULT_HWM = 1000
+"""ZeroMQ high-water mark (messages) of every socket's send and receive queues."""
+SCHEMES = ("tcp", "ipc", "inproc")
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an :class:`~protocols.messages.Error`."""
+
+    def __init__(self, error: Error, where: str = "") -> None:
+        super().__init__(f"{where}: {error.code.value}: {error.message}" if where else error.message)
+        self.error = error
+
+
+class PeerLost(ConnectionError):
+    """Nothing arrived from the peer for ``MISSED_BEATS`` heartbeat intervals; every request
+    still pending on it fails with this error."""
+
+
+class ProtocolMismatch(ConnectionError):
+    """The peer speaks another ``PROTOCOL_VERSION``; raised when connecting."""
+
+
+class Counters(collections.Counter):
+    """Message counters by kind, e.g. ``recv/SampleRequest``, ``error/bad_frame``."""
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys (Z85-encoded, 40 bytes each) of one side of a connection.
+
+    A server uses ``public``/``secret`` and, when ``allowed_clients`` is not empty, accepts
+    only those client public keys. A client uses its own pair and ``server_public``.
+    """
+
+    public: bytes
+    secret: bytes
+    server_public: bytes = b""
+    allowed_clients: tuple[bytes, ...] = ()
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """A fresh key pair (``zmq.curve_keypair``)."""
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq was built without CURVE support")
+        public, secret = zmq.curve_keypair()
+        return cls(public=public, secret=secret)
+
+    def client_of(self, server: CurveKeys) -> CurveKeys:
+        """This pair as a client of ``server``."""
+        return CurveKeys(public=self.public, secret=self.secret, server_public=server.public)
+
+    def allowing(self, *clients: CurveKeys) -> CurveKeys:
+        """This pair as a server that accepts only ``clients``."""
+        return CurveKeys(public=self.public, secret=self.secret,
+                         allowed_clients=tuple(c.public for c in clients))
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ``ipc://``, ``inproc://`` and TCP on a loopback address (127.0.0.0/8, ::1,
+    ``localhost``); ValueError for another scheme."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"endpoint {endpoint!r}: the bus speaks {', '.join(s + '://' for s in SCHEMES)}")
+    if scheme != "tcp":
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', an interface name or a host name: may face the network
+
+
+def check_bind(endpoint: str, keys: CurveKeys | None) -> None:
+    """Refuse to bind a non-loopback address without CURVE keys."""
+    if keys is None and not is_loopback(endpoint):
+        raise ValueError(
+            f"refusing to bind {endpoint} without CURVE keys: a non-loopback address needs "
+            "authentication and encryption (pass keys=CurveKeys.generate()), or bind tcp://127.0.0.1:*"
+        )
+
+
+def configure(
+    sock: zmq.Socket,
+    *,
+    hwm: int = DEFAULT_HWM,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    keys: CurveKeys | None = None,
+    server: bool = False,
+) -> zmq.Socket:
+    """Options every bus socket gets: ``LINGER=0``, bounded queues (``hwm`` messages each
+    way), a hard cap of ``2 * max_bytes`` per frame (libzmq drops a peer that sends more; a
+    message between ``max_bytes`` and that gets a ``too_large`` reply), and CURVE when
+    ``keys`` are given."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, min(2 * max_bytes, (1 << 62)))
+    if keys is not None:
+        sock.curve_publickey = keys.public
+        sock.curve_secretkey = keys.secret
+        if server:
+            sock.curve_server = True
+        else:
+            if not keys.server_public:
+                raise ValueError("a CURVE client needs the server's public key (CurveKeys.client_of)")
+            sock.curve_serverkey = keys.server_public
+    return sock
+
+
+class BeatCounter:
+    """Missed heartbeats of one peer, counted in ticks, never timed.
+
+    The owner calls :meth:`tick` once per heartbeat interval and :meth:`heard` whenever a
+    frame arrives from the peer; the peer is lost at the ``limit``-th tick in a row with
+    nothing heard, i.e. within ``limit`` intervals of its last frame.
+    """
+
+    def __init__(self, limit: int = MISSED_BEATS) -> None:
+        if limit < 1:
+            raise ValueError(f"heartbeat limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.missed = 0
+
+    def heard(self) -> None:
+        self.missed = 0
+
+    def tick(self) -> bool:
+        """One interval passed; True when the peer is now lost."""
+        self.missed += 1
+        return self.missed >= self.limit

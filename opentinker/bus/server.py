@@ -1,0 +1,373 @@
+"""The ROUTER side of the bus: sessions, idempotent requests, cancellation, heartbeats,
+bounded work and typed errors.
+
+A client first says :class:`~protocols.messages.Hello` (the protocol version is checked there
+and in every header); the server answers :class:`~protocols.messages.Welcome` and from then
+on serves that peer's requests, each in its own task, so a slow handler never blocks the
+socket. What the server does with every kind of frame:
+
+===============================  ===========================================================
+frame                             reply
+===============================  ===========================================================
+undecodable / wrong version /     ``Error`` with the decode error's code (when the request id
+unknown type / bad field / too    can be read) and ``error/<code>`` counted
+large
+request before ``Hello``          ``Error(no_handshake)``
+``Heartbeat``                     ``Heartbeat`` (answered on the socket loop, never queued)
+``Cancel(request_id)``            ``Ack`` (the request's task is cancelled; the request itself
+                                  ends with ``Error(cancelled)`` or its result) or ``not_found``
+``Shutdown``                      ``Ack``, then the server stops
+a request while ``max_inflight``  ``Error(busy)``: bounded work instead of unbounded memory
+are running
+a retried state-changing request  the first request's reply, never applied twice
+===============================  ===========================================================
+
+:meth:`Server.tick` counts heartbeats of every peer (called each ``heartbeat_s`` by the
+server's own loop, or by a test); a peer silent for 3 ticks is lost: its requests are
+cancelled and it must say ``Hello`` again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from opentinker.bus.common import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_HWM,
+    LOOPBACK,
+    BeatCounter,
+    Counters,
+    CurveKeys,
+    check_bind,
+    configure,
+)
+from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.messages import (
+    PROTOCOL_VERSION,
+    STATE_CHANGING,
+    Ack,
+    Cancel,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Message,
+    Shutdown,
+    Welcome,
+)
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Message], Awaitable[Message]]
+
+
+@dataclass
+class _Peer:
+    name: str
+    beats: BeatCounter
+    inflight: dict[int, asyncio.Task] = field(default_factory=dict)
+
+
+class Server:
+    """ROUTER server: ``await handler(msg)`` for each request of each connected peer.
+
+    Args:
+        handler: serves one request; ``ValueError``/``KeyError``/``TypeError`` become an
+            ``Error(invalid)`` reply, anything else ``Error(internal)``; the server keeps serving.
+        endpoint: where to bind (``tcp://``, ``ipc://``, ``inproc://``); a non-loopback TCP
+            address needs ``keys``.
+        max_inflight: requests handled at once (all peers); more get ``Error(busy)``.
+        max_peers: sessions at once; a ``Hello`` beyond gets ``Error(busy)``.
+        heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
+        keys: CURVE keys; ``keys.allowed_clients`` restricts who may connect.
+        on_shutdown: called after a ``Shutdown`` request is acknowledged.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        endpoint: str = LOOPBACK,
+        name: str = "server",
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idempotency_cache: int = 4096,
+        max_inflight: int = 1024,
+        max_peers: int = 1024,
+        heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
+        keys: CurveKeys | None = None,
+        hwm: int = DEFAULT_HWM,
+        on_shutdown: Callable[[], Any] | None = None,
+    ) -> None:
+        check_bind(endpoint, keys)
+        self.handler = handler
+        self.name = name
+        self.max_bytes = max_bytes
+        self.max_inflight = max_inflight
+        self.max_peers = max_peers
+        self.heartbeat_s = heartbeat_s
+        self.keys = keys
+        self.hwm = hwm
+        self.on_shutdown = on_shutdown
+        self.counters = Counters()
+        self._bind_to = endpoint
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._peers: dict[bytes, _Peer] = {}
+        self._running = 0
+        self._done: collections.OrderedDict[int, asyncio.Future] = collections.OrderedDict()
+        self._cache_size = idempotency_cache
+        self._auth: Any = None
+        self.stopped: asyncio.Event | None = None
+        """Set once the server has stopped (created in :meth:`start`, on the loop)."""
+        self.endpoint = ""
+
+    async def start(self, ctx: zmq.asyncio.Context) -> str:
+        """Bind and start serving; returns the bound endpoint (with the OS-picked port)."""
+        self.stopped = asyncio.Event()
+        sock = configure(ctx.socket(zmq.ROUTER), hwm=self.hwm, max_bytes=self.max_bytes,
+                         keys=self.keys, server=True)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.keys is not None and self.keys.allowed_clients:
+            self._auth = _allow_clients(ctx, self.name, self.keys.allowed_clients)
+            sock.zap_domain = self.name.encode()
+        sock.bind(self._bind_to)
+        self._sock = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._tasks.append(asyncio.create_task(self._serve()))
+        if self.heartbeat_s:
+            self._tasks.append(asyncio.create_task(self._beat(self.heartbeat_s)))
+        return self.endpoint
+
+    @property
+    def peers(self) -> dict[str, int]:
+        """Connected peers by name -> requests in flight."""
+        return {p.name: len(p.inflight) for p in self._peers.values()}
+
+    async def _serve(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                self._dispatch(frames)
+            except Exception:
+                self.counters["error/internal"] += 1
+                log.exception("%s: dispatch failed", self.name)
+
+    async def _beat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.tick()
+
+    def tick(self) -> list[str]:
+        """One heartbeat interval passed: count it for every peer; drop the peers silent for
+        3 intervals (their requests are cancelled). Returns the names of the dropped peers."""
+        lost = [ident for ident, p in self._peers.items() if p.beats.tick()]
+        names = []
+        for ident in lost:
+            peer = self._peers.pop(ident)
+            names.append(peer.name)
+            self.counters["peer_lost"] += 1
+            log.warning("%s: peer %s lost (no frame in %d heartbeats); cancelling %d requests",
+                        self.name, peer.name, peer.beats.limit, len(peer.inflight))
+            for task in peer.inflight.values():
+                task.cancel()
+        return names
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.counters["error/bad_frame"] += 1
+            return
+        identity = frames[0].bytes
+        try:
+            rid, msg = decode([f.buffer for f in frames[1:]], self.max_bytes)
+        except DecodeError as e:
+            self.counters[f"error/{e.code.value}"] += 1
+            log.warning("%s: bad frame: %s", self.name, e)
+            self._send(identity, Error(code=e.code, message=str(e)), e.request_id or 0)
+            return
+        kind = type(msg).__name__
+        self.counters[f"recv/{kind}"] += 1
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.beats.heard()
+        if isinstance(msg, Hello):
+            self._hello(identity, rid, msg)
+        elif peer is None:
+            self.counters["error/no_handshake"] += 1
+            self._send(identity, Error(code=ErrorCode.NO_HANDSHAKE,
+                                       message=f"{self.name}: say Hello before {kind}"), rid)
+        elif isinstance(msg, Heartbeat):
+            self._send(identity, Heartbeat(seq=msg.seq), rid)
+        elif isinstance(msg, Cancel):
+            task = peer.inflight.get(msg.request_id)
+            if task is None:
+                self._send(identity, Error(code=ErrorCode.NOT_FOUND,
+                                           message=f"no request {msg.request_id} in flight"), rid)
+            else:
+                self.counters["cancelled"] += 1
+                task.cancel()
+                self._send(identity, Ack(), rid)
+        elif isinstance(msg, Shutdown):
+            log.info("%s: shutdown requested by %s: %s", self.name, peer.name, msg.reason)
+            self._send(identity, Ack(), rid)
+            asyncio.get_running_loop().call_soon(self._shutdown)
+        elif self._running >= self.max_inflight:
+            self.counters["error/busy"] += 1
+            self._send(identity, Error(code=ErrorCode.BUSY,
+                                       message=f"{self.name}: {self._running} requests in flight (max {self.max_inflight})"), rid)
+        else:
+            self._running += 1
+            task = asyncio.create_task(self._request(identity, peer, rid, msg))
+            peer.inflight[rid] = task
+
+    def _hello(self, identity: bytes, rid: int, msg: Hello) -> None:
+        if msg.version != PROTOCOL_VERSION:  # the header said otherwise: a broken peer
+            self.counters["error/bad_version"] += 1
+            log.warning("%s: peer %s says protocol %d, this side %d", self.name, msg.peer, msg.version, PROTOCOL_VERSION)
+            self._send(identity, Error(code=ErrorCode.BAD_VERSION,
+                                       message=f"peer speaks protocol {msg.version}, this side {PROTOCOL_VERSION}"), rid)
+            return
+        if identity not in self._peers and len(self._peers) >= self.max_peers:
+            self.counters["error/busy"] += 1
+            self._send(identity, Error(code=ErrorCode.BUSY, message=f"{self.name}: {len(self._peers)} peers (max)"), rid)
+            return
+        old = self._peers.get(identity)
+        self._peers[identity] = _Peer(name=msg.peer or identity.hex(), beats=BeatCounter(),
+                                      inflight=old.inflight if old else {})
+        self.counters["handshakes"] += 1
+        self._send(identity, Welcome(version=PROTOCOL_VERSION, peer=self.name, heartbeat_s=self.heartbeat_s or 0.0), rid)
+
+    async def _request(self, identity: bytes, peer: _Peer, rid: int, msg: Message) -> None:
+        try:
+            if isinstance(msg, STATE_CHANGING):
+                reply = await self._once(rid, msg)
+            else:
+                reply = await self._call(msg)
+        except asyncio.CancelledError:
+            reply = Error(code=ErrorCode.CANCELLED, message=f"{type(msg).__name__} {rid} was cancelled")
+        finally:
+            self._running -= 1
+            peer.inflight.pop(rid, None)
+        self._send(identity, reply, rid)
+
+    async def _once(self, rid: int, msg: Message) -> Message:
+        """A state-changing request, applied once per request id: a retry waits for (or gets)
+        the first one's reply."""
+        fut = self._done.get(rid)
+        if fut is not None:
+            self.counters["dedup"] += 1
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._done[rid] = fut
+        while len(self._done) > self._cache_size:
+            self._done.popitem(last=False)
+        try:
+            reply = await self._call(msg)
+        except asyncio.CancelledError:
+            # Cancelled before it changed anything (a handler that had started finishes and
+            # returns instead): a retry must apply it.
+            self._done.pop(rid, None)
+            fut.cancel()
+            raise
+        fut.set_result(reply)
+        return reply
+
+    async def _call(self, msg: Message) -> Message:
+        try:
+            return await self.handler(msg)
+        except (ValueError, KeyError, TypeError) as e:
+            self.counters["error/invalid"] += 1
+            return Error(code=ErrorCode.INVALID, message=f"{type(e).__name__}: {e}")
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:
+            self.counters["error/internal"] += 1
+            log.exception("%s: handler failed", self.name)
+            return Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
+
+    def _send(self, identity: bytes, reply: Message, rid: int) -> None:
+        if self._sock is None or self._sock.closed:
+            return
+        self.counters[f"sent/{type(reply).__name__}"] += 1
+        try:
+            sent = self._sock.send_multipart([identity, *encode(reply, rid)], copy=False)
+        except zmq.ZMQError as e:  # the peer is gone or its queue is full: the reply is dropped
+            self.counters["error/send"] += 1
+            log.warning("%s: reply to %s dropped: %s", self.name, identity.hex(), e)
+            return
+        if isinstance(sent, asyncio.Future):
+            sent.add_done_callback(_consume)
+
+    def _shutdown(self) -> None:
+        asyncio.ensure_future(self.stop())
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+
+    async def stop(self) -> None:
+        """Stop serving: cancel every request and close the socket."""
+        for t in self._tasks:
+            t.cancel()
+        for peer in self._peers.values():
+            for t in peer.inflight.values():
+                t.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self.stopped is not None:
+            self.stopped.set()
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _AllowList:
+    """ZAP credentials: the client public keys allowed per domain (one server each)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, set[bytes]] = {}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys.get(domain, ())
+
+
+_AUTH: dict[int, tuple[Any, _AllowList]] = {}
+"""One ZAP authenticator per ZeroMQ context (libzmq allows one), by ``id(ctx)``."""
+
+
+class _Auth:
+    def __init__(self, ctx: zmq.asyncio.Context, domain: str, keys: tuple[bytes, ...]) -> None:
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        self.ctx_id, self.domain = id(ctx), domain
+        if self.ctx_id not in _AUTH:
+            auth, allow = AsyncioAuthenticator(ctx), _AllowList()
+            auth.start()
+            _AUTH[self.ctx_id] = (auth, allow)
+        auth, allow = _AUTH[self.ctx_id]
+        if domain in allow.keys:
+            raise ValueError(f"a server named {domain!r} already authenticates clients on this context")
+        allow.keys[domain] = set(keys)
+        auth.configure_curve_callback(domain=domain, credentials_provider=allow)
+
+    def stop(self) -> None:
+        auth, allow = _AUTH[self.ctx_id]
+        allow.keys.pop(self.domain, None)
+        if not allow.keys:
+            auth.stop()
+            del _AUTH[self.ctx_id]
+
+
+def _allow_clients(ctx: zmq.asyncio.Context, domain: str, keys: tuple[bytes, ...]) -> _Auth:
+    """Let only ``keys`` connect to the server whose ZAP domain is ``domain``."""
+    return _Auth(ctx, domain, keys)

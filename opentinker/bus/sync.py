@@ -1,0 +1,195 @@
+"""A blocking client of the bus, for scripts and notebooks (and the lowest-latency path).
+
+:class:`SyncClient` speaks the same session as the asyncio client: ``Hello`` when it is
+made, many requests in flight (:meth:`SyncClient.submit` then :meth:`SyncClient.result`),
+per-request timeouts that cancel the request on the server, and heartbeats while it waits:
+three intervals with no frame from the server raise
+:class:`~opentinker.bus.common.PeerLost`. Not thread-safe (a ZeroMQ socket is not): use
+one per thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from opentinker.bus.client import next_request_id
+from opentinker.bus.common import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_HWM,
+    BeatCounter,
+    Counters,
+    CurveKeys,
+    PeerLost,
+    ProtocolMismatch,
+    RemoteError,
+    configure,
+)
+from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Message,
+    Welcome,
+)
+
+
+class SyncClient:
+    """Blocking DEALER client.
+
+    Args:
+        endpoint: the server's bound endpoint.
+        ctx: a (non-asyncio) ZeroMQ context; default: one owned by this client.
+        keys: CURVE keys of this client (``CurveKeys.client_of(server_keys)``).
+        heartbeat_s: while waiting, a ``Heartbeat`` goes out every this many seconds without
+            a frame, and the server is lost after 3 of them.
+        connect_timeout: seconds to wait for the ``Welcome``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str = "sync-client",
+        *,
+        ctx: zmq.Context | None = None,
+        keys: CurveKeys | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        hwm: int = DEFAULT_HWM,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.heartbeat_s = heartbeat_s
+        self.max_bytes = max_bytes
+        self.counters = Counters()
+        self.beats = BeatCounter()
+        self._own_ctx = ctx is None
+        self._ctx = zmq.Context() if ctx is None else ctx
+        self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
+        self._sock.connect(endpoint)
+        self._outstanding: dict[int, Message] = {}
+        """Request id -> the request, until its reply is taken (resent after a re-Hello)."""
+        self._replies: dict[int, Message] = {}
+        self.welcome: Welcome | None = None
+        try:
+            self.connect(connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def connect(self, timeout: float = 30.0) -> Welcome:
+        """Say ``Hello``; raises :class:`ProtocolMismatch` when the versions differ."""
+        rid = self._send(Hello(version=PROTOCOL_VERSION, peer=self.name), next_request_id())
+        reply = self._wait(rid, timeout)
+        if isinstance(reply, Error):
+            if reply.code is ErrorCode.BAD_VERSION:
+                raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: {reply.message}")
+            raise RemoteError(reply, f"{self.name} -> {self.endpoint} (Hello)")
+        if not isinstance(reply, Welcome):
+            raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: answered Hello with {type(reply).__name__}")
+        self.welcome = reply
+        return reply
+
+    def submit(self, msg: Message, request_id: int | None = None) -> int:
+        """Send ``msg`` without waiting; returns its request id for :meth:`result`."""
+        return self._send(msg, next_request_id() if request_id is None else request_id)
+
+    def result(self, request_id: int, timeout: float = 600.0) -> Message:
+        """The reply to request ``request_id``, waiting up to ``timeout`` s (then the request
+        is cancelled on the server and :class:`TimeoutError` raised). Raises
+        :class:`RemoteError` for an ``Error`` reply and :class:`PeerLost` when the server went
+        silent."""
+        if request_id not in self._outstanding:
+            raise KeyError(f"request {request_id} was not submitted, or its result was taken")
+        msg = self._outstanding[request_id]
+        for attempt in range(2):
+            reply = self._wait(request_id, timeout)
+            if isinstance(reply, Error) and reply.code is ErrorCode.NO_HANDSHAKE and attempt == 0:
+                self.connect(timeout)  # the server restarted or dropped us
+                self._send(msg, request_id)
+                continue
+            break
+        self._outstanding.pop(request_id, None)
+        if isinstance(reply, Error):
+            raise RemoteError(reply, f"{self.name} -> {self.endpoint} ({type(msg).__name__})")
+        return reply
+
+    def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None) -> Message:
+        """Send ``msg`` and return its reply (see :meth:`result`)."""
+        return self.result(self.submit(msg, request_id), timeout)
+
+    def _send(self, msg: Message, rid: int) -> int:
+        self._outstanding[rid] = msg
+        self.counters[f"sent/{type(msg).__name__}"] += 1
+        self._sock.send_multipart(encode(msg, rid), copy=False)
+        return rid
+
+    def _wait(self, rid: int, timeout: float) -> Message:
+        deadline = time.monotonic() + timeout
+        sock = self._sock
+        while rid not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._outstanding.pop(rid, None)
+                self._cancel_remote(rid)
+                raise TimeoutError(f"{self.name}: no reply to request {rid} from {self.endpoint} in {timeout:.3g} s")
+            if sock.poll(int(1000 * min(left, self.heartbeat_s)) or 1):
+                self._drain()
+            elif min(left, self.heartbeat_s) >= self.heartbeat_s and self.tick():
+                raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats")
+        return self._replies.pop(rid)
+
+    def _drain(self) -> None:
+        """Read every frame waiting; keep replies to requests still outstanding."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.beats.heard()
+            try:
+                rid, reply = decode([f.buffer for f in frames], self.max_bytes)
+            except DecodeError as e:
+                self.counters[f"error/{e.code.value}"] += 1
+                if e.request_id in self._outstanding:
+                    self._replies[e.request_id] = Error(code=e.code, message=str(e))
+                continue
+            self.counters[f"recv/{type(reply).__name__}"] += 1
+            if rid in self._outstanding:
+                self._replies[rid] = reply
+
+    def tick(self) -> bool:
+        """One heartbeat interval passed with no frame: send a ``Heartbeat``; True (and the
+        session forgotten) when this was the 3rd in a row."""
+        if self.beats.tick():
+            self.counters["peer_lost"] += 1
+            self.beats.heard()
+            self.welcome = None
+            return True
+        self.counters["sent/Heartbeat"] += 1
+        self._sock.send_multipart(encode(Heartbeat(seq=self.beats.missed), next_request_id()))
+        return False
+
+    def _cancel_remote(self, rid: int) -> None:
+        self.counters["sent/Cancel"] += 1
+        try:
+            self._sock.send_multipart(encode(Cancel(request_id=rid), next_request_id()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counters["error/cancel_not_sent"] += 1
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> SyncClient:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
