@@ -1,0 +1,133 @@
+"""Fuzz the server with 10,000 frames (seeded): random bytes and mutations of valid messages,
+with a valid request every 200 frames that must succeed. Every error counter ends above zero
+and the server is still serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+from conftest import run
+
+from opentinker.bus import Client, Server
+from protocols.codec import encode
+from protocols.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    AdamParams,
+    Datum,
+    ForwardBackward,
+    Hello,
+    LogprobsRequest,
+    LogprobsResult,
+    OptimStep,
+    SampleRequest,
+    SamplingParams,
+)
+
+N_FRAMES = 10_000
+VALID_EVERY = 200
+MAX_BYTES = 64 * 1024
+ERRORS = ("bad_frame", "bad_version", "bad_message", "unknown_type", "too_large", "invalid", "no_handshake")
+
+
+def valid_messages() -> list:
+    toks = np.arange(12, dtype=np.int32)
+    return [
+        OptimStep(adapter="a", params=AdamParams()),
+        LogprobsRequest(adapter=None, sequences=[toks, toks[:5]]),
+        SampleRequest(adapter="a", prompts=[toks], params=SamplingParams(max_tokens=3)),
+        LogprobsResult(logprobs=[np.ones(7, np.float32)], adapter_version=2),
+        ForwardBackward(adapter="a", loss="ppo", datums=[
+            Datum(tokens=toks, loss_inputs={"mask": np.ones(12, np.float32)})]),
+    ]
+
+
+def mutate(rng: np.random.Generator, frames: list[bytes]) -> list[bytes]:
+    """One of the ways a frame goes wrong: flipped or cut bytes, a wrong version, a wrong
+    buffer count, an unknown type, a field of the wrong type, or too many bytes."""
+    f = [bytes(memoryview(x)) for x in frames]
+    kind = int(rng.integers(8))
+    if kind == 0:  # flip bytes anywhere
+        i = int(rng.integers(len(f)))
+        b = bytearray(f[i])
+        for _ in range(int(rng.integers(1, 4))):
+            if b:
+                b[int(rng.integers(len(b)))] = int(rng.integers(256))
+        f[i] = bytes(b)
+    elif kind == 1:  # cut a frame short
+        i = int(rng.integers(len(f)))
+        f[i] = f[i][: int(rng.integers(len(f[i]) + 1))]
+    elif kind == 2:  # another protocol version
+        h = msgspec.msgpack.decode(f[0])
+        f[0] = msgspec.msgpack.encode([PROTOCOL_VERSION + int(rng.integers(1, 5)), h[1], h[2]])
+    elif kind == 3:  # the header names the wrong number of buffers, or frames go missing
+        f = f[:-1] if len(f) > 2 and rng.random() < 0.5 else [*f, b"extra"]
+    elif kind == 4:  # an unknown message type
+        body = msgspec.msgpack.decode(f[1])
+        body["type"] = "DropTables"
+        f[1] = msgspec.msgpack.encode(body)
+    elif kind == 5:  # a field of the wrong type
+        body = msgspec.msgpack.decode(f[1])
+        key = sorted(k for k in body if k != "type")[int(rng.integers(len(body) - 1))]
+        body[key] = [{"nested": "junk"}] if not isinstance(body[key], list) else "junk"
+        f[1] = msgspec.msgpack.encode(body)
+    elif kind == 6:  # more bytes than the server takes
+        f = [*f[:2], *([b"\0" * (MAX_BYTES + 1)] if rng.random() < 0.5 else [])]
+        if len(f) == 2:
+            f[1] = f[1] + b"\0" * (MAX_BYTES + 1)
+    else:  # random bytes in random frames
+        f = [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 5)))]
+    return f
+
+
+def test_ten_thousand_bad_frames_never_stop_the_server():
+    async def main():
+        ctx = zmq.asyncio.Context()
+
+        async def handler(msg):
+            if isinstance(msg, SampleRequest):
+                raise ValueError("no model here")
+            return msg if isinstance(msg, LogprobsResult) else Ack()
+
+        server = Server(handler, name="fuzzed", max_bytes=MAX_BYTES, heartbeat_s=None)
+        ep = await server.start(ctx)
+        good = Client(ctx, ep, name="good", heartbeat_s=None)
+        # One fuzzing socket that said Hello (its decodable frames reach the handler), and one
+        # that never did.
+        greeted, stranger = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (greeted, stranger):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+        await greeted.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="fuzzer"), 1))
+        await asyncio.wait_for(greeted.recv_multipart(), 10)
+        rng = np.random.default_rng(1234)
+        templates = [encode(m, i + 2) for i, m in enumerate(valid_messages())]
+        successes = 0
+        for n in range(N_FRAMES):
+            frames = templates[int(rng.integers(len(templates)))]
+            sock = stranger if n % 10 == 0 else greeted
+            await sock.send_multipart(frames if n % 10 == 0 else mutate(rng, frames))
+            if n % VALID_EVERY == VALID_EVERY - 1:
+                reply = await good.request(LogprobsResult(logprobs=[np.full(4, n, np.float32)], adapter_version=n), 30)
+                assert reply.adapter_version == n and reply.logprobs[0][0] == n
+                successes += 1
+                for s in (greeted, stranger):  # drain the error replies
+                    while await s.poll(0):
+                        await s.recv_multipart()
+        assert successes == N_FRAMES // VALID_EVERY
+        missing = [e for e in ERRORS if server.counters[f"error/{e}"] == 0]
+        assert not missing, (missing, dict(server.counters))
+        assert sum(server.counters[f"error/{e}"] for e in ERRORS) > N_FRAMES // 2
+        assert server.counters["error/internal"] == 0
+        print({k: v for k, v in sorted(server.counters.items()) if k.startswith(("error/", "recv/"))})
+        for s in (greeted, stranger):
+            s.close(0)
+        good.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main(), timeout=300)
