@@ -69,3 +69,28 @@ def test_array_buffer_size_and_message_size_are_checked():
     with pytest.raises(DecodeError) as e:
         decode(frames, max_bytes=16)
     assert e.value.code is ErrorCode.TOO_LARGE and e.value.request_id == 0
+
+
+def test_schema_and_protocol_doc_are_current():
+    """``docs/protocol.md``'s tables and ``docs/protocol.schema.json`` are what
+    ``python -m protocols.schema`` writes today (regenerate them when a message changes)."""
+    import json
+    from pathlib import Path
+
+    from protocols import schema as sch
+
+    root = Path(__file__).resolve().parent.parent
+    current = sch.schema()
+    doc = (root / "docs/protocol.md").read_text()
+    assert sch.render_doc(doc, current) == doc, "docs/protocol.md is stale: run python -m protocols.schema --doc docs/protocol.md"
+    on_disk = json.loads((root / "docs/protocol.schema.json").read_text())
+    assert on_disk == json.loads(json.dumps(current)), "docs/protocol.schema.json is stale: run python -m protocols.schema --json docs/protocol.schema.json"
+    # Every message is a request, a reply, one-way, or the error; arrays are ArrayRefs.
+    import typing
+
+    from protocols import messages as m
+
+    covered = set(sch.REPLIES) | set(sch.REPLIES.values()) | set(sch.ONE_WAY) | {m.Error}
+    assert set(typing.get_args(m.Message)) == covered
+    assert current["$defs"]["LogprobsResult"]["properties"]["logprobs"]["items"] == {"$ref": "#/$defs/ArrayRef"}
+    assert "`prompts` | list[array] | required | One ``int32[T]`` token array per row." in doc

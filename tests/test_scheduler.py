@@ -147,7 +147,9 @@ def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat
         return errors, ok
 
     errors, ok = run(_with_client(scheduler, body))
-    assert all(e.code is ErrorCode.INVALID for e in errors)
+    codes = [e.code for e in errors]
+    assert codes == [ErrorCode.NOT_FOUND, ErrorCode.INVALID, ErrorCode.INVALID, ErrorCode.NOT_FOUND,
+                     ErrorCode.INVALID, ErrorCode.INVALID], codes
     assert "nope" in errors[0].message and "out of range" in errors[1].message and "temperature" in errors[2].message
     assert "LogprobsRequest.sequences[0] is empty" in errors[-1].message
     assert len(ok.tokens[0]) >= 1

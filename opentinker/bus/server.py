@@ -79,8 +79,9 @@ class Server:
     """ROUTER server: ``await handler(msg)`` for each request of each connected peer.
 
     Args:
-        handler: serves one request; ``ValueError``/``KeyError``/``TypeError`` become an
-            ``Error(invalid)`` reply, anything else ``Error(internal)``; the server keeps serving.
+        handler: serves one request; ``ValueError``/``TypeError`` become an ``Error(invalid)``
+            reply, ``KeyError`` (an unknown name) ``Error(not_found)``, anything else
+            ``Error(internal)``; the server keeps serving.
         endpoint: where to bind (``tcp://``, ``ipc://``, ``inproc://``); a non-loopback TCP
             address needs ``keys``.
         max_inflight: requests handled at once (all peers); more get ``Error(busy)``.
@@ -282,7 +283,10 @@ class Server:
     async def _call(self, msg: Message) -> Message:
         try:
             return await self.handler(msg)
-        except (ValueError, KeyError, TypeError) as e:
+        except KeyError as e:  # an unknown name (adapter, policy): KeyError's text is the repr
+            self.counters["error/not_found"] += 1
+            return Error(code=ErrorCode.NOT_FOUND, message=str(e.args[0]) if e.args else "KeyError")
+        except (ValueError, TypeError) as e:
             self.counters["error/invalid"] += 1
             return Error(code=ErrorCode.INVALID, message=f"{type(e).__name__}: {e}")
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
