@@ -12,7 +12,7 @@ from typing import Any
 
 from pettingzoo import AECEnv, ParallelEnv
 
-from games import kuhn_poker, tictactoe
+from games import kuhn_poker, negotiation, referential, tictactoe, twenty_questions
 from games.bridge import from_pettingzoo
 from games.scripted import SCRIPTED, ScriptedPolicy, make_scripted
 
@@ -77,3 +77,6 @@ def make_parallel(name: str, **kwargs: Any) -> ParallelEnv:
 
 register("kuhn_poker_v0", kuhn_poker.env)
 register("tictactoe_v0", tictactoe.env)
+register("negotiation_v0", negotiation.env)
+register("referential_v0", referential.env)
+register("twenty_questions_v0", twenty_questions.env)

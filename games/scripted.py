@@ -1,8 +1,11 @@
 """Scripted seats: policies that read a game's observation and info and reply with text.
 
 They sit in the league and the evaluation ladder like any LLM policy. Each reads only
-`info["legal_moves"]` (and, for exact solvers, `info["infostate"]`), so a scripted seat never
-makes an invalid reply; the text it returns goes through the game's ordinary parser.
+`info["legal_moves"]` (and, for exact solvers, `info["infostate"]`; for dialogue games the
+game's own infos, such as a negotiator's values), so a scripted seat never makes an invalid
+reply; the text it returns goes through the game's ordinary parser. A game module may define
+its policies beside its rules and list them in `SCRIPTED_POLICIES`; `GAME_POLICIES` collects
+them here.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from games import negotiation, referential, twenty_questions
 from games.kuhn_poker import equilibrium_policy
 from games.tictactoe import minimax_moves, to_move
 
@@ -71,12 +75,30 @@ class MinimaxPolicy:
         return str(pick)
 
 
-SCRIPTED: dict[str, type] = {
-    "random": RandomPolicy,
-    "kuhn_equilibrium": KuhnEquilibriumPolicy,
-    "tictactoe_minimax": MinimaxPolicy,
-}
-"""Scripted policies by name."""
+GAME_POLICIES = (negotiation, referential, twenty_questions)
+"""Game modules whose `SCRIPTED_POLICIES` join `SCRIPTED`."""
+
+
+def _collect() -> dict[str, type]:
+    policies: dict[str, type] = {
+        "random": RandomPolicy,
+        "kuhn_equilibrium": KuhnEquilibriumPolicy,
+        "tictactoe_minimax": MinimaxPolicy,
+    }
+    for module in GAME_POLICIES:
+        for name, policy in module.SCRIPTED_POLICIES.items():
+            if name in policies:
+                raise ValueError(
+                    f"scripted policy {name!r} of {module.__name__} is already defined"
+                )
+            policies[name] = policy
+    return policies
+
+
+SCRIPTED: dict[str, type] = _collect()
+"""Scripted policies by name: `random` (any game), `kuhn_equilibrium`, `tictactoe_minimax`,
+`negotiation_fair`, `negotiation_greedy`, `referential_heuristic` (either seat),
+`twenty_questions_heuristic` (either seat)."""
 
 
 def make_scripted(name: str, **kwargs: Any) -> ScriptedPolicy:
