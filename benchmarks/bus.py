@@ -14,7 +14,7 @@ Latency: sequential request / reply, p50 and p99 of ``--n`` round trips (``--n_l
 MiB/s counts the request's bytes once per round trip (one way). "vs raw pyzmq" is the p50 over
 the raw pyzmq p50 on the same transport and payload (Ray rows: against raw pyzmq over tcp).
 
-    python benchmarks/bus.py --transports ipc,tcp --kinds bus_async,raw_zmq,ray --json bus.json
+    python benchmarks/bus.py --transports ipc,tcp --kinds bus_sync,bus_async,raw_zmq,ray --json bus.json
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import zmq.asyncio
 from rich.console import Console
 from rich.table import Table
 
-from opentinker.bus import LOOPBACK, Client, LoopThread, Server
+from opentinker.bus import LOOPBACK, Client, LoopThread, Server, SyncClient
 from protocols.codec import encode
 from protocols.messages import Ack, LogprobsRequest, LogprobsResult, Message
 
-KINDS = ("bus_async", "raw_zmq", "ray")
+KINDS = ("bus_sync", "bus_async", "raw_zmq", "ray")
 PAYLOADS = ("small", "1MiB")
 LARGE_FLOATS = (1 << 20) // 4
 SERVER_LIFE_S = 1800.0
@@ -56,7 +56,7 @@ class Args:
     warmup: int = 50
     window: int = 32
     transports: str = "ipc,tcp"
-    kinds: str = "bus_async,raw_zmq,ray"
+    kinds: str = "bus_sync,bus_async,raw_zmq,ray"
     timeout: float = 30.0
     json: str = ""
 
@@ -209,6 +209,32 @@ def bench_bus(endpoint: str, msg: Message, n: int, args: Args) -> dict[str, floa
     return asyncio.run(asyncio.wait_for(go(), args.timeout * 20))
 
 
+def bench_sync(endpoint: str, msg: Message, n: int, args: Args) -> dict[str, float]:
+    with SyncClient(endpoint, name="bench-sync", connect_timeout=args.timeout) as client:
+        for _ in range(args.warmup):
+            client.request(msg, timeout=args.timeout)
+        reply = client.request(msg, timeout=args.timeout)
+        if isinstance(msg, LogprobsResult):
+            assert isinstance(reply, LogprobsResult) and reply.logprobs[0].nbytes == msg.logprobs[0].nbytes
+        else:
+            assert isinstance(reply, Ack), reply
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            client.request(msg, timeout=args.timeout)
+            lat.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        window = [client.submit(msg) for _ in range(min(args.window, n))]
+        sent = len(window)
+        for i in range(n):
+            client.result(window[i], timeout=args.timeout)
+            if sent < n:
+                window.append(client.submit(msg))
+                sent += 1
+        tp = time.perf_counter() - t
+        return summary(lat, n, tp, frame_bytes(encode(msg, 1)))
+
+
 def bench_raw(endpoint: str, msg: Message, n: int, args: Args) -> dict[str, float]:
     frames = encode(msg, 1)
     nframes, nbytes = len(frames), frame_bytes(frames)
@@ -303,7 +329,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="otbus-")
     try:
         for kind in (k for k in kinds if k != "ray"):
-            target, bench = (serve_bus, bench_bus) if kind == "bus_async" else (serve_raw, bench_raw)
+            target, bench = {"bus_sync": (serve_bus, bench_sync), "bus_async": (serve_bus, bench_bus),
+                             "raw_zmq": (serve_raw, bench_raw)}[kind]
             for transport in transports:
                 bind = f"ipc://{os.path.join(tmp, kind)}.sock" if transport == "ipc" else LOOPBACK
                 server = EchoServer(target, bind, args.timeout * 2)

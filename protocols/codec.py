@@ -13,6 +13,7 @@ wrong size or a message over ``max_bytes`` raise :class:`DecodeError` with an
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import msgspec
@@ -103,32 +104,53 @@ def decode(
             ErrorCode.BAD_FRAME, f"header names {header.n_buffers} buffers, got {len(buffers)}", rid
         )
 
-    def dec_hook(tp: Any, obj: Any) -> Any:
-        if tp is np.ndarray:
-            ref = msgspec.convert(obj, ArrayRef)
-            if ref.dtype not in ALLOWED_DTYPES:
-                raise ValueError(f"dtype {ref.dtype!r} not allowed")
-            if not 0 <= ref.index < len(buffers):
-                raise ValueError(f"buffer index {ref.index} out of range")
-            if any(d < 0 for d in ref.shape):
-                raise ValueError(f"negative shape {ref.shape}")
-            dt = np.dtype(ref.dtype)
-            buf = buffers[ref.index]
-            n = int(np.prod(ref.shape, dtype=np.int64))
-            if n * dt.itemsize != len(buf):
-                raise ValueError(
-                    f"buffer {ref.index} holds {len(buf)} bytes, shape {ref.shape} of {ref.dtype} "
-                    f"needs {n * dt.itemsize}"
-                )
-            return np.frombuffer(buf, dtype=dt).reshape(ref.shape)
-        raise NotImplementedError(f"cannot decode type {tp}")
-
+    _local.buffers = buffers
     try:
-        msg = msgspec.msgpack.decode(frames[1], type=type, dec_hook=dec_hook)
+        msg = _decoder(type).decode(frames[1])
     except msgspec.ValidationError as e:
         text = str(e)
         code = ErrorCode.UNKNOWN_TYPE if "Invalid value" in text and "$.type" in text else ErrorCode.BAD_MESSAGE
         raise DecodeError(code, text, rid) from None
     except msgspec.DecodeError as e:
         raise DecodeError(ErrorCode.BAD_FRAME, f"unreadable body: {e}", rid) from None
+    finally:
+        _local.buffers = ()
     return rid, msg
+
+
+_local = threading.local()
+"""Per thread: the buffers of the message being decoded, and a cached decoder per type
+(msgspec's ``decode(..., type=...)`` re-reads a 30-member union every call: ~40 us vs ~0.4 us)."""
+
+
+def _decoder(tp: Any) -> msgspec.msgpack.Decoder:
+    cache = getattr(_local, "decoders", None)
+    if cache is None:
+        cache = _local.decoders = {}
+    dec = cache.get(tp)
+    if dec is None:
+        dec = cache[tp] = msgspec.msgpack.Decoder(tp, dec_hook=_dec_hook)
+    return dec
+
+
+def _dec_hook(tp: Any, obj: Any) -> Any:
+    """An :class:`ArrayRef` in the body -> a read-only array over its buffer, no copy."""
+    if tp is not np.ndarray:
+        raise NotImplementedError(f"cannot decode type {tp}")
+    buffers = _local.buffers
+    ref = msgspec.convert(obj, ArrayRef)
+    if ref.dtype not in ALLOWED_DTYPES:
+        raise ValueError(f"dtype {ref.dtype!r} not allowed")
+    if not 0 <= ref.index < len(buffers):
+        raise ValueError(f"buffer index {ref.index} out of range")
+    if any(d < 0 for d in ref.shape):
+        raise ValueError(f"negative shape {ref.shape}")
+    dt = np.dtype(ref.dtype)
+    buf = buffers[ref.index]
+    n = int(np.prod(ref.shape, dtype=np.int64))
+    if n * dt.itemsize != len(buf):
+        raise ValueError(
+            f"buffer {ref.index} holds {len(buf)} bytes, shape {ref.shape} of {ref.dtype} "
+            f"needs {n * dt.itemsize}"
+        )
+    return np.frombuffer(buf, dtype=dt).reshape(ref.shape)

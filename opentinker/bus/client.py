@@ -35,7 +35,9 @@ from opentinker.bus.common import (
     RemoteError,
     check_bind,
     configure,
+    plain_context,
 )
+from opentinker.bus.loop import SocketReader
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -90,10 +92,10 @@ class Client:
         self.counters = Counters()
         self.welcome: Welcome | None = None
         self.beats = BeatCounter()
-        self._sock = configure(ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
+        self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
         self._sock.connect(endpoint)
         self._pending: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._io: SocketReader | None = None
         self._beater: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -130,8 +132,8 @@ class Client:
         return reply
 
     def _start(self) -> None:
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read())
+        if self._io is None:
+            self._io = SocketReader(self._sock, self._on_frames)
             self._slots = asyncio.Semaphore(self._max_inflight)
 
     async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None) -> Message:
@@ -159,13 +161,15 @@ class Client:
         return reply
 
     async def _roundtrip(self, msg: Message, rid: int, timeout: float) -> Message:
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pending[rid] = fut
         self.counters[f"sent/{type(msg).__name__}"] += 1
+        expire = loop.call_later(timeout, _expire, fut)
         try:
-            await self._sock.send_multipart(encode(msg, rid), copy=False)
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
+            await self._send(encode(msg, rid), fut)
+            return await fut
+        except _Expired:
             self._cancel_remote(rid)
             raise TimeoutError(
                 f"{self.name}: no reply to {type(msg).__name__} from {self.endpoint} in {timeout:.3g} s"
@@ -174,7 +178,24 @@ class Client:
             self._cancel_remote(rid)
             raise
         finally:
+            expire.cancel()
             self._pending.pop(rid, None)
+
+    async def _send(self, frames: list, fut: asyncio.Future) -> None:
+        """Send now; while the queue is full (the high-water mark), wait for room until the
+        request's future is done (it expires with the request's timeout)."""
+        assert self._io is not None
+        delay = 1e-4
+        while True:
+            try:
+                self._io.send(frames)
+                return
+            except zmq.Again:
+                if fut.done():
+                    fut.result()  # raises the expiry
+                self.counters["send_waits"] += 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.05)
 
     def _cancel_remote(self, rid: int) -> None:
         if self._sock.closed:
@@ -182,22 +203,20 @@ class Client:
         self.counters["sent/Cancel"] += 1
         self._fire(Cancel(request_id=rid), "cancel")
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            self.beats.heard()
-            try:
-                rid, reply = decode([f.buffer for f in frames], self.max_bytes)
-            except DecodeError as e:
-                self.counters[f"error/{e.code.value}"] += 1
-                fut = self._pending.get(e.request_id) if e.request_id is not None else None
-                if fut is not None and not fut.done():
-                    fut.set_result(Error(code=e.code, message=str(e)))
-                continue
-            self.counters[f"recv/{type(reply).__name__}"] += 1
-            fut = self._pending.get(rid)
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.beats.heard()
+        try:
+            rid, reply = decode([f.buffer for f in frames], self.max_bytes)
+        except DecodeError as e:
+            self.counters[f"error/{e.code.value}"] += 1
+            fut = self._pending.get(e.request_id) if e.request_id is not None else None
             if fut is not None and not fut.done():
-                fut.set_result(reply)
+                fut.set_result(Error(code=e.code, message=str(e)))
+            return
+        self.counters[f"recv/{type(reply).__name__}"] += 1
+        fut = self._pending.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
 
     async def _beat(self, interval: float) -> None:
         while True:
@@ -225,24 +244,34 @@ class Client:
 
     def _fire(self, msg: Message, what: str) -> None:
         """Send without waiting; a full queue or an unconnected socket drops it (counted)."""
-
-        def done(fut: asyncio.Future) -> None:
-            if not fut.cancelled() and fut.exception() is not None:
-                self.counters[f"error/{what}_not_sent"] += 1
-
         try:
-            sent = self._sock.send_multipart(encode(msg, next_request_id()), flags=zmq.NOBLOCK)
+            if self._io is not None:
+                self._io.send(encode(msg, next_request_id()))
+            else:
+                self._sock.send_multipart(encode(msg, next_request_id()), zmq.NOBLOCK)
         except zmq.ZMQError:
             self.counters[f"error/{what}_not_sent"] += 1
-            return
-        if isinstance(sent, asyncio.Future):
-            sent.add_done_callback(done)
 
     def close(self) -> None:
-        for task in (self._reader, self._beater):
-            if task is not None:
-                task.cancel()
-        self._sock.close(linger=0)
+        if self._beater is not None:
+            self._beater.cancel()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        if self._io is not None:
+            self._io.close()
+        else:
+            self._sock.close(linger=0)
+
+
+
+class _Expired(Exception):
+    """A request's timeout passed (raised inside the client, turned into TimeoutError)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 class Pusher:

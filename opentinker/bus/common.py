@@ -135,6 +135,11 @@ def configure(
     return sock
 
 
+def plain_context(ctx: zmq.Context) -> zmq.Context:
+    """A blocking-API view of ``ctx`` (the same libzmq context, so ``inproc://`` works)."""
+    return ctx if type(ctx) is zmq.Context else zmq.Context.shadow(ctx.underlying)
+
+
 class BeatCounter:
     """Missed heartbeats of one peer, counted in ticks, never timed.
 

@@ -48,7 +48,9 @@ from opentinker.bus.common import (
     CurveKeys,
     check_bind,
     configure,
+    plain_context,
 )
+from opentinker.bus.loop import SocketReader, run_eager
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -118,7 +120,7 @@ class Server:
         self.on_shutdown = on_shutdown
         self.counters = Counters()
         self._bind_to = endpoint
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._peers: dict[bytes, _Peer] = {}
         self._running = 0
@@ -132,7 +134,8 @@ class Server:
     async def start(self, ctx: zmq.asyncio.Context) -> str:
         """Bind and start serving; returns the bound endpoint (with the OS-picked port)."""
         self.stopped = asyncio.Event()
-        sock = configure(ctx.socket(zmq.ROUTER), hwm=self.hwm, max_bytes=self.max_bytes,
+        self._loop = asyncio.get_running_loop()
+        sock = configure(plain_context(ctx).socket(zmq.ROUTER), hwm=self.hwm, max_bytes=self.max_bytes,
                          keys=self.keys, server=True)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.keys is not None and self.keys.allowed_clients:
@@ -141,7 +144,7 @@ class Server:
         sock.bind(self._bind_to)
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._tasks.append(asyncio.create_task(self._serve()))
+        self._io = SocketReader(sock, self._on_frames, self._loop)
         if self.heartbeat_s:
             self._tasks.append(asyncio.create_task(self._beat(self.heartbeat_s)))
         return self.endpoint
@@ -151,15 +154,12 @@ class Server:
         """Connected peers by name -> requests in flight."""
         return {p.name: len(p.inflight) for p in self._peers.values()}
 
-    async def _serve(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                self._dispatch(frames)
-            except Exception:
-                self.counters["error/internal"] += 1
-                log.exception("%s: dispatch failed", self.name)
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        try:
+            self._dispatch(frames)
+        except Exception:  # nothing a peer sends may stop the server
+            self.counters["error/internal"] += 1
+            log.exception("%s: dispatch failed", self.name)
 
     async def _beat(self, interval: float) -> None:
         while True:
@@ -225,8 +225,9 @@ class Server:
                                        message=f"{self.name}: {self._running} requests in flight (max {self.max_inflight})"), rid)
         else:
             self._running += 1
-            task = asyncio.create_task(self._request(identity, peer, rid, msg))
-            peer.inflight[rid] = task
+            task = run_eager(self._request(identity, peer, rid, msg), self._loop)
+            if task is not None:  # it waits for something: cancellable while in flight
+                peer.inflight[rid] = task
 
     def _hello(self, identity: bytes, rid: int, msg: Hello) -> None:
         if msg.version != PROTOCOL_VERSION:  # the header said otherwise: a broken peer
@@ -301,13 +302,10 @@ class Server:
             return
         self.counters[f"sent/{type(reply).__name__}"] += 1
         try:
-            sent = self._sock.send_multipart([identity, *encode(reply, rid)], copy=False)
+            self._io.send([identity, *encode(reply, rid)])
         except zmq.ZMQError as e:  # the peer is gone or its queue is full: the reply is dropped
             self.counters["error/send"] += 1
             log.warning("%s: reply to %s dropped: %s", self.name, identity.hex(), e)
-            return
-        if isinstance(sent, asyncio.Future):
-            sent.add_done_callback(_consume)
 
     def _shutdown(self) -> None:
         asyncio.ensure_future(self.stop())
@@ -322,17 +320,12 @@ class Server:
             for t in peer.inflight.values():
                 t.cancel()
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._io.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         if self.stopped is not None:
             self.stopped.set()
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class _AllowList:
@@ -346,16 +339,17 @@ class _AllowList:
 
 
 _AUTH: dict[int, tuple[Any, _AllowList]] = {}
-"""One ZAP authenticator per ZeroMQ context (libzmq allows one), by ``id(ctx)``."""
+"""One ZAP authenticator per libzmq context (libzmq allows one), by its address."""
 
 
 class _Auth:
     def __init__(self, ctx: zmq.asyncio.Context, domain: str, keys: tuple[bytes, ...]) -> None:
         from zmq.auth.asyncio import AsyncioAuthenticator
 
-        self.ctx_id, self.domain = id(ctx), domain
+        self.ctx_id, self.domain = ctx.underlying, domain
         if self.ctx_id not in _AUTH:
-            auth, allow = AsyncioAuthenticator(ctx), _AllowList()
+            actx = ctx if isinstance(ctx, zmq.asyncio.Context) else zmq.asyncio.Context.shadow(ctx.underlying)
+            auth, allow = AsyncioAuthenticator(actx), _AllowList()
             auth.start()
             _AUTH[self.ctx_id] = (auth, allow)
         auth, allow = _AUTH[self.ctx_id]

@@ -73,6 +73,7 @@ class SyncClient:
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
         self._sock.connect(endpoint)
+        self._rcvtimeo = -1
         self._outstanding: dict[int, Message] = {}
         """Request id -> the request, until its reply is taken (resent after a re-Hello)."""
         self._replies: dict[int, Message] = {}
@@ -131,6 +132,8 @@ class SyncClient:
         return rid
 
     def _wait(self, rid: int, timeout: float) -> Message:
+        """Block on the socket until ``rid``'s reply; each ``heartbeat_s`` with no frame is a
+        heartbeat tick."""
         deadline = time.monotonic() + timeout
         sock = self._sock
         while rid not in self._replies:
@@ -139,30 +142,32 @@ class SyncClient:
                 self._outstanding.pop(rid, None)
                 self._cancel_remote(rid)
                 raise TimeoutError(f"{self.name}: no reply to request {rid} from {self.endpoint} in {timeout:.3g} s")
-            if sock.poll(int(1000 * min(left, self.heartbeat_s)) or 1):
-                self._drain()
-            elif min(left, self.heartbeat_s) >= self.heartbeat_s and self.tick():
-                raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats")
+            wait_ms = max(1, int(1000 * min(left, self.heartbeat_s)))
+            if wait_ms != self._rcvtimeo:
+                sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+                self._rcvtimeo = wait_ms
+            try:
+                frames = sock.recv_multipart(copy=False)
+            except zmq.Again:
+                if wait_ms >= int(1000 * self.heartbeat_s) and self.tick():
+                    raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats") from None
+                continue
+            self._take(frames)
         return self._replies.pop(rid)
 
-    def _drain(self) -> None:
-        """Read every frame waiting; keep replies to requests still outstanding."""
-        while True:
-            try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self.beats.heard()
-            try:
-                rid, reply = decode([f.buffer for f in frames], self.max_bytes)
-            except DecodeError as e:
-                self.counters[f"error/{e.code.value}"] += 1
-                if e.request_id in self._outstanding:
-                    self._replies[e.request_id] = Error(code=e.code, message=str(e))
-                continue
-            self.counters[f"recv/{type(reply).__name__}"] += 1
-            if rid in self._outstanding:
-                self._replies[rid] = reply
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        """Keep a reply to a request still outstanding; count everything."""
+        self.beats.heard()
+        try:
+            rid, reply = decode([f.buffer for f in frames], self.max_bytes)
+        except DecodeError as e:
+            self.counters[f"error/{e.code.value}"] += 1
+            if e.request_id in self._outstanding:
+                self._replies[e.request_id] = Error(code=e.code, message=str(e))
+            return
+        self.counters[f"recv/{type(reply).__name__}"] += 1
+        if rid in self._outstanding:
+            self._replies[rid] = reply
 
     def tick(self) -> bool:
         """One heartbeat interval passed with no frame: send a ``Heartbeat``; True (and the

@@ -1,0 +1,107 @@
+"""Plain ZeroMQ sockets on an asyncio loop, without a future per message.
+
+``zmq.asyncio`` makes a future for every send and receive; at ~100 µs round trips that is
+most of the cost. Here a socket's file descriptor is watched with ``loop.add_reader`` and, when
+it fires, every waiting message is read with non-blocking calls (ZeroMQ's descriptor is
+edge-triggered, so a reader drains until ``zmq.Again``, and checks again after a send made
+outside its own callback). Handlers run eagerly (:func:`run_eager`): a request whose handler never waits is
+answered inside the same callback, with no task at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
+
+import zmq
+
+DRAIN_BATCH = 256
+"""Messages read per callback before yielding to the loop (fairness between sockets)."""
+
+
+class SocketReader:
+    """Calls ``on_frames(frames)`` for every multipart message arriving on ``sock``."""
+
+    def __init__(self, sock: zmq.Socket, on_frames: Callable[[list[zmq.Frame]], None],
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.sock = sock
+        self.on_frames = on_frames
+        self.loop = loop or asyncio.get_running_loop()
+        self._scheduled = False
+        self._draining = False
+        self._fd = sock.getsockopt(zmq.FD)
+        self.loop.add_reader(self._fd, self.drain)
+        self.kick()  # messages may have arrived before the reader was attached
+
+    def kick(self) -> None:
+        """Check for messages soon (after a send, which may have consumed the edge)."""
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.drain)
+
+    def drain(self) -> None:
+        """Read until the socket has nothing more (``zmq.Again``), at most ``DRAIN_BATCH``."""
+        self._scheduled = False
+        self._draining = True
+        sock = self.sock
+        try:
+            for _ in range(DRAIN_BATCH):
+                if sock.closed:
+                    return
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self.on_frames(frames)
+            self.kick()
+        finally:
+            self._draining = False
+
+    def send(self, frames: list[Any]) -> None:
+        """Send without blocking; raises ``zmq.Again`` when the queue is full."""
+        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if not self._draining:  # inside drain, the loop reads on anyway
+            self.kick()
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.loop.remove_reader(self._fd)
+            self.sock.close(linger=0)
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, Any], pending: Any) -> Generator[Any, Any, Any]:
+    """Delegate to a coroutine that already ran up to its first wait on ``pending``."""
+    while True:
+        try:
+            value = yield pending
+        except BaseException as exc:  # noqa: BLE001 - cancellation and close go to the coroutine
+            try:
+                pending = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                pending = coro.send(value)
+            except StopIteration as stop:
+                return stop.value
+
+
+async def _finish(coro: Coroutine[Any, Any, Any], pending: Any) -> Any:
+    return await _resume(coro, pending)
+
+
+def run_eager(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -> asyncio.Task | None:
+    """Run ``coro`` now, up to its first wait; None when it finished without waiting, else the
+    task that carries on from there (and can be cancelled like any task).
+
+    Until its first wait the coroutine runs in the caller's context, not in a task of its
+    own (``asyncio.current_task()`` is the caller's), as with Python 3.12's eager tasks.
+    """
+    try:
+        pending = coro.send(None)
+    except StopIteration:
+        return None
+    return loop.create_task(_finish(coro, pending))
