@@ -176,3 +176,36 @@ def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
     assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
     torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-6, rtol=1e-4)
     assert grads[0][1].abs().sum() > 0
+
+
+def test_a_cancelled_queued_optim_step_never_runs(scheduler, chat_tok):
+    """While the compute thread samples a long reply, an OptimStep waits in the queue; its
+    caller gives up, the scheduler drops it, and the adapter's version never moves."""
+    prompt = _prompt(chat_tok)
+    long = SamplingParams(max_tokens=150, seed=3)  # no stop token: 150 forward steps
+
+    async def body(c):
+        await c.request(CreateAdapter(name="gamma", spec=LoraSpec(rank=4)))
+        sampling = asyncio.ensure_future(c.request(SampleRequest(adapter=None, prompts=[prompt], params=long)))
+        for _ in range(500):  # the compute thread has taken the sample
+            if not scheduler._jobs:
+                break
+            await asyncio.sleep(0.01)
+        step = asyncio.ensure_future(c.request(OptimStep(adapter="gamma", params=AdamParams())))
+        for _ in range(500):
+            if len(scheduler._jobs) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert not sampling.done(), "the long sample finished before the test could queue behind it"
+        step.cancel()
+        for _ in range(500):
+            if scheduler.compute_counters["cancelled_queued"]:
+                break
+            await asyncio.sleep(0.01)
+        await sampling
+        stats = await c.request(SchedulerStats())
+        return stats
+
+    stats = run(_with_client(scheduler, body))
+    assert stats.counters["cancelled_queued"] == 1 and stats.counters["cancelled"] == 1
+    assert "OptimStep" not in stats.counters and scheduler.host.version("gamma") == 0
