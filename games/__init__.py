@@ -12,7 +12,7 @@ from typing import Any
 
 from pettingzoo import AECEnv, ParallelEnv
 
-from games import kuhn_poker, negotiation, referential, tictactoe, twenty_questions
+from games import kuhn_poker, liars_dice, negotiation, prisoners_dilemma, referential, tictactoe, twenty_questions
 from games.bridge import from_pettingzoo
 from games.scripted import SCRIPTED, ScriptedPolicy, make_scripted
 
@@ -24,6 +24,7 @@ __all__ = [
     "make_parallel",
     "make_scripted",
     "names",
+    "parallel_names",
     "register",
 ]
 
@@ -54,6 +55,11 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def parallel_names() -> list[str]:
+    """Registered games that also have a Parallel form (simultaneous moves), sorted."""
+    return sorted(_PARALLEL)
+
+
 def make(name: str, **kwargs: Any) -> AECEnv:
     """Make the AEC env registered as `name`, passing `kwargs` to its factory."""
     if name not in _REGISTRY:
@@ -80,3 +86,5 @@ register("tictactoe_v0", tictactoe.env)
 register("negotiation_v0", negotiation.env)
 register("referential_v0", referential.env)
 register("twenty_questions_v0", twenty_questions.env)
+register("liars_dice_v0", liars_dice.env)
+register("prisoners_dilemma_v0", prisoners_dilemma.env, parallel=prisoners_dilemma.parallel_env)

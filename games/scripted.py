@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from games import negotiation, referential, twenty_questions
+from games import liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions
 from games.kuhn_poker import equilibrium_policy
 from games.tictactoe import minimax_moves, to_move
 
@@ -75,7 +75,7 @@ class MinimaxPolicy:
         return str(pick)
 
 
-GAME_POLICIES = (negotiation, referential, twenty_questions)
+GAME_POLICIES = (liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions)
 """Game modules whose `SCRIPTED_POLICIES` join `SCRIPTED`."""
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pettingzoo.test import api_test, seed_test
+from pettingzoo.test import api_test, parallel_api_test, parallel_seed_test, seed_test
 
 import games
 from games import kuhn_poker
@@ -42,6 +42,14 @@ def test_api_conformance(name: str) -> None:
         warnings.simplefilter("ignore", UserWarning)  # Text spaces are not Box/Discrete
         api_test(games.make(name), num_cycles=1000)
         seed_test(lambda: games.make(name), num_cycles=50)
+
+
+@pytest.mark.parametrize("name", games.parallel_names())
+def test_parallel_conformance_where_a_parallel_form_exists(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        parallel_api_test(games.make_parallel(name), num_cycles=200)
+        parallel_seed_test(lambda: games.make_parallel(name), num_cycles=50)
 
 
 def test_registry_errors() -> None:

@@ -36,11 +36,12 @@ def play_ttt(replies: list[Any]) -> tuple[Any, dict[str, float]]:
     return env, play_to_end(env, replies, max_iter=30)
 
 
-def test_registry_has_tictactoe_and_no_parallel_forms() -> None:
+def test_registry_parallel_forms_only_for_simultaneous_games() -> None:
     assert {"kuhn_poker_v0", "tictactoe_v0"} <= set(games.names())
-    for name in games.names():
+    for name in (n for n in games.names() if n != "prisoners_dilemma_v0"):
         with pytest.raises(ValueError, match="no parallel form.*games.make"):
             games.make_parallel(name)
+    assert games.make_parallel("prisoners_dilemma_v0").metadata["name"] == "prisoners_dilemma_v0"
     with pytest.raises(ValueError, match="unknown game 'nope_v0'"):
         games.make_parallel("nope_v0")
 
