@@ -2,54 +2,79 @@
 
 Imports only torch, numpy, the standard library and :mod:`protocols` (DESIGN §5), so the
 scheduler (which runs losses) and the learner actor (which assembles datums) share one
-definition of every algorithm.
+definition of every algorithm. Two registries, each with one calling convention:
+
+* :data:`ADVANTAGES`: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_ema``, ``role_ema``,
+  ``turn_returns``, ``gae``; ``fn(EpisodeBatch, state, config) -> Advantages``.
+* :data:`LOSSES`: ``ppo``, ``importance_sampling``, ``cispo``, ``value``, ``entropy``,
+  ``kl_k1``, ``kl_k2``, ``kl_k3``, ``dpo``, ``ipo``, ``sft``; ``fn(logp_N, inputs, config) ->
+  LossOutput``.
 """
 
 from learners.advantages import (
     ADVANTAGES,
-    SEQUENCE_ADVANTAGES,
+    Advantages,
     EmaState,
-    gae,
-    group_advantages,
+    EpisodeBatch,
+    Estimator,
+    discounted_returns,
+    estimate,
+    gae_1d,
     register_advantage,
-    reinforce_ema,
-    role_ema,
-    turn_returns,
 )
 from learners.aggregation import sequence_mean, token_sum
-from learners.assembly import assemble, loss_token_count, trajectory_to_datum
+from learners.assembly import (
+    Assembly,
+    assemble,
+    episode_batch,
+    loss_token_count,
+    sort_trajectories,
+    trajectory_to_datum,
+    turn_rewards,
+)
+from learners.diagnostics import logprob_mismatch, policy_diagnostics
 from learners.losses import (
     LOSSES,
-    OBJECTIVES,
+    Loss,
+    LossKind,
     LossOutput,
     compute_loss,
+    losses_of_kind,
     register_loss,
-    register_objective,
+    split_penalties,
 )
 from learners.preferences import chunked_token_logprobs, dpo, ipo
 
 __all__ = [
     "ADVANTAGES",
     "LOSSES",
-    "OBJECTIVES",
-    "SEQUENCE_ADVANTAGES",
+    "Advantages",
+    "Assembly",
     "EmaState",
+    "EpisodeBatch",
+    "Estimator",
+    "Loss",
+    "LossKind",
     "LossOutput",
     "assemble",
     "chunked_token_logprobs",
     "compute_loss",
+    "discounted_returns",
     "dpo",
-    "gae",
-    "group_advantages",
+    "episode_batch",
+    "estimate",
+    "gae_1d",
     "ipo",
+    "logprob_mismatch",
     "loss_token_count",
+    "losses_of_kind",
+    "policy_diagnostics",
     "register_advantage",
     "register_loss",
-    "register_objective",
-    "reinforce_ema",
-    "role_ema",
     "sequence_mean",
+    "sort_trajectories",
+    "split_penalties",
     "token_sum",
     "trajectory_to_datum",
-    "turn_returns",
+    "turn_rewards",
 ]

@@ -1,38 +1,171 @@
-"""Advantage estimators, registered by name: group-relative ones and stateful/turn-level ones.
+"""Advantage estimators, one registry by name, one calling convention.
 
-An estimator maps the rewards of ONE group (the episodes of one ``group_id`` played by one
-policy, see DESIGN §5) to one advantage per episode. The learner broadcasts that advantage
-over the episode's sampled tokens (:mod:`learners.assembly`), so an estimator never sees
-tokens, turns or lengths.
+Every estimator is ``fn(batch, state, config) -> Advantages``:
 
-Estimators are pure: ``fn(rewards_G, config) -> advantages_G`` with ``G`` the group size. They
-compute in float64 and return float32. A group whose rewards are all equal carries no signal;
-every estimator returns exact zeros for it (a plain ``r - mean`` can leave ~1e-17 residues,
-which would hide such groups from the ``frac_zero_adv_groups`` diagnostic).
+* ``batch``: an :class:`EpisodeBatch`, what an estimator may know of one policy's step: per
+  trajectory its ``group_id``, its role key (e.g. ``"kuhn_poker_v0/player_0"``), the reward
+  after each of its ``K_d`` turns, and (for ``gae`` only) a critic's value of each turn.
+* ``state``: what the estimator carried over from the previous step (``None`` at the start
+  and for estimators without state). Estimators that keep state (moving-average baselines)
+  take it in and return the new one; the learner actor owns it and checkpoints it (DESIGN §5).
+* ``Advantages.per_turn``: one ``float32[K_d]`` per trajectory, in batch order. The learner
+  puts turn ``k``'s advantage on turn ``k``'s sampled tokens (:mod:`learners.assembly`), so
+  outcome estimators (one advantage per episode) repeat it on every turn.
 
-Estimators that need more than one group's rewards live in :data:`SEQUENCE_ADVANTAGES`, each
-with its own signature: moving-average baselines (``reinforce_ema``, ``role_ema``) take their
-state in and return the new state (DESIGN §5: the learner actor owns and checkpoints it), and
-turn-level credit (``turn_returns``, ``gae``) works on the ``K`` turns of one trajectory.
+:data:`ADVANTAGES` maps a name to an :class:`Estimator`, a small typed record saying whether
+the estimator keeps state and whether it needs critic values; calling it checks the shapes.
+Group estimators compute in float64 and give exact zeros to a group whose rewards are all equal
+(a plain ``r - mean`` can leave ~1e-17 residues, which would hide such groups from the
+``frac_zero_adv_groups`` diagnostic).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-AdvantageFn = Callable[[np.ndarray, Mapping[str, float]], np.ndarray]
-"""``fn(rewards_G float[G], config) -> advantages_G float32[G]``."""
 
-ADVANTAGES: dict[str, AdvantageFn] = {}
-"""Estimator name -> function; fill it with :func:`register_advantage`."""
+@dataclasses.dataclass(frozen=True)
+class EpisodeBatch:
+    """The trajectories of one policy's step, as estimators see them (``D`` trajectories)."""
+
+    group_ids_D: np.ndarray
+    """``int64[D]``: trajectories with one ``group_id`` share a start (DESIGN §5)."""
+    turn_rewards: tuple[np.ndarray, ...]
+    """``D`` arrays ``float64[K_d]``, ``K_d >= 1``: the reward credited to each turn; they sum
+    to the trajectory's total reward."""
+    roles_D: tuple[str, ...]
+    """Role key of each trajectory (``role_ema`` keeps one baseline per key)."""
+    values: tuple[np.ndarray, ...] | None = None
+    """``D`` arrays ``float64[K_d + 1]`` from a critic (``gae``), else ``None``."""
+
+    def __post_init__(self) -> None:
+        n = len(self.turn_rewards)
+        ids = np.asarray(self.group_ids_D)
+        if ids.shape != (n,) or len(self.roles_D) != n:
+            raise ValueError(f"EpisodeBatch: {n} trajectories but group_ids_D shape {ids.shape} "
+                             f"and {len(self.roles_D)} roles")
+        for d, r in enumerate(self.turn_rewards):
+            if np.ndim(r) != 1 or len(r) == 0 or not np.all(np.isfinite(r)):
+                raise ValueError(f"EpisodeBatch: trajectory {d} needs finite rewards for >= 1 "
+                                 f"turn, got {np.asarray(r).tolist()}")
+        if self.values is not None:
+            if len(self.values) != n:
+                raise ValueError(f"EpisodeBatch: {len(self.values)} value arrays for {n} "
+                                 "trajectories")
+            for d, (r, v) in enumerate(zip(self.turn_rewards, self.values)):
+                if np.shape(v) != (len(r) + 1,) or not np.all(np.isfinite(v)):
+                    raise ValueError(f"EpisodeBatch: trajectory {d} needs K+1 = {len(r) + 1} "
+                                     f"finite values, got shape {np.shape(v)}")
+
+    @classmethod
+    def outcomes(
+        cls,
+        rewards_D: Sequence[float],
+        group_ids_D: Sequence[int] | None = None,
+        roles_D: Sequence[str] | None = None,
+    ) -> EpisodeBatch:
+        """A batch of one-turn trajectories: total rewards only (group ids default to one
+        group, roles to ``""``)."""
+        rewards = np.asarray(rewards_D, dtype=np.float64).reshape(-1)
+        n = rewards.size
+        ids = np.zeros(n, np.int64) if group_ids_D is None else np.asarray(group_ids_D, np.int64)
+        return cls(group_ids_D=ids, turn_rewards=tuple(rewards[:, None]),
+                   roles_D=tuple(roles_D) if roles_D is not None else ("",) * n)
+
+    @property
+    def rewards_D(self) -> np.ndarray:
+        """``float64[D]`` total reward of each trajectory."""
+        return np.array([float(np.sum(r)) for r in self.turn_rewards], dtype=np.float64)
+
+    def broadcast(self, advantages_D: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Each trajectory's one advantage repeated on each of its turns (``float32[K_d]``)."""
+        return tuple(np.full(len(r), a, dtype=np.float32)
+                     for r, a in zip(self.turn_rewards, np.asarray(advantages_D)))
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator that adds ``fn`` to :data:`ADVANTAGES` under ``name``.
+@dataclasses.dataclass(frozen=True)
+class EmaState:
+    """Moving-average baselines, one per key (``reinforce_ema`` uses the single key ``"*"``)."""
+
+    baselines: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Key -> current moving average of batch-mean rewards (an unseen key starts at 0)."""
+    updates: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Key -> number of batches folded in (for logging; the update does not use it)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-able dict (``json.dumps`` round-trips every float exactly)."""
+        return {"baselines": {k: float(v) for k, v in sorted(self.baselines.items())},
+                "updates": {k: int(v) for k, v in sorted(self.updates.items())}}
+
+    @classmethod
+    def from_json(cls, data: Any) -> EmaState:
+        """Inverse of :meth:`to_json`; ``ValueError`` naming what is malformed."""
+        if not isinstance(data, Mapping) or set(data) != {"baselines", "updates"}:
+            raise ValueError(f"EmaState needs keys 'baselines' and 'updates', got {data!r}")
+        baselines, updates = data["baselines"], data["updates"]
+        if not isinstance(baselines, Mapping) or not all(
+                isinstance(v, (int, float)) and np.isfinite(v) for v in baselines.values()):
+            raise ValueError(f"EmaState.baselines must map keys to finite numbers: {baselines!r}")
+        if not isinstance(updates, Mapping) or not all(
+                isinstance(v, int) and v >= 0 for v in updates.values()):
+            raise ValueError(f"EmaState.updates must map keys to counts >= 0: {updates!r}")
+        return cls(baselines={str(k): float(v) for k, v in baselines.items()},
+                   updates={str(k): int(v) for k, v in updates.items()})
+
+
+class Advantages(NamedTuple):
+    """What an estimator returns."""
+
+    per_turn: tuple[np.ndarray, ...]
+    """One ``float32[K_d]`` per trajectory, in batch order."""
+    state: EmaState | None
+    """The state to pass to the next call (the input state for stateless estimators)."""
+    value_targets: tuple[np.ndarray, ...] | None = None
+    """``gae`` only: one ``float32[K_d]`` lambda-return per trajectory, the critic's target."""
+
+
+AdvantageFn = Callable[[EpisodeBatch, "EmaState | None", Mapping[str, float]], Advantages]
+"""``fn(batch, state, config) -> Advantages``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: the function and what it needs beyond rewards."""
+
+    name: str
+    fn: AdvantageFn
+    stateful: bool = False
+    """Takes the previous :class:`EmaState` and returns the next one."""
+    needs_values: bool = False
+    """Needs ``batch.values`` from a learned critic."""
+
+    def __call__(self, batch: EpisodeBatch, state: EmaState | None,
+                 config: Mapping[str, float]) -> Advantages:
+        """Apply the estimator and check it returned one ``float32[K_d]`` per trajectory."""
+        if self.needs_values and batch.values is None:
+            raise ValueError(f"advantage estimator {self.name!r} needs critic values "
+                             "(EpisodeBatch.values); this batch has none")
+        out = self.fn(batch, state, config)
+        shapes = [np.shape(a) for a in out.per_turn]
+        if shapes != [(len(r),) for r in batch.turn_rewards]:
+            raise ValueError(f"estimator {self.name!r} returned shapes {shapes} for turns "
+                             f"{[len(r) for r in batch.turn_rewards]}")
+        return out
+
+
+ADVANTAGES: dict[str, Estimator] = {}
+"""Estimator name -> :class:`Estimator`; fill it with :func:`register_advantage`."""
+
+
+def register_advantage(
+    name: str, *, stateful: bool = False, needs_values: bool = False
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator that registers ``fn`` in :data:`ADVANTAGES` under ``name`` (``fn`` itself is
+    returned unchanged, so it stays importable and usable in Ray actors).
 
     Raises:
         ValueError: ``name`` is already registered (a silent overwrite would change what a
@@ -42,160 +175,89 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGES:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
+        ADVANTAGES[name] = Estimator(name, fn, stateful=stateful, needs_values=needs_values)
         return fn
 
     return decorator
 
 
-def _as_group(rewards_G: np.ndarray) -> np.ndarray:
-    rewards_G = np.asarray(rewards_G, dtype=np.float64)
-    if rewards_G.ndim != 1:
-        raise ValueError(f"rewards_G must be 1-D, got shape {rewards_G.shape}")
-    if not np.all(np.isfinite(rewards_G)):
-        raise ValueError(f"rewards_G must be finite, got {rewards_G.tolist()}")
-    return rewards_G
+def estimate(name: str, batch: EpisodeBatch, state: EmaState | None,
+             config: Mapping[str, float]) -> Advantages:
+    """``ADVANTAGES[name](batch, state, config)``; an unknown name is a ``ValueError`` listing
+    the known ones."""
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGES)}")
+    return ADVANTAGES[name](batch, state, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group estimators: one advantage per trajectory, relative to its group.
 
 
 def _degenerate(rewards_G: np.ndarray) -> bool:
-    """True when the group cannot rank its episodes: empty, one episode, or all rewards equal."""
-    return rewards_G.size == 0 or bool(np.all(rewards_G == rewards_G[0]))
+    """True when the group cannot rank its episodes: one episode, or all rewards equal."""
+    return rewards_G.size < 2 or bool(np.all(rewards_G == rewards_G[0]))
+
+
+def _per_group(batch: EpisodeBatch, kernel: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, ...]:
+    """``kernel(rewards_G)`` on every group's total rewards (zeros for degenerate groups),
+    broadcast over turns. Groups need not be contiguous; order within a group is batch order."""
+    rewards_D = batch.rewards_D
+    advantages_D = np.zeros(rewards_D.size, dtype=np.float64)
+    ids = np.asarray(batch.group_ids_D)
+    for gid in np.unique(ids):
+        (index_G,) = np.nonzero(ids == gid)
+        if not _degenerate(rewards_D[index_G]):
+            advantages_D[index_G] = kernel(rewards_D[index_G])
+    return batch.broadcast(advantages_D.astype(np.float32))
 
 
 @register_advantage("dr_grpo")
-def dr_grpo(rewards_G: np.ndarray, config: Mapping[str, float]) -> np.ndarray:
+def dr_grpo(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float]) -> Advantages:
     """Dr. GRPO advantage: reward minus the group mean, without the std division.
 
     ``A_i = r_i - mean(r_1..r_G)`` (Liu et al. 2025, "Understanding R1-Zero-Like Training: A
     Critical Perspective", §3.2, the Dr. GRPO advantage: GRPO's ``Â_{i,t}`` with the
     ``std(r)`` division removed, since it up-weights groups whose rewards barely differ).
-
-    Args:
-        rewards_G: ``float[G]`` total rewards of one group.
-        config: unused.
-
-    Returns:
-        ``float32[G]``; zeros for a group of size 1 or with equal rewards.
+    ``r_i`` is trajectory ``i``'s total reward; ``A_i`` goes on every turn. Config: none.
     """
     del config
-    rewards_G = _as_group(rewards_G)
-    if _degenerate(rewards_G):
-        return np.zeros(rewards_G.shape, dtype=np.float32)
-    return (rewards_G - rewards_G.mean()).astype(np.float32)
+    return Advantages(_per_group(batch, lambda r_G: r_G - r_G.mean()), state)
 
 
 @register_advantage("grpo")
-def grpo(rewards_G: np.ndarray, config: Mapping[str, float]) -> np.ndarray:
+def grpo(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float]) -> Advantages:
     """GRPO outcome-supervision advantage: the group-standardised reward.
 
     ``A_i = (r_i - mean(r)) / (std(r) + eps)`` with the population std (``ddof=0``)
     (Shao et al. 2024, "DeepSeekMath", §4.1.2, outcome supervision:
     ``Â_{i,t} = r̃_i = (r_i - mean(r)) / std(r)``; ``eps`` is ours, for numerical safety).
-
-    Args:
-        rewards_G: ``float[G]`` total rewards of one group.
-        config: ``eps`` (default ``1e-6``).
-
-    Returns:
-        ``float32[G]``; zeros for a group of size 1 or with equal rewards.
+    Config: ``eps`` (default ``1e-6``).
     """
     eps = float(config.get("eps", 1e-6))
-    rewards_G = _as_group(rewards_G)
-    if _degenerate(rewards_G):
-        return np.zeros(rewards_G.shape, dtype=np.float32)
-    centred_G = rewards_G - rewards_G.mean()
-    return (centred_G / (rewards_G.std(ddof=0) + eps)).astype(np.float32)
+    return Advantages(
+        _per_group(batch, lambda r_G: (r_G - r_G.mean()) / (r_G.std(ddof=0) + eps)), state)
 
 
 @register_advantage("rloo")
-def rloo(rewards_G: np.ndarray, config: Mapping[str, float]) -> np.ndarray:
+def rloo(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float]) -> Advantages:
     """REINFORCE leave-one-out (RLOO): reward minus the mean of the OTHER episodes' rewards.
 
     ``A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean(r))``: the leave-one-out
     baseline of Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!", as
     the RLOO estimator of Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
-    Optimization for Learning from Human Feedback in LLMs" (their RLOO equation, without the
-    ``1/G`` average, which the loss normalizer supplies). The baseline excludes episode ``i``,
-    so it does not depend on episode ``i``'s actions and the gradient stays unbiased.
-
-    Args:
-        rewards_G: ``float[G]`` total rewards of one group.
-        config: unused.
-
-    Returns:
-        ``float32[G]``; zeros for a group of size 1 (no other episode to form a baseline) or
-        with equal rewards.
+    Optimization for Learning from Human Feedback in LLMs" (§3, their RLOO equation, without
+    the ``1/G`` average, which the loss normalizer supplies). The baseline excludes episode
+    ``i``, so it does not depend on episode ``i``'s actions and the gradient stays unbiased.
+    A group of one has no other episode to form a baseline: zeros. Config: none.
     """
     del config
-    rewards_G = _as_group(rewards_G)
-    if _degenerate(rewards_G):
-        return np.zeros(rewards_G.shape, dtype=np.float32)
-    size = rewards_G.size
-    return (size / (size - 1) * (rewards_G - rewards_G.mean())).astype(np.float32)
-
-
-def group_advantages(
-    rewards: Sequence[float],
-    group_ids: Sequence[int],
-    estimator: str,
-    config: Mapping[str, float],
-) -> np.ndarray:
-    """Apply ``estimator`` to each group of ``rewards`` separately.
-
-    Args:
-        rewards: ``[D]`` one total reward per trajectory.
-        group_ids: ``[D]`` the trajectory's ``group_id``; groups need not be contiguous.
-        estimator: a name in :data:`ADVANTAGES`.
-        config: passed to the estimator unchanged.
-
-    Returns:
-        ``float32[D]`` advantages in input order. Within a group the estimator sees rewards in
-        input order; every registered estimator is permutation-equivariant, so order does not
-        change any value.
-
-    Raises:
-        ValueError: unknown estimator (naming the known ones), or lengths differ.
-    """
-    if estimator not in ADVANTAGES:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; known: {sorted(ADVANTAGES)}"
-        )
-    if len(rewards) != len(group_ids):
-        raise ValueError(
-            f"rewards and group_ids differ in length: {len(rewards)} != {len(group_ids)}"
-        )
-    fn = ADVANTAGES[estimator]
-    rewards_D = np.asarray(rewards, dtype=np.float64)
-    group_ids_D = np.asarray(group_ids, dtype=np.int64)
-    advantages_D = np.zeros(len(rewards_D), dtype=np.float32)
-    for gid in np.unique(group_ids_D):
-        (index_G,) = np.nonzero(group_ids_D == gid)
-        advantages_G = np.asarray(fn(rewards_D[index_G], config), dtype=np.float32)
-        if advantages_G.shape != index_G.shape:
-            raise ValueError(
-                f"estimator {estimator!r} returned shape {advantages_G.shape} "
-                f"for a group of {len(index_G)}"
-            )
-        advantages_D[index_G] = advantages_G
-    return advantages_D
+    return Advantages(
+        _per_group(batch, lambda r_G: r_G.size / (r_G.size - 1) * (r_G - r_G.mean())), state)
 
 
 # ---------------------------------------------------------------------------------------------
-# Estimators that need more than one group's rewards.
-
-SEQUENCE_ADVANTAGES: dict[str, Callable[..., Any]] = {}
-"""Name -> estimator whose signature differs from :data:`AdvantageFn` (state in, state out,
-or per-turn); each function's docstring gives its own signature."""
-
-
-def _register_sequence(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in SEQUENCE_ADVANTAGES or name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        SEQUENCE_ADVANTAGES[name] = fn
-        return fn
-
-    return decorator
+# Moving-average baselines (stateful).
 
 
 def _decay(config: Mapping[str, float]) -> float:
@@ -205,94 +267,64 @@ def _decay(config: Mapping[str, float]) -> float:
     return decay
 
 
-@dataclasses.dataclass(frozen=True)
-class EmaState:
-    """State of :func:`reinforce_ema`: the moving-average baseline, checkpointed by its owner."""
+def _ema(batch: EpisodeBatch, keys_D: Sequence[str], state: EmaState | None,
+         config: Mapping[str, float]) -> Advantages:
+    """``A_d = r_d - b_{key_d}`` against the baselines BEFORE this batch, then each key seen
+    is updated once: ``b <- decay b + (1 - decay) mean(r_d : key_d = key)``."""
+    decay = _decay(config)
+    state = EmaState() if state is None else state
+    rewards_D = batch.rewards_D
+    baselines_D = np.array([state.baselines.get(k, 0.0) for k in keys_D], dtype=np.float64)
+    new_b, new_n = dict(state.baselines), dict(state.updates)
+    keys = np.asarray(list(keys_D), dtype=object)
+    for key in sorted(set(keys_D)):
+        mean = float(rewards_D[keys == key].mean())
+        new_b[key] = decay * state.baselines.get(key, 0.0) + (1.0 - decay) * mean
+        new_n[key] = state.updates.get(key, 0) + 1
+    advantages_D = (rewards_D - baselines_D).astype(np.float32)
+    return Advantages(batch.broadcast(advantages_D), EmaState(new_b, new_n))
 
-    baseline: float = 0.0
-    """Current moving average of batch-mean rewards (starts at 0: no information)."""
-    n_updates: int = 0
-    """Number of batches folded in so far (for logging; the update does not use it)."""
 
-
-@_register_sequence("reinforce_ema")
-def reinforce_ema(
-    rewards_D: np.ndarray, state: EmaState | None, config: Mapping[str, float]
-) -> tuple[np.ndarray, EmaState]:
+@register_advantage("reinforce_ema", stateful=True)
+def reinforce_ema(batch: EpisodeBatch, state: EmaState | None,
+                  config: Mapping[str, float]) -> Advantages:
     """REINFORCE with a moving-average reward baseline: ``A_d = r_d - b``.
 
     The reinforcement baseline ``b`` of Williams 1992, "Simple Statistical Gradient-Following
     Algorithms for Connectionist Reinforcement Learning", §4 (the REINFORCE update
-    ``Δw = α (r - b) e``), taken as an exponential moving average of past batch-mean rewards.
+    ``Δw = α (r - b) e``), taken as an exponential moving average of past batch-mean rewards,
+    kept in ``state.baselines["*"]``.
 
-    The batch is scored against the baseline BEFORE the update (``state.baseline``), then
-    ``b' = decay * b + (1 - decay) * mean(rewards_D)`` is returned. Using the pre-update value
-    keeps ``b`` independent of this batch's actions, so the gradient stays unbiased (a
-    post-update baseline leaks each episode's own reward into its baseline). With no state
-    the baseline is 0, so the first batch sees raw rewards.
-
-    Args:
-        rewards_D: ``float[D]`` total rewards of one step's trajectories.
-        state: the state returned by the previous call, or ``None`` for a fresh baseline.
-        config: ``decay`` in ``[0, 1)`` (default 0.9).
-
-    Returns:
-        ``(advantages_D float32[D], new_state)``; an empty batch returns the state unchanged.
+    The batch is scored against the baseline BEFORE the update, then
+    ``b' = decay * b + (1 - decay) * mean(r)`` is returned. Using the pre-update value keeps
+    ``b`` independent of this batch's actions, so the gradient stays unbiased (a post-update
+    baseline leaks each episode's own reward into its baseline). With no state the baseline
+    is 0, so the first batch sees raw rewards. Config: ``decay`` in ``[0, 1)`` (default 0.9).
     """
-    decay = _decay(config)
-    rewards_D = _as_group(rewards_D)
-    state = EmaState() if state is None else state
-    advantages_D = (rewards_D - state.baseline).astype(np.float32)
-    if rewards_D.size == 0:
-        return advantages_D, state
-    baseline = decay * state.baseline + (1.0 - decay) * float(rewards_D.mean())
-    return advantages_D, EmaState(baseline=baseline, n_updates=state.n_updates + 1)
+    return _ema(batch, ["*"] * len(batch.turn_rewards), state, config)
 
 
-@_register_sequence("role_ema")
-def role_ema(
-    rewards_D: np.ndarray,
-    roles_D: Sequence[str],
-    state: Mapping[str, float] | None,
-    config: Mapping[str, float],
-) -> tuple[np.ndarray, dict[str, float]]:
+@register_advantage("role_ema", stateful=True)
+def role_ema(batch: EpisodeBatch, state: EmaState | None,
+             config: Mapping[str, float]) -> Advantages:
     """Role-conditioned advantage estimation (RAE): one moving-average baseline per role key.
 
     ``A_d = r_d - b_{key_d}``, ``b_key <- decay * b_key + (1 - decay) * mean(r_d : key_d = key)``
     (Liu et al. 2025, "SPIRAL: Self-Play on Zero-Sum Games Incentivizes Reasoning via
-    Multi-Agent Multi-Turn Reinforcement Learning", RAE: a baseline ``b_{G,p}`` per game ``G``
-    and role ``p``, since in a zero-sum game the first and second player's expected returns
-    differ and one shared baseline would credit the seat, not the play).
+    Multi-Agent Multi-Turn Reinforcement Learning", arXiv:2506.24119, RAE: a baseline
+    ``b_{G,p}`` per game ``G`` and role ``p``, updated as ``b <- α b + (1 - α) R_p``, since in a zero-sum game the
+    players' expected returns differ and one shared baseline would credit the seat, not the play).
 
-    A key is one string per (game, role), built by the caller (e.g. ``"kuhn_poker/player_0"``).
-    As in :func:`reinforce_ema`, a batch is scored against the baselines BEFORE this batch's
-    update (our choice, for the same unbiasedness reason); a key never seen before starts at 0.
-    Each key is updated once per call, with the mean of its rewards in this batch; keys absent
-    from the batch keep their value.
-
-    Args:
-        rewards_D: ``float[D]`` total rewards.
-        roles_D: ``[D]`` the (game, role) key of each reward.
-        state: key -> baseline returned by the previous call, or ``None``. Not mutated.
-        config: ``decay`` in ``[0, 1)`` (default 0.9).
-
-    Returns:
-        ``(advantages_D float32[D], new_state)`` with ``new_state`` a new dict.
+    The key is ``batch.roles_D`` (the learner builds ``"<game>/<seat>"``). As in
+    :func:`reinforce_ema`, a batch is scored against the baselines BEFORE this batch's update
+    (our choice, for the same unbiasedness reason; SPIRAL updates per game); an unseen key
+    starts at 0; keys absent from the batch keep their value. Config: ``decay`` (default 0.9).
     """
-    decay = _decay(config)
-    rewards_D = _as_group(rewards_D)
-    if len(roles_D) != rewards_D.size:
-        raise ValueError(
-            f"rewards_D and roles_D differ in length: {rewards_D.size} != {len(roles_D)}"
-        )
-    old = dict(state or {})
-    baselines_D = np.array([old.get(role, 0.0) for role in roles_D], dtype=np.float64)
-    new = dict(old)
-    roles = np.asarray(list(roles_D), dtype=object)
-    for role in sorted(set(roles_D)):
-        mean = float(rewards_D[roles == role].mean())
-        new[role] = decay * old.get(role, 0.0) + (1.0 - decay) * mean
-    return (rewards_D - baselines_D).astype(np.float32), new
+    return _ema(batch, batch.roles_D, state, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Turn-level credit.
 
 
 def _gamma(config: Mapping[str, float], key: str = "gamma", default: float = 1.0) -> float:
@@ -302,66 +334,88 @@ def _gamma(config: Mapping[str, float], key: str = "gamma", default: float = 1.0
     return value
 
 
-@_register_sequence("turn_returns")
-def turn_returns(rewards_K: np.ndarray, config: Mapping[str, float]) -> np.ndarray:
-    """Discounted return-to-go of each turn of one trajectory (turn-level credit).
+def discounted_returns(rewards_K: np.ndarray, gamma: float) -> np.ndarray:
+    """``G_k = sum_{j >= k} gamma^{j-k} r_j`` (Sutton & Barto 2018, "Reinforcement Learning:
+    An Introduction", eq. 3.8), computed backwards as ``G_k = r_k + gamma G_{k+1}``.
 
-    ``G_k = sum_{j >= k} gamma^{j-k} r_j`` (Sutton & Barto 2018, "Reinforcement Learning: An
-    Introduction", eq. 3.8), computed backwards as ``G_k = r_k + gamma G_{k+1}``. Each turn's
-    sampled tokens then get ``G_k`` (or ``G_k`` minus a baseline) instead of the episode total,
-    so a reward at turn ``k`` credits only turns ``<= k``.
-
-    Args:
-        rewards_K: ``float[K]`` reward received after each of the trajectory's ``K`` turns.
-        config: ``gamma`` in ``[0, 1]`` (default 1.0).
-
-    Returns:
-        ``float32[K]`` returns.
+    Args: ``rewards_K`` ``float[K]``; ``gamma`` in ``[0, 1]``. Returns ``float64[K]``.
     """
-    gamma = _gamma(config)
-    rewards_K = _as_group(rewards_K)
+    rewards_K = np.asarray(rewards_K, dtype=np.float64)
     returns_K = np.zeros_like(rewards_K)
     running = 0.0
     for k in range(rewards_K.size - 1, -1, -1):
         running = rewards_K[k] + gamma * running
         returns_K[k] = running
-    return returns_K.astype(np.float32)
+    return returns_K
 
 
-@_register_sequence("gae")
-def gae(
-    rewards_K: np.ndarray, values_K1: np.ndarray, config: Mapping[str, float]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Generalized advantage estimation over the turns of one trajectory.
+@register_advantage("turn_returns")
+def turn_returns(batch: EpisodeBatch, state: EmaState | None,
+                 config: Mapping[str, float]) -> Advantages:
+    """Turn-level credit: each turn's discounted return-to-go, minus its group's mean at that turn.
+
+    ``G_{d,k} = sum_{j >= k} gamma^{j-k} r_{d,j}`` (Sutton & Barto 2018, eq. 3.8), and
+    ``A_{d,k} = G_{d,k} - mean{G_{d',k} : d' in group(d), K_{d'} > k}``: the Dr. GRPO baseline
+    (group mean, no std) taken per turn index, so a reward at turn ``k`` credits only turns
+    ``<= k`` and a late turn is compared with the same turn of the group's other episodes. This
+    is GiGPO's step-level group advantage (Feng et al. 2025, "Group-in-Group Policy
+    Optimization for LLM Agent Training", §3.2, ``A^S = Q - mean`` over a step group) with the
+    turn index standing in for the anchor state: at turn 0 every episode of a group has the
+    same state, so there the two coincide. A turn index reached by one episode of its group
+    only has no comparison and gets 0, as a group of one does in :func:`dr_grpo`. With one
+    turn per episode this is exactly :func:`dr_grpo` on discounted returns.
+
+    Config: ``gamma`` in ``[0, 1]`` (default 1.0).
+    """
+    gamma = _gamma(config)
+    returns = [discounted_returns(r, gamma) for r in batch.turn_rewards]
+    out = [np.zeros(len(g), np.float64) for g in returns]
+    ids = np.asarray(batch.group_ids_D)
+    for gid in np.unique(ids):
+        members = np.nonzero(ids == gid)[0]
+        for k in range(max(len(returns[d]) for d in members)):
+            at_k = [d for d in members if len(returns[d]) > k]
+            values = np.array([returns[d][k] for d in at_k])
+            if _degenerate(values):
+                continue
+            for d, v in zip(at_k, values - values.mean()):
+                out[d][k] = v
+    return Advantages(tuple(a.astype(np.float32) for a in out), state)
+
+
+def gae_1d(rewards_K: np.ndarray, values_K1: np.ndarray, gamma: float,
+           lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """GAE over the ``K`` turns of one trajectory; see :func:`gae`.
+
+    Args: ``rewards_K`` ``float[K]``; ``values_K1`` ``float[K+1]`` (the last entry is the
+    bootstrap value after the last turn: 0 if the episode ended, ``V(s_K)`` if truncated).
+    Returns ``(advantages_K, returns_K)``, both ``float64[K]``.
+    """
+    rewards_K = np.asarray(rewards_K, dtype=np.float64)
+    values_K1 = np.asarray(values_K1, dtype=np.float64)
+    if values_K1.shape != (rewards_K.size + 1,):
+        raise ValueError(f"values_K1 needs K+1 = {rewards_K.size + 1} entries, "
+                         f"got shape {values_K1.shape}")
+    deltas_K = rewards_K + gamma * values_K1[1:] - values_K1[:-1]
+    advantages_K = discounted_returns(deltas_K, gamma * lam)
+    return advantages_K, advantages_K + values_K1[:-1]
+
+
+@register_advantage("gae", needs_values=True)
+def gae(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float]) -> Advantages:
+    """Generalized advantage estimation over the turns of each trajectory, with a critic.
 
     ``delta_k = r_k + gamma V_{k+1} - V_k`` and ``A_k = sum_{l >= 0} (gamma lam)^l delta_{k+l}``
     (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
     Estimation", eq. 16), computed backwards as ``A_k = delta_k + gamma lam A_{k+1}``. The
-    value targets are ``R_k = A_k + V_k`` (the lambda-return). ``lam = 1`` gives the discounted
-    return minus ``V_k``; ``lam = 0`` the one-step TD error.
+    value targets are ``R_k = A_k + V_k`` (the lambda-return), returned in
+    ``Advantages.value_targets``. ``lam = 1`` gives the discounted return minus ``V_k``;
+    ``lam = 0`` the one-step TD error. Needs ``batch.values`` (``float[K_d + 1]`` each).
 
-    Args:
-        rewards_K: ``float[K]`` reward after each turn.
-        values_K1: ``float[K+1]`` value estimate before each turn, plus the bootstrap value
-            after the last turn (0 if the episode ended there, V(s_K) if it was truncated).
-        config: ``gamma`` (default 1.0) and ``lam`` (default 0.95), both in ``[0, 1]``.
-
-    Returns:
-        ``(advantages_K float32[K], returns_K float32[K])``.
+    Config: ``gamma`` (default 1.0) and ``lam`` (default 0.95), both in ``[0, 1]``.
     """
-    gamma = _gamma(config)
-    lam = _gamma(config, "lam", 0.95)
-    rewards_K = _as_group(rewards_K)
-    values_K1 = _as_group(values_K1)
-    if values_K1.size != rewards_K.size + 1:
-        raise ValueError(
-            f"values_K1 needs K+1 = {rewards_K.size + 1} entries, got {values_K1.size}"
-        )
-    deltas_K = rewards_K + gamma * values_K1[1:] - values_K1[:-1]
-    advantages_K = np.zeros_like(rewards_K)
-    running = 0.0
-    for k in range(rewards_K.size - 1, -1, -1):
-        running = deltas_K[k] + gamma * lam * running
-        advantages_K[k] = running
-    returns_K = advantages_K + values_K1[:-1]
-    return advantages_K.astype(np.float32), returns_K.astype(np.float32)
+    gamma, lam = _gamma(config), _gamma(config, "lam", 0.95)
+    assert batch.values is not None  # Estimator.__call__ checked
+    pairs = [gae_1d(r, v, gamma, lam) for r, v in zip(batch.turn_rewards, batch.values)]
+    return Advantages(tuple(a.astype(np.float32) for a, _ in pairs), state,
+                      tuple(t.astype(np.float32) for _, t in pairs))

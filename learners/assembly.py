@@ -11,28 +11,56 @@ Nothing is decoded and re-encoded (a round trip can merge or split tokens, which
 the trainer score different tokens than the sampler drew), and the mask comes from the turn
 structure, never from ``ids != pad`` (SmolLM2's pad and end-of-turn are one id).
 
-The episode's single advantage is broadcast over all of its sampled tokens (outcome
-supervision); zero-advantage datums are kept, since their tokens still count in the
-normalizer the caller passes to the loss.
+Advantages come per TURN (:mod:`learners.advantages`): turn ``k``'s advantage goes on turn
+``k``'s sampled tokens, so an outcome estimator (one advantage per episode) puts the same value
+on every turn and ``turn_returns`` gives each turn its own credit. Zero-advantage datums are
+kept, since their tokens still count in the normalizer the caller passes to the loss.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from learners.advantages import group_advantages
+from learners.advantages import EmaState, EpisodeBatch, estimate
 from protocols.messages import Datum, Trajectory
 
 
-def trajectory_to_datum(traj: Trajectory, advantage: float) -> Datum:
+def turn_rewards(traj: Trajectory) -> np.ndarray:
+    """``float64[K]``: the reward credited to each of the trajectory's turns.
+
+    ``Turn.reward`` is what the seat received right after its own move; whatever else its
+    total holds (a reward that arrived after an opponent's move, e.g. a terminal payoff when
+    the opponent ended the game) is credited to the LAST turn, so the turn rewards always sum
+    to ``total_reward``.
+    """
+    rewards_K = np.array([t.reward for t in traj.turns], dtype=np.float64)
+    if rewards_K.size:
+        rewards_K[-1] += traj.total_reward - rewards_K.sum()
+    return rewards_K
+
+
+def episode_batch(ordered: Sequence[Trajectory], role_prefix: str = "") -> EpisodeBatch:
+    """What the estimators see of these trajectories (in this order); the role key of a
+    trajectory is ``f"{role_prefix}/{seat}"`` (or the seat when there is no prefix)."""
+    return EpisodeBatch(
+        group_ids_D=np.array([t.group_id for t in ordered], dtype=np.int64),
+        turn_rewards=tuple(turn_rewards(t) for t in ordered),
+        roles_D=tuple(f"{role_prefix}/{t.seat}" if role_prefix else t.seat for t in ordered),
+    )
+
+
+def trajectory_to_datum(traj: Trajectory, advantages: float | Sequence[float] | np.ndarray) -> Datum:
     """Concatenate a trajectory's turns into one datum with per-token loss inputs.
 
     Args:
         traj: one seat's episode; turn ``k`` has ``obs_tokens int32[O_k]``,
             ``sampled_tokens int32[S_k]`` and ``sampler_logprobs float32[S_k]``.
-        advantage: the episode's advantage, put on every sampled token.
+        advantages: ``float[K]``, turn ``k``'s advantage, put on its ``S_k`` sampled tokens;
+            or one float for every turn.
 
     Returns:
         A :class:`Datum` with ``tokens int32[T]`` (``T = sum_k O_k + S_k``) and
@@ -42,7 +70,8 @@ def trajectory_to_datum(traj: Trajectory, advantage: float) -> Datum:
     Raises:
         ValueError: no turns, or the first turn has no observation tokens (token 0 has no
             prediction and must have mask 0), or a turn's sampled tokens and log-probs differ
-            in length, or an array is not 1-D; the message names the episode and turn.
+            in length, or an array is not 1-D, or ``advantages`` is not finite or has another
+            length than the turns; the message names the episode and turn.
     """
     where = f"episode {traj.episode_id} seat {traj.seat!r}"
     if not traj.turns:
@@ -51,11 +80,18 @@ def trajectory_to_datum(traj: Trajectory, advantage: float) -> Datum:
         raise ValueError(
             f"{where}: turn 0 has no observation tokens; token 0 cannot be a loss token"
         )
-    if not np.isfinite(advantage):
-        raise ValueError(f"{where}: advantage must be finite, got {advantage}")
+    advantages_K = np.asarray(advantages, dtype=np.float32)
+    if advantages_K.ndim == 0:
+        advantages_K = np.full(len(traj.turns), advantages_K, np.float32)
+    if advantages_K.shape != (len(traj.turns),):
+        raise ValueError(f"{where}: {len(traj.turns)} turns but advantages of shape "
+                         f"{advantages_K.shape}")
+    if not np.all(np.isfinite(advantages_K)):
+        raise ValueError(f"{where}: advantages must be finite, got {advantages_K.tolist()}")
 
     tokens: list[np.ndarray] = []
     mask: list[np.ndarray] = []
+    adv: list[np.ndarray] = []
     sampler_logprobs: list[np.ndarray] = []
     for k, turn in enumerate(traj.turns):
         obs_O = np.asarray(turn.obs_tokens)
@@ -68,72 +104,99 @@ def trajectory_to_datum(traj: Trajectory, advantage: float) -> Datum:
                 f"{where} turn {k}: {len(sampled_S)} sampled tokens but "
                 f"{len(logp_S)} sampler log-probs"
             )
+        zeros_O = np.zeros(len(obs_O), np.float32)
         tokens += [obs_O.astype(np.int32), sampled_S.astype(np.int32)]
-        mask += [np.zeros(len(obs_O), np.float32), np.ones(len(sampled_S), np.float32)]
-        sampler_logprobs += [np.zeros(len(obs_O), np.float32), logp_S.astype(np.float32)]
+        mask += [zeros_O, np.ones(len(sampled_S), np.float32)]
+        adv += [zeros_O, np.full(len(sampled_S), advantages_K[k], np.float32)]
+        sampler_logprobs += [zeros_O, logp_S.astype(np.float32)]
 
-    mask_T = np.concatenate(mask)
     return Datum(
         tokens=np.concatenate(tokens),
         loss_inputs={
-            "mask": mask_T,
-            "advantages": (mask_T * np.float32(advantage)).astype(np.float32),
+            "mask": np.concatenate(mask),
+            "advantages": np.concatenate(adv),
             "sampler_logprobs": np.concatenate(sampler_logprobs),
         },
     )
+
+
+class Assembly(NamedTuple):
+    """What :func:`assemble` returns."""
+
+    datums: list[Datum]
+    """One datum per trajectory, in ``(episode_id, seat)`` order."""
+    metrics: dict[str, float]
+    state: EmaState | None
+    """The estimator's new state (the input state for stateless estimators)."""
+
+
+ASSEMBLY_METRICS = ("reward_mean", "adv_mean", "adv_abs_mean", "frac_zero_adv_groups",
+                    "n_datums", "n_loss_tokens")
+
+
+def sort_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """Sorted by ``(episode_id, seat)``, so results never depend on arrival order.
+
+    Raises:
+        ValueError: two trajectories share ``(episode_id, seat)`` (a duplicate delivery would
+            double-count an episode and skew its group's baseline).
+    """
+    ordered = sorted(trajectories, key=lambda t: (t.episode_id, t.seat))
+    for a, b in itertools.pairwise(ordered):
+        if (a.episode_id, a.seat) == (b.episode_id, b.seat):
+            raise ValueError(f"duplicate trajectory for episode {a.episode_id} seat {a.seat!r}")
+    return ordered
 
 
 def assemble(
     trajectories: Sequence[Trajectory],
     estimator: str,
     config: Mapping[str, float],
-) -> tuple[list[Datum], dict[str, float]]:
-    """Group-relative advantages and datums for one policy's trajectories of one step.
+    state: EmaState | None = None,
+    role_prefix: str = "",
+) -> Assembly:
+    """Advantages and datums for one policy's trajectories of one step.
 
-    Trajectories are first sorted by ``(episode_id, seat)``, so the datums and metrics do not
-    depend on arrival order. Advantages come from ``total_reward`` per ``group_id`` with
-    :func:`learners.advantages.group_advantages`.
+    Trajectories are first sorted by ``(episode_id, seat)`` (:func:`sort_trajectories`), so
+    the datums, the metrics and the new state do not depend on arrival order.
 
     Args:
         trajectories: ``[D]`` trajectories, all for the same trainable policy.
         estimator: a name in :data:`learners.advantages.ADVANTAGES`.
         config: passed to the estimator.
+        state: the estimator's state from the previous step (``None`` at the start).
+        role_prefix: prefix of the role keys (the game's name), see :func:`episode_batch`.
 
     Returns:
-        ``(datums_D, metrics)``; metrics: ``reward_mean``, ``adv_abs_mean`` (over
-        trajectories), ``frac_zero_adv_groups`` (groups whose advantages are all exactly 0:
-        no learning signal), ``n_datums``, ``n_loss_tokens``.
+        :class:`Assembly`; metrics: ``reward_mean`` (over trajectories), ``adv_mean`` and
+        ``adv_abs_mean`` (over turns), ``frac_zero_adv_groups`` (groups whose advantages are
+        all exactly 0: no learning signal), ``n_datums``, ``n_loss_tokens``.
 
     Raises:
-        ValueError: two trajectories share ``(episode_id, seat)`` (a duplicate delivery would
-            double-count an episode and skew its group's baseline), or as
-            :func:`group_advantages` and :func:`trajectory_to_datum` do.
+        ValueError: duplicates (see :func:`sort_trajectories`), or as the estimator and
+            :func:`trajectory_to_datum` do.
     """
-    ordered = sorted(trajectories, key=lambda t: (t.episode_id, t.seat))
-    keys = [(t.episode_id, t.seat) for t in ordered]
-    for a, b in zip(keys, keys[1:]):
-        if a == b:
-            raise ValueError(f"duplicate trajectory for episode {a[0]} seat {a[1]!r}")
+    ordered = sort_trajectories(trajectories)
     if not ordered:
-        empty = ("reward_mean", "adv_abs_mean", "frac_zero_adv_groups", "n_datums",
-                 "n_loss_tokens")
-        return [], {name: 0.0 for name in empty}
+        return Assembly([], {name: 0.0 for name in ASSEMBLY_METRICS}, state)
+    batch = episode_batch(ordered, role_prefix)
+    result = estimate(estimator, batch, state, config)
+    datums = [trajectory_to_datum(t, a) for t, a in zip(ordered, result.per_turn)]
 
-    rewards_D = np.array([t.total_reward for t in ordered], dtype=np.float64)
-    group_ids_D = np.array([t.group_id for t in ordered], dtype=np.int64)
-    advantages_D = group_advantages(rewards_D.tolist(), group_ids_D.tolist(), estimator, config)
-    datums = [trajectory_to_datum(t, float(a)) for t, a in zip(ordered, advantages_D)]
-
+    turns_A = np.concatenate(result.per_turn)
+    group_ids_D = batch.group_ids_D
+    zero_D = np.array([not np.any(a) for a in result.per_turn])
     groups = np.unique(group_ids_D)
-    zero_groups = sum(bool(np.all(advantages_D[group_ids_D == g] == 0.0)) for g in groups)
+    zero_groups = sum(bool(np.all(zero_D[group_ids_D == g])) for g in groups)
     metrics = {
-        "reward_mean": float(rewards_D.mean()),
-        "adv_abs_mean": float(np.abs(advantages_D).mean()),
+        "reward_mean": float(batch.rewards_D.mean()),
+        "adv_mean": float(turns_A.mean()),
+        "adv_abs_mean": float(np.abs(turns_A).mean()),
         "frac_zero_adv_groups": zero_groups / len(groups),
         "n_datums": float(len(datums)),
         "n_loss_tokens": float(loss_token_count(datums)),
     }
-    return datums, metrics
+    return Assembly(datums, metrics, result.state)
 
 
 def loss_token_count(datums: Sequence[Datum]) -> int:

@@ -1,36 +1,41 @@
-"""Per-token policy-gradient losses over the flat vector of loss tokens, registered by name.
+"""Per-token losses over the flat vector of loss tokens, one registry by name.
 
 The runtime computes the trainer's log-probs only where ``mask == 1`` and flattens them over
 the micro-batch, so every loss sees ``logp_N`` (``N`` loss tokens) and the matching flat
-``inputs`` (``advantages``, ``sampler_logprobs``, each ``[N]``). A loss returns a plain SUM
-over tokens; the caller divides by a normalizer passed in (e.g. the global loss-token count of
-the step), never one inferred from the micro-batch, so splitting a batch changes nothing.
+``inputs`` (``advantages``, ``sampler_logprobs``, ..., each ``[N]``). A loss returns a plain
+SUM over tokens (or pairs); the caller divides by a normalizer passed in (e.g. the global
+loss-token count of the step), never one inferred from the micro-batch, so splitting a batch
+changes nothing.
 
-The importance ratio is taken against the SAMPLER's log-probs (not a recomputed "old" policy):
-it corrects both for off-policy staleness and for sampler-vs-trainer numerical mismatch, and
-``logp_diff_mean`` / ``logp_diff_p95`` expose that mismatch. Every loss logs the same
-diagnostics (STYLE: clip fraction, approximate KL, entropy proxy, log-prob difference).
+Every entry of :data:`LOSSES` has the one signature ``fn(first_N, inputs, config) ->
+LossOutput`` and a :class:`Loss` record saying what kind of loss it is and which ``inputs``
+it reads, so the runtime knows what to compute for it (reference log-probs with the adapter
+off, full-vocabulary entropies) and what a job may select:
 
-Two registries share the one signature ``fn(first_N, inputs, config) -> LossOutput`` and both
-are reached through :func:`compute_loss`:
-
-* :data:`LOSSES`: policy-gradient losses on ``advantages`` and ``sampler_logprobs`` (``ppo``,
-  ``importance_sampling``, ``cispo``). Every entry has the REINFORCE gradient ``-A`` at ratio 1
-  and the ratio diagnostics; ``tests/test_learners.py`` checks that of every entry.
-* :data:`OBJECTIVES`: everything else (``value``, ``entropy``, ``kl_k1/2/3``, ``sft``, and
-  ``dpo`` / ``ipo`` from :mod:`learners.preferences`). Their first argument is whatever model
-  output the objective needs (log-probs, or predicted values for ``value``), and they need
-  other inputs, so they cannot honour the policy-gradient contract above.
-
-A name is unique across both registries.
+* :attr:`LossKind.POLICY` (``ppo``, ``importance_sampling``, ``cispo``): policy gradients on
+  ``advantages``, with the importance ratio taken against the SAMPLER's log-probs (not a
+  recomputed "old" policy): it corrects both for off-policy staleness and for
+  sampler-vs-trainer numerical mismatch. Every entry has the REINFORCE gradient ``-A`` at
+  ratio 1 and returns the same diagnostics (:func:`policy_diagnostics`).
+* :attr:`LossKind.PENALTY` (``kl_k1``, ``kl_k2``, ``kl_k3``, ``entropy``): terms ADDED to
+  another loss with a coefficient. A ``ForwardBackward.loss_config`` key that names a penalty
+  is that term's coefficient (:func:`split_penalties`): ``loss="ppo", loss_config={"clip_low":
+  0.2, "kl_k3": 0.05}`` is PPO plus 0.05 x the k3 KL to the reference.
+* :attr:`LossKind.VALUE` (``value``): its first argument is the critic's predicted values.
+* :attr:`LossKind.PREFERENCE` (``dpo``, ``ipo``, in :mod:`learners.preferences`) and
+  :attr:`LossKind.SUPERVISED` (``sft``): trained offline on recorded trajectories.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping
 
 import torch
+
+from learners.diagnostics import mean as _mean
+from learners.diagnostics import policy_diagnostics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,46 +45,92 @@ class LossOutput:
     loss_sum: torch.Tensor
     """Scalar, differentiable w.r.t. ``logp_N``: the SUM of per-token losses (unnormalised)."""
     metrics: dict[str, float]
-    """Diagnostics as plain floats (means over this micro-batch's tokens)."""
+    """Diagnostics as plain floats (means over this micro-batch's tokens, or pairs)."""
 
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], LossOutput]
 """``fn(logp_N, inputs, config) -> LossOutput``."""
 
-LOSSES: dict[str, LossFn] = {}
-"""Policy-gradient loss name -> function; fill it with :func:`register_loss`."""
 
-OBJECTIVES: dict[str, LossFn] = {}
-"""Other token objective name -> function (value, entropy, KL, SFT, preference); fill it with
-:func:`register_objective`."""
+class LossKind(enum.StrEnum):
+    """What a loss is for; decides where a job may use it."""
+
+    POLICY = "policy"
+    """Policy gradient on ``advantages`` and ``sampler_logprobs`` (``train.loss``)."""
+    PENALTY = "penalty"
+    """Added to another loss with a coefficient (``train.kl_coef``, ``train.entropy_coef``)."""
+    VALUE = "value"
+    """Regression of a critic's values (first argument: values, not log-probs)."""
+    PREFERENCE = "preference"
+    """Sequence-pair loss (normalise by the number of pairs); offline jobs."""
+    SUPERVISED = "supervised"
+    """Maximum likelihood on target tokens; offline jobs."""
 
 
-def _register(registry: dict[str, LossFn], name: str) -> Callable[[LossFn], LossFn]:
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A registered loss: the function, its kind, and the ``inputs`` it reads."""
+
+    name: str
+    fn: LossFn
+    kind: LossKind
+    needs: frozenset[str]
+    """Keys of ``inputs`` the loss reads. ``ref_logprobs`` and ``entropy`` the runtime can
+    compute itself (reference = the base model with the adapter off); the others come from
+    the datums' ``loss_inputs``."""
+
+    def __call__(self, first_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                 config: Mapping[str, float]) -> LossOutput:
+        return self.fn(first_N, inputs, config)
+
+
+LOSSES: dict[str, Loss] = {}
+"""Loss name -> :class:`Loss`; fill it with :func:`register_loss`."""
+
+_POLICY_INPUTS = frozenset({"advantages", "sampler_logprobs"})
+
+
+def register_loss(
+    name: str, kind: LossKind = LossKind.POLICY, needs: frozenset[str] = _POLICY_INPUTS
+) -> Callable[[LossFn], LossFn]:
+    """Decorator that registers ``fn`` in :data:`LOSSES` (``fn`` is returned unchanged).
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+
     def decorator(fn: LossFn) -> LossFn:
-        if name in LOSSES or name in OBJECTIVES:
+        if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
-        registry[name] = fn
+        LOSSES[name] = Loss(name, fn, LossKind(kind), frozenset(needs))
         return fn
 
     return decorator
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator that adds a policy-gradient loss ``fn`` to :data:`LOSSES` under ``name``.
+def losses_of_kind(kind: LossKind) -> list[str]:
+    """Sorted names of the registered losses of ``kind``."""
+    return sorted(n for n, spec in LOSSES.items() if spec.kind is kind)
 
-    Raises:
-        ValueError: ``name`` is already registered (in either registry).
+
+def split_penalties(loss_config: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Split a ``loss_config`` into the main loss's own config and the penalty terms.
+
+    A key naming a :attr:`LossKind.PENALTY` loss is that term's coefficient (terms with
+    coefficient 0 are dropped); every other key belongs to the main loss.
+
+    Returns:
+        ``(config, {penalty name: coefficient})``.
     """
-    return _register(LOSSES, name)
-
-
-def register_objective(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator that adds a non-policy-gradient objective to :data:`OBJECTIVES`.
-
-    Raises:
-        ValueError: ``name`` is already registered (in either registry).
-    """
-    return _register(OBJECTIVES, name)
+    config, terms = {}, {}
+    for key, value in loss_config.items():
+        spec = LOSSES.get(key)
+        if spec is not None and spec.kind is LossKind.PENALTY:
+            if float(value) != 0.0:
+                terms[key] = float(value)
+        else:
+            config[key] = value
+    return config, terms
 
 
 def _require(
@@ -102,46 +153,6 @@ def _check_logp(logp_N: torch.Tensor, loss: str) -> torch.Tensor:
         raise ValueError(f"loss {loss!r}: first argument must be 1-D, got {tuple(logp_N.shape)}")
     # bf16 log-probs lose ~3 digits; the ratio exp(a - b) must be taken in float32.
     return logp_N.float()
-
-
-@torch.no_grad()
-def _diagnostics(
-    logp_N: torch.Tensor, sampler_logp_N: torch.Tensor, clipped_N: torch.Tensor
-) -> dict[str, float]:
-    """Diagnostics shared by every ratio-based loss.
-
-    ``approx_kl`` is the k3 estimator ``(r - 1) - log r`` of KL(sampler || trainer) with
-    ``r = p_trainer / p_sampler`` over tokens drawn from the sampler (Schulman 2020,
-    "Approximating KL Divergence"): unbiased and never negative.
-    """
-    n = logp_N.numel()
-    if n == 0:
-        names = ("clip_frac", "approx_kl", "ratio_mean", "logp_diff_mean", "logp_diff_p95",
-                 "entropy_proxy")
-        return {**{name: 0.0 for name in names}, "n_tokens": 0.0}
-    log_ratio_N = logp_N.detach() - sampler_logp_N
-    ratio_N = log_ratio_N.exp()
-    diff_N = log_ratio_N.abs()
-    return {
-        "clip_frac": clipped_N.float().mean().item(),
-        "approx_kl": ((ratio_N - 1.0) - log_ratio_N).mean().item(),
-        "ratio_mean": ratio_N.mean().item(),
-        "logp_diff_mean": diff_N.mean().item(),
-        # torch.quantile refuses > 2**24 elements; sorting is exact and has no such limit.
-        "logp_diff_p95": _quantile(diff_N, 0.95),
-        "entropy_proxy": (-logp_N.detach()).mean().item(),
-        "n_tokens": float(n),
-    }
-
-
-def _quantile(values_N: torch.Tensor, q: float) -> float:
-    """Linear-interpolation quantile (numpy's default method) of a non-empty 1-D tensor."""
-    sorted_N = values_N.sort().values
-    position = q * (sorted_N.numel() - 1)
-    low = int(position)
-    high = min(low + 1, sorted_N.numel() - 1)
-    weight = position - low
-    return (sorted_N[low] * (1.0 - weight) + sorted_N[high] * weight).item()
 
 
 @register_loss("ppo")
@@ -185,14 +196,14 @@ def ppo(
     clipped_mask_N = clipped_N.detach() < unclipped_N.detach()
     dual_clip = float(config.get("dual_clip", 0.0))
     if dual_clip == 0.0:
-        metrics = _diagnostics(logp_N, sampler_logp_N, clipped_mask_N)
+        metrics = policy_diagnostics(logp_N, inputs, clipped_mask_N)
         return LossOutput(loss_sum=-surrogate_N.sum(), metrics=metrics)
     if not dual_clip > 1.0:
         raise ValueError(f"loss 'ppo': dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
     bound_N = dual_clip * advantages_N
     dual_N = (advantages_N < 0) & (bound_N > surrogate_N.detach())
     surrogate_N = torch.where(dual_N, bound_N, surrogate_N)
-    metrics = _diagnostics(logp_N, sampler_logp_N, clipped_mask_N | dual_N)
+    metrics = policy_diagnostics(logp_N, inputs, clipped_mask_N | dual_N)
     metrics["dual_clip_frac"] = dual_N.float().mean().item() if dual_N.numel() else 0.0
     return LossOutput(loss_sum=-surrogate_N.sum(), metrics=metrics)
 
@@ -226,7 +237,7 @@ def cispo(
     ratio_N = torch.exp(logp_N.detach() - sampler_logp_N)
     weight_N = torch.clamp(ratio_N, low, high)
     loss_N = -(weight_N * advantages_N * logp_N)
-    metrics = _diagnostics(logp_N, sampler_logp_N, (ratio_N < low) | (ratio_N > high))
+    metrics = policy_diagnostics(logp_N, inputs, (ratio_N < low) | (ratio_N > high))
     return LossOutput(loss_sum=loss_N.sum(), metrics=metrics)
 
 
@@ -258,15 +269,17 @@ def importance_sampling(
     ratio_N = torch.exp(logp_N.detach() - sampler_logp_N)
     weight_N = torch.clamp(ratio_N, max=truncation)
     loss_N = -(weight_N * logp_N * advantages_N)
-    metrics = _diagnostics(logp_N, sampler_logp_N, ratio_N > truncation)
+    metrics = policy_diagnostics(logp_N, inputs, ratio_N > truncation)
     return LossOutput(loss_sum=loss_N.sum(), metrics=metrics)
 
 
 # ---------------------------------------------------------------------------------------------
-# Objectives other than policy gradients (registered in OBJECTIVES).
+# Value, penalty and supervised losses.
+
+_REF = frozenset({"ref_logprobs"})
 
 
-@register_objective("value")
+@register_loss("value", LossKind.VALUE, frozenset({"returns", "old_values"}))
 def value(
     values_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
@@ -307,7 +320,7 @@ def value(
     })
 
 
-@register_objective("entropy")
+@register_loss("entropy", LossKind.PENALTY, frozenset({"entropy"}))
 def entropy(
     logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
@@ -363,29 +376,32 @@ def _kl_loss(
     return LossOutput(loss_sum=coef * k_N.sum(), metrics=metrics)
 
 
-@register_objective("kl_k1")
+@register_loss("kl_k1", LossKind.PENALTY, _REF)
 def kl_k1(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
           config: Mapping[str, float]) -> LossOutput:
-    """KL penalty with Schulman's ``k1 = logp - ref``; see :func:`_kl_loss`."""
+    """KL penalty ``loss = coef * sum_t (logp_t - ref_t)``: the k1 estimator of Schulman 2020,
+    "Approximating KL Divergence" (unbiased, high variance); see :func:`_kl_loss`."""
     return _kl_loss("kl_k1", lambda x: x, logp_N, inputs, config)
 
 
-@register_objective("kl_k2")
+@register_loss("kl_k2", LossKind.PENALTY, _REF)
 def kl_k2(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
           config: Mapping[str, float]) -> LossOutput:
-    """KL penalty with Schulman's ``k2 = (logp - ref)^2 / 2``; see :func:`_kl_loss`."""
+    """KL penalty ``loss = coef * sum_t (logp_t - ref_t)^2 / 2``: the k2 estimator of Schulman 2020,
+    "Approximating KL Divergence" (biased, low variance); see :func:`_kl_loss`."""
     return _kl_loss("kl_k2", lambda x: 0.5 * x**2, logp_N, inputs, config)
 
 
-@register_objective("kl_k3")
+@register_loss("kl_k3", LossKind.PENALTY, _REF)
 def kl_k3(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
           config: Mapping[str, float]) -> LossOutput:
-    """KL penalty with Schulman's ``k3 = exp(ref - logp) - (ref - logp) - 1``; see
-    :func:`_kl_loss`."""
+    """KL penalty ``loss = coef * sum_t [exp(ref_t - logp_t) - (ref_t - logp_t) - 1]``: the k3
+    estimator of Schulman 2020, "Approximating KL Divergence" (unbiased, never negative; the
+    KL term of GRPO, Shao et al. 2024, "DeepSeekMath", eq. 4); see :func:`_kl_loss`."""
     return _kl_loss("kl_k3", lambda x: torch.exp(-x) + x - 1.0, logp_N, inputs, config)
 
 
-@register_objective("sft")
+@register_loss("sft", LossKind.SUPERVISED, frozenset())
 def sft(
     logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
@@ -413,25 +429,18 @@ def sft(
     })
 
 
-@torch.no_grad()
-def _mean(values_N: torch.Tensor) -> float:
-    """Mean as a float; 0.0 for an empty tensor (``mean`` would give nan)."""
-    return values_N.float().mean().item() if values_N.numel() else 0.0
-
-
 def compute_loss(
     name: str,
     logp_N: torch.Tensor,
     inputs: Mapping[str, torch.Tensor],
     config: Mapping[str, float],
 ) -> LossOutput:
-    """Look ``name`` up in :data:`LOSSES`, then :data:`OBJECTIVES`, and apply it.
+    """Look ``name`` up in :data:`LOSSES` and apply it.
 
     Raises:
         ValueError: unknown loss (naming the known ones), or an input the loss needs is
             missing (naming the key and the loss).
     """
-    fn = LOSSES.get(name) or OBJECTIVES.get(name)
-    if fn is None:
-        raise ValueError(f"unknown loss {name!r}; known: {sorted({**LOSSES, **OBJECTIVES})}")
-    return fn(logp_N, inputs, config)
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; known: {sorted(LOSSES)}")
+    return LOSSES[name](logp_N, inputs, config)

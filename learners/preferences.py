@@ -3,7 +3,7 @@
 A preference loss compares whole responses: its inputs are SUMMED log-probs per sequence
 (``policy_chosen_B`` etc., ``B`` pairs), not per-token values. :func:`dpo` and :func:`ipo` take
 those sums directly. The token-level entries ``dpo`` / ``ipo`` in
-:data:`learners.losses.OBJECTIVES` adapt them to the runtime's flat ``logp_N``: per loss token
+:data:`learners.losses.LOSSES` adapt them to the runtime's flat ``logp_N``: per loss token
 ``inputs`` hold ``pair_sign`` (+1 on a chosen response's tokens, -1 on a rejected one's),
 ``pair_id`` (which pair the token belongs to) and ``ref_logprobs``, and the per-sequence sums are
 scatter-adds over ``pair_id`` (see :func:`_pair_sums`). A pair must lie wholly inside one
@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from learners.losses import LossOutput, _check_logp, _require, register_objective
+from learners.losses import LossKind, LossOutput, _check_logp, _require, register_loss
+
+_PAIR_INPUTS = frozenset({"pair_sign", "pair_id", "ref_logprobs"})
 
 
 def _margins(
@@ -148,11 +150,12 @@ def _pair_sums(
     return sums[0], sums[1], sums[2], sums[3]
 
 
-@register_objective("dpo")
+@register_loss("dpo", LossKind.PREFERENCE, _PAIR_INPUTS)
 def dpo_tokens(
     logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
-    """:func:`dpo` on flat loss tokens (see :func:`_pair_sums`); config ``beta`` (default 0.1).
+    """DPO (Rafailov et al. 2023, eq. 7: ``l_b = -log sigmoid(beta h_b)``, see :func:`dpo`) on
+    flat loss tokens (see :func:`_pair_sums`); config ``beta`` (default 0.1).
 
     Returns ``loss_sum`` summed over pairs (normalise by the global pair count) and metrics
     of :func:`dpo` plus ``n_tokens``.
@@ -162,11 +165,12 @@ def dpo_tokens(
     return LossOutput(out.loss_sum, {**out.metrics, "n_tokens": float(logp_N.numel())})
 
 
-@register_objective("ipo")
+@register_loss("ipo", LossKind.PREFERENCE, _PAIR_INPUTS)
 def ipo_tokens(
     logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
-    """:func:`ipo` on flat loss tokens (see :func:`_pair_sums`); config ``tau`` (default 0.1).
+    """IPO (Azar et al. 2023, eq. 17: ``l_b = (h_b - 1 / (2 tau))^2``, see :func:`ipo`) on
+    flat loss tokens (see :func:`_pair_sums`); config ``tau`` (default 0.1).
 
     Returns ``loss_sum`` summed over pairs and metrics of :func:`ipo` plus ``n_tokens``.
     """

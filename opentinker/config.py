@@ -44,6 +44,10 @@ class PolicyConfig(_Config):
     lora_rank: PosInt = 8
     lora_alpha: PosFloat = 16.0
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    train: dict[str, str | float] = msgspec.field(default_factory=dict)
+    """This policy's overrides of ``[train]``'s algorithm fields, e.g. ``{advantage = "rloo",
+    loss = "cispo", kl_coef = 0.05}``: learners side by side in one job, on the same games
+    and the same base model (``steps``, ``groups_per_step`` and ``group_size`` are shared)."""
 
 
 class TrainConfig(_Config):
@@ -53,15 +57,62 @@ class TrainConfig(_Config):
     group_size: PosInt = 4
     """Episodes per group (differing only in sampling seeds): advantages are group-relative."""
     advantage: str = "dr_grpo"
-    """Group estimator, a name in ``learners.ADVANTAGES`` (``dr_grpo``, ``grpo``, ``rloo``)."""
+    """Advantage estimator, a name in ``learners.ADVANTAGES``: ``dr_grpo``, ``grpo``, ``rloo``
+    (group-relative), ``reinforce_ema`` (moving-average baseline), ``role_ema`` (one baseline
+    per game and seat, SPIRAL's RAE), ``turn_returns`` (per-turn discounted returns, turn-level
+    credit). ``gae`` needs a learned critic, which jobs do not have yet."""
     loss: str = "ppo"
-    """Policy-gradient loss, a name in ``learners.LOSSES`` (``ppo``, ``importance_sampling``, ``cispo``)."""
+    """Policy loss, a name in ``learners.LOSSES`` of kind policy: ``ppo``,
+    ``importance_sampling``, ``cispo``."""
     clip_low: Annotated[float, Meta(ge=0)] = 0.2
+    """PPO's lower clip ``1 - clip_low``."""
     clip_high: Annotated[float, Meta(ge=0)] = 0.2
+    """PPO's upper clip ``1 + clip_high`` (DAPO's clip-higher when > ``clip_low``); also
+    CISPO's ``eps_high`` (CISPO has no lower bound)."""
+    dual_clip: Annotated[float, Meta(ge=0)] = 0.0
+    """PPO's dual-clip bound ``c > 1`` on negative advantages; 0 disables."""
+    is_truncation: PosFloat = 2.0
+    """Truncation of the importance weight of ``importance_sampling``."""
+    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    """Discount over a seat's turns (``turn_returns``)."""
+    ema_decay: Annotated[float, Meta(ge=0, lt=1)] = 0.9
+    """Decay of the moving-average baselines (``reinforce_ema``, ``role_ema``)."""
+    kl_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """Coefficient of the KL penalty to the reference (the base model with the adapter off);
+    0 disables it (and its extra forward pass)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimator of that KL: loss ``kl_k1``, ``kl_k2`` or ``kl_k3``."""
+    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """Coefficient of the entropy bonus (full-vocabulary entropy at the sampled positions)."""
     lr: PosFloat = 1e-3
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: Annotated[float, Meta(ge=0)] = 1.0
     """Global gradient-norm clip; 0 disables."""
+
+    def __post_init__(self) -> None:
+        if self.dual_clip != 0 and not self.dual_clip > 1:
+            raise ValueError(f"train.dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
+
+    def loss_config(self) -> dict[str, float]:
+        """``ForwardBackward.loss_config`` of this policy: the policy loss's settings, and each
+        penalty's coefficient under the penalty's loss name (``kl_k3``, ``entropy``)."""
+        out = {"clip_low": self.clip_low, "clip_high": self.clip_high,
+               "is_truncation": self.is_truncation, "eps_high": self.clip_high}
+        if self.dual_clip:
+            out["dual_clip"] = self.dual_clip
+        if self.kl_coef:
+            out[f"kl_{self.kl_estimator}"] = self.kl_coef
+        if self.entropy_coef:
+            out["entropy"] = self.entropy_coef
+        return out
+
+    def advantage_config(self) -> dict[str, float]:
+        """The advantage estimator's config."""
+        return {"gamma": self.gamma, "decay": self.ema_decay}
+
+
+SCHEDULE_FIELDS = ("steps", "groups_per_step", "group_size")
+"""``[train]`` fields that every policy shares (the others a policy may override)."""
 
 
 class SamplingConfig(_Config):
@@ -120,6 +171,22 @@ class JobConfig(_Config):
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
         if not self.system_prompt:
             raise ValueError("system_prompt: must be non-empty (SmolLM2 injects its own otherwise)")
+        for p in self.policies:
+            self.train_for(p.name)
+
+    def train_for(self, policy: str) -> TrainConfig:
+        """``[train]`` with ``policy``'s overrides applied (``ValueError`` naming a bad one)."""
+        (p,) = [p for p in self.policies if p.name == policy]
+        if not p.train:
+            return self.train
+        where = f"policies[{p.name}].train"
+        shared = sorted(set(p.train) & set(SCHEDULE_FIELDS))
+        if shared:
+            raise ValueError(f"{where}: {shared} are shared by every policy; set them in [train]")
+        try:
+            return msgspec.convert({**msgspec.to_builtins(self.train), **p.train}, TrainConfig)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def run_name(self) -> str:
         """``{game}__{name}__{seed}__{time}``, as CleanRL names runs."""

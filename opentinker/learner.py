@@ -2,7 +2,9 @@
 socket, and on a :class:`LearnerStep` turns the step's trajectories into datums (in
 episode-id order, never arrival order) with the configured advantage estimator, and asks the
 scheduler for ``forward_backward`` and ``optim_step``. The algorithm itself lives in
-``learners`` as pure functions; this actor owns the I/O.
+``learners`` as pure functions; this actor owns the I/O and the estimator's state (the
+moving-average baselines of ``reinforce_ema`` and ``role_ema``), which it reports in its
+metrics and checkpoints with :meth:`Learner.state_dict` / :meth:`Learner.load_state_dict`.
 """
 
 from __future__ import annotations
@@ -10,10 +12,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from learners import ADVANTAGES, LOSSES, assemble, loss_token_count
+from learners import (
+    ADVANTAGES,
+    LOSSES,
+    EmaState,
+    LossKind,
+    assemble,
+    loss_token_count,
+    losses_of_kind,
+)
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
+from opentinker.config import JobConfig
 from protocols.messages import (
     AdamParams,
     ForwardBackward,
@@ -29,12 +41,27 @@ from protocols.messages import (
 log = logging.getLogger(__name__)
 
 
-def check_algorithms(advantage: str, loss: str) -> None:
-    """Raise ``ValueError`` naming an advantage estimator or policy loss this learner lacks."""
+def check_algorithms(advantage: str, loss: str, where: str = "train") -> None:
+    """Raise ``ValueError`` naming an advantage estimator or policy loss a job cannot use, with
+    the names it can (``where`` names the config table, e.g. ``policies[b].train``)."""
+    usable = sorted(n for n, e in ADVANTAGES.items() if not e.needs_values)
     if advantage not in ADVANTAGES:
-        raise ValueError(f"train.advantage {advantage!r} is not a group estimator; known: {sorted(ADVANTAGES)}")
-    if loss not in LOSSES:
-        raise ValueError(f"train.loss {loss!r} is not a policy-gradient loss; known: {sorted(LOSSES)}")
+        raise ValueError(f"{where}.advantage {advantage!r} is not an advantage estimator; known: {usable}")
+    if ADVANTAGES[advantage].needs_values:
+        raise ValueError(f"{where}.advantage {advantage!r} needs a learned critic (a value head), "
+                         f"which jobs do not have yet; use one of {usable}")
+    policy_losses = losses_of_kind(LossKind.POLICY)
+    if loss not in LOSSES or LOSSES[loss].kind is not LossKind.POLICY:
+        hint = f" ({loss} is a {LOSSES[loss].kind.value} loss)" if loss in LOSSES else ""
+        raise ValueError(f"{where}.loss {loss!r} is not a policy loss{hint}; known: {policy_losses}")
+
+
+def check_job(cfg: JobConfig) -> None:
+    """:func:`check_algorithms` for every policy of a job (with its overrides), before any
+    actor starts."""
+    for p in cfg.policies:
+        tc = cfg.train_for(p.name)
+        check_algorithms(tc.advantage, tc.loss, f"policies[{p.name}].train" if p.train else "train")
 
 
 class Learner:
@@ -49,10 +76,16 @@ class Learner:
         loss_config: Mapping[str, float],
         adam: AdamParams,
         advantage_config: Mapping[str, float] | None = None,
+        game: str = "",
         endpoint: str = LOOPBACK,
     ) -> None:
         check_algorithms(advantage, loss)
         self.policy = policy
+        self.game = game
+        """Prefix of ``role_ema``'s role keys (``"<game>/<seat>"``)."""
+        self.advantage_state: EmaState | None = None
+        """The estimator's state, owned here (DESIGN §5); ``None`` until the first step."""
+        self.steps_trained = 0
         self.scheduler_endpoint = scheduler_endpoint
         self.advantage = advantage
         self.advantage_config = dict(advantage_config or {})
@@ -99,20 +132,22 @@ class Learner:
 
     async def _handle(self, msg: Message) -> Message:
         if not isinstance(msg, LearnerStep):
-            raise ValueError(f"a learner does not serve {type(msg).__name__}")
+            raise TypeError(f"a learner does not serve {type(msg).__name__}")
         async with self._arrived:
             try:
                 await asyncio.wait_for(
                     self._arrived.wait_for(lambda: len(self._by_step[msg.step]) >= msg.expected),
                     msg.timeout_s,
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 got = len(self._by_step[msg.step])
                 raise TimeoutError(
                     f"learner {self.policy}: step {msg.step} has {got} of {msg.expected} trajectories"
                 ) from None
             trajectories = list(self._by_step.pop(msg.step).values())
-        datums, metrics = assemble(trajectories, self.advantage, self.advantage_config)
+        datums, metrics, new_state = assemble(
+            trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game
+        )
         n_tokens = loss_token_count(datums)
         fb = await self.scheduler.request(
             ForwardBackward(
@@ -130,7 +165,34 @@ class Learner:
         turns = sum(len(tr.turns) for tr in trajectories)
         metrics["invalid_rate"] = invalid / max(turns, 1)
         metrics["turns"] = float(turns)
+        # The state moves on only once the step has trained (a failed step leaves it as it was).
+        self.advantage_state = new_state
+        self.steps_trained += 1
+        if new_state is not None:
+            metrics.update({f"baseline/{k}": v for k, v in new_state.baselines.items()})
         return LearnerStepResult(step=msg.step, version=opt.version, metrics=metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this learner carries from step to step, as plain JSON-able data."""
+        state = self.advantage_state
+        return {
+            "policy": self.policy,
+            "advantage": self.advantage,
+            "advantage_state": None if state is None else state.to_json(),
+            "steps_trained": self.steps_trained,
+        }
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ``ValueError`` when it is malformed or was
+        written by another estimator (its baselines would mean something else)."""
+        if not isinstance(data, Mapping) or not {"advantage", "advantage_state", "steps_trained"} <= set(data):
+            raise ValueError(f"learner {self.policy}: not a learner state: {data!r}")
+        if data["advantage_state"] is not None and data["advantage"] != self.advantage:
+            raise ValueError(f"learner {self.policy}: state written by advantage {data['advantage']!r}, "
+                             f"this learner uses {self.advantage!r}")
+        raw = data["advantage_state"]
+        self.advantage_state = None if raw is None else EmaState.from_json(raw)
+        self.steps_trained = int(data["steps_trained"])
 
     def stop(self) -> None:
         if hasattr(self, "loop"):

@@ -3,29 +3,30 @@
 The :class:`ModelHost` runs the scheduler's primitives synchronously (the scheduler calls it
 from its single compute thread): mixed-adapter sampling in one forward pass (PEFT's
 ``adapter_names``), teacher-forced log-probs, ``forward_backward`` with a loss from
-``learners``, AdamW ``optim_step``, and saving an adapter in PEFT format.
+``learners``, AdamW ``optim_step``, and the adapter lifecycle: create, drop, snapshot (a
+frozen copy), save and load (PEFT format plus optimizer state, :mod:`opentinker.adapter_io`).
 
 Log-probs for training are computed only at the positions the loss needs: the transformer
 body runs on the whole sequence, the 49k-row vocabulary projection only on the hidden states
-that predict a loss token.
+that predict a loss token. A loss that needs the reference (a KL penalty, DPO) gets the base
+model's log-probs at the same positions, computed with the adapter off and no gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from learners import compute_loss
+from learners import LOSSES, LossKind, compute_loss, logprob_mismatch, split_penalties
+from opentinker import adapter_io
 from opentinker.sampler import SampledRow, sample_rows, validate_params
-from opentinker.shared_forward import selected_logprobs
+from opentinker.shared_forward import Selected, selected_logprobs
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -34,11 +35,21 @@ BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 @dataclass
 class AdapterState:
     spec: LoraSpec
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
+    named: dict[str, torch.nn.Parameter]
+    """Portable parameter name (PEFT's saved key) -> parameter."""
+    optimizer: torch.optim.AdamW | None
+    """``None`` for a frozen adapter."""
     version: int = 0
     pending_grad: bool = False
     stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.named.values())
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
 
 
 class ModelHost:
@@ -61,11 +72,22 @@ class ModelHost:
         self.share_prefix = True
         """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
         self.pad_id = int(self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0)
+        self.base_fingerprint = adapter_io.fingerprint(self.base)
+        """Identifies the base weights in saved adapters (:func:`opentinker.adapter_io.fingerprint`)."""
 
     # ----------------------------------------------------------------------------- adapters
 
     def create_adapter(self, name: str, spec: LoraSpec) -> int:
-        """Add a zero-initialised (B = 0) LoRA adapter; returns its version (0)."""
+        """Add a zero-initialised (B = 0) LoRA adapter; returns its version (0). Creating an
+        existing adapter with the same spec returns its version (idempotent)."""
+        if name in self.adapters:
+            if self.adapters[name].spec != spec:
+                raise ValueError(f"adapter {name!r} exists with another spec")
+            return self.adapters[name].version
+        self._add_peft(name, spec, trainable=True)
+        return 0
+
+    def _add_peft(self, name: str, spec: LoraSpec, trainable: bool) -> AdapterState:
         from peft import LoraConfig, get_peft_model
 
         if not name.isidentifier() or name == BASE or name in "lora_":
@@ -73,9 +95,7 @@ class ModelHost:
             # "lora_" would be reinitialised when the saved adapter is loaded.
             raise ValueError(f"invalid adapter name {name!r}: use an identifier that is not part of 'lora_'")
         if name in self.adapters:
-            if self.adapters[name].spec != spec:
-                raise ValueError(f"adapter {name!r} exists with another spec")
-            return self.adapters[name].version
+            raise ValueError(f"adapter {name!r} already exists")
         if spec.rank < 1:
             raise ValueError(f"LoraSpec.rank must be >= 1, got {spec.rank}")
         config = LoraConfig(
@@ -86,23 +106,59 @@ class ModelHost:
             task_type="CAUSAL_LM",
         )
         torch.manual_seed(spec.seed)
-        if self.model is self.base:
-            self.model = get_peft_model(self.base, config, adapter_name=name)
-        else:
-            self.model.add_adapter(name, config)
+        try:
+            if self.model is self.base:
+                self.model = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.model.add_adapter(name, config)
+        except ValueError as e:  # PEFT: "Target modules ... not found in the base model"
+            raise ValueError(f"LoraSpec.target_modules {spec.target_modules}: {e}") from None
         self.model.eval()
-        params = [p for n, p in self.model.named_parameters() if ("lora_A." + name + ".") in n or ("lora_B." + name + ".") in n]
-        if not params:
+        named = {
+            adapter_io.portable_name(n, name): p
+            for n, p in self.model.named_parameters()
+            if ("lora_A." + name + ".") in n or ("lora_B." + name + ".") in n
+        }
+        if not named:
+            self.model.delete_adapter(name)
             raise ValueError(f"LoraSpec.target_modules {spec.target_modules} matched no module")
-        for p in params:
+        for p in named.values():
             p.requires_grad_(False)
-        self.adapters[name] = AdapterState(spec=spec, params=params, optimizer=torch.optim.AdamW(params, lr=0.0))
-        return 0
+        optimizer = torch.optim.AdamW(list(named.values()), lr=0.0) if trainable else None
+        self.adapters[name] = state = AdapterState(spec=spec, named=named, optimizer=optimizer)
+        return state
+
+    def drop_adapter(self, name: str) -> None:
+        """Free ``name``'s weights and optimizer state. ``ValueError`` naming an unknown adapter."""
+        self._adapter(name)
+        del self.adapters[name]
+        self.model.delete_adapter(name)
+
+    @torch.no_grad()
+    def snapshot(self, src: str, new_name: str) -> int:
+        """Freeze a copy of ``src`` under ``new_name``, at ``src``'s current version (returned).
+
+        The copy samples and scores exactly as ``src`` did at this moment, whatever ``src``
+        trains afterwards; ``forward_backward`` and ``optim_step`` on it are refused.
+        """
+        source = self._adapter(src)
+        state = self._add_peft(new_name, source.spec, trainable=False)
+        for key, p in state.named.items():
+            p.copy_(source.named[key])
+        state.version = source.version
+        return state.version
 
     def _adapter(self, name: str) -> AdapterState:
         if name not in self.adapters:
-            raise KeyError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
+            raise ValueError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
         return self.adapters[name]
+
+    def _trainable(self, name: str, op: str) -> AdapterState:
+        state = self._adapter(name)
+        if not state.trainable:
+            raise ValueError(f"{op}: adapter {name!r} is frozen (a snapshot, or loaded with "
+                             "trainable=False) and cannot be trained")
+        return state
 
     def _check_tokens(self, seqs: Sequence[np.ndarray], where: str) -> None:
         """Raise ``ValueError`` naming ``where`` for an empty sequence or an id outside the vocabulary."""
@@ -137,10 +193,10 @@ class ModelHost:
         mixed = self.model is not self.base and len(set(names)) > 1
 
         def forward(ids, mask, pos, past, rows):
-            kwargs = dict(
-                input_ids=ids, attention_mask=mask, position_ids=pos, cache=past,
-                use_cache=True, logits_to_keep=1,
-            )
+            kwargs = {
+                "input_ids": ids, "attention_mask": mask, "position_ids": pos, "cache": past,
+                "use_cache": True, "logits_to_keep": 1,
+            }
             if mixed:
                 kwargs["adapter_names"] = [names[r] for r in rows]
             out = self.model(**kwargs)
@@ -166,13 +222,14 @@ class ModelHost:
         return contextlib.nullcontext()
 
     def _logp_at(
-        self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True
-    ) -> tuple[torch.Tensor, list[tuple[int, np.ndarray]]]:
-        """``logp_N`` of the masked tokens of ``seqs`` with the active adapter, and per row its
-        positions (see :func:`opentinker.shared_forward.selected_logprobs`)."""
+        self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True,
+        entropy: bool = False, entropy_grad: bool = False,
+    ) -> Selected:
+        """Log-probs (and optionally entropies) at the masked positions of ``seqs`` with the
+        active adapter (see :func:`opentinker.shared_forward.selected_logprobs`)."""
         inner = self.model.get_base_model() if self.model is not self.base else self.base
-        logp_N, taken = selected_logprobs(inner.model, inner.lm_head, seqs, masks, self.pad_id, self.device, share)
-        return logp_N, list(enumerate(taken))
+        return selected_logprobs(inner.model, inner.lm_head, seqs, masks, self.pad_id, self.device, share,
+                                 entropy=entropy, entropy_grad=entropy_grad)
 
     @torch.no_grad()
     def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
@@ -182,10 +239,10 @@ class ModelHost:
         with self._select(adapter):
             for start in range(0, len(seqs), chunk):
                 part = [np.asarray(s) for s in seqs[start : start + chunk]]
-                logp_N, taken = self._logp_at(part, [np.ones(len(s)) for s in part], self.share_prefix)
-                logp_N = logp_N.cpu().numpy()
+                sel = self._logp_at(part, [np.ones(len(s)) for s in part], self.share_prefix)
+                logp_N = sel.logp_N.cpu().numpy()
                 k = 0
-                for (i, pos), s in zip(taken, part):
+                for pos, s in zip(sel.taken, part):
                     row = np.zeros(len(s), dtype=np.float32)
                     row[pos] = logp_N[k : k + len(pos)]
                     k += len(pos)
@@ -193,6 +250,31 @@ class ModelHost:
         return out
 
     # ----------------------------------------------------------------------------- training
+
+    def _check_datums(self, datums: Sequence[Datum]) -> None:
+        self._check_tokens([d.tokens for d in datums], "ForwardBackward.datums.tokens")
+        keys = set(datums[0].loss_inputs) if datums else set()
+        for i, d in enumerate(datums):
+            if "mask" not in d.loss_inputs:
+                raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs needs 'mask'")
+            if set(d.loss_inputs) != keys:
+                raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs has keys "
+                                 f"{sorted(d.loss_inputs)}, datums[0] has {sorted(keys)}")
+            for k, v in d.loss_inputs.items():
+                if len(v) != len(d.tokens):
+                    raise ValueError(f"Datum.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
+
+    @contextlib.contextmanager
+    def _grad(self, state: AdapterState) -> Iterator[None]:
+        """Parameters of ``state`` require grad inside (only while its loss is computed, so a
+        sample batch never builds a graph)."""
+        for p in state.params:
+            p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            for p in state.params:
+                p.requires_grad_(False)
 
     def forward_backward(
         self,
@@ -205,58 +287,82 @@ class ModelHost:
     ) -> tuple[float, dict[str, float]]:
         """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``.
 
-        Returns the normalised loss and the loss's diagnostics (token-weighted over chunks).
+        ``loss`` is a name in ``learners.LOSSES``; penalty terms ride in ``loss_config`` under
+        their own names (``{"kl_k3": 0.05, "entropy": 0.01}``: see
+        :func:`learners.losses.split_penalties`) and share the normalizer. Inputs the losses
+        need and the datums lack are computed here: ``ref_logprobs`` (the base model, adapter
+        off, no gradient, at the loss positions only) and ``entropy`` (full-vocabulary, from
+        logits that exist anyway). Policy losses always get ``entropy`` for their diagnostics.
+
+        Returns the normalised loss (all terms) and metrics: the main loss's diagnostics
+        (token-weighted over chunks, or pair-weighted; the log-prob mismatch quantiles are
+        exact over the whole call), each penalty's as ``<term>/<metric>``, and each term's
+        normalised loss as ``term/<name>``.
         """
         if not normalizer > 0:
             raise ValueError(f"ForwardBackward.normalizer must be > 0, got {normalizer}")
-        state = self._adapter(adapter)
-        self._check_tokens([d.tokens for d in datums], "ForwardBackward.datums.tokens")
-        for d in datums:
-            if "mask" not in d.loss_inputs:
-                raise ValueError("Datum.loss_inputs needs 'mask'")
-            for k, v in d.loss_inputs.items():
-                if len(v) != len(d.tokens):
-                    raise ValueError(f"Datum.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
-        total = 0.0
-        sums: dict[str, float] = {}
-        n_total = 0
-        with self._select(adapter):
-            for p in state.params:
-                p.requires_grad_(True)
-            try:
-                for start in range(0, len(datums), chunk):
-                    part = datums[start : start + chunk]
-                    logp_N, taken = self._logp_at(
-                        [d.tokens for d in part], [d.loss_inputs["mask"] for d in part], self.share_prefix
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r}; known: {sorted(LOSSES)}")
+        spec = LOSSES[loss]
+        if spec.kind is LossKind.VALUE or spec.kind is LossKind.PENALTY:
+            raise ValueError(f"loss {loss!r} ({spec.kind.value}) cannot be the main loss of "
+                             "forward_backward (a value loss needs a value head; a penalty is "
+                             "added to another loss through loss_config)")
+        config, terms = split_penalties(loss_config)
+        state = self._trainable(adapter, "forward_backward")
+        self._check_datums(datums)
+        given = set(datums[0].loss_inputs) if datums else set()
+        needs = spec.needs.union(*(LOSSES[t].needs for t in terms))
+        want_ref = "ref_logprobs" in needs and "ref_logprobs" not in given
+        policy = spec.kind is LossKind.POLICY
+        want_entropy = ("entropy" in needs or policy) and "entropy" not in given
+        acc = _Metrics()
+        logp_all: list[torch.Tensor] = []
+        sampler_all: list[torch.Tensor] = []
+        for part in _chunks(datums, chunk):
+            seqs = [d.tokens for d in part]
+            masks = [d.loss_inputs["mask"] for d in part]
+            ref_N = None
+            if want_ref:
+                with torch.no_grad(), self._select(None):
+                    ref_N = self._logp_at(seqs, masks, self.share_prefix).logp_N
+            with self._select(adapter), self._grad(state):
+                sel = self._logp_at(seqs, masks, self.share_prefix, entropy=want_entropy,
+                                    entropy_grad="entropy" in terms)
+                if sel.logp_N.numel() == 0:
+                    continue
+                inputs = {
+                    k: torch.as_tensor(
+                        np.concatenate([np.asarray(d.loss_inputs[k])[pos] for d, pos in zip(part, sel.taken)]),
+                        dtype=torch.float32, device=self.device,
                     )
-                    if logp_N.numel() == 0:
-                        continue
-                    inputs = {
-                        k: torch.as_tensor(
-                            np.concatenate([np.asarray(d.loss_inputs[k])[pos] for d, (_, pos) in zip(part, taken)]),
-                            dtype=torch.float32, device=self.device,
-                        )
-                        for k in part[0].loss_inputs
-                        if k != "mask"
-                    }
-                    out = compute_loss(loss, logp_N, inputs, loss_config)
-                    (out.loss_sum / normalizer).backward()
-                    total += float(out.loss_sum.detach()) / normalizer
-                    n = int(logp_N.numel())
-                    n_total += n
-                    for k, v in out.metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * n
-            finally:
-                for p in state.params:
-                    p.requires_grad_(False)
+                    for k in given - {"mask"}
+                }
+                if ref_N is not None:
+                    inputs["ref_logprobs"] = ref_N
+                if sel.entropy_N is not None:
+                    inputs["entropy"] = sel.entropy_N
+                out = compute_loss(loss, sel.logp_N, inputs, config)
+                total_loss = out.loss_sum
+                acc.add("", out.metrics, term=(loss, out.loss_sum, normalizer))
+                for term, coef in terms.items():
+                    extra = compute_loss(term, sel.logp_N, inputs, {"coef": coef})
+                    total_loss = total_loss + extra.loss_sum
+                    acc.add(f"{term}/", extra.metrics, term=(term, extra.loss_sum, normalizer))
+                (total_loss / normalizer).backward()
+            if policy:
+                logp_all.append(sel.logp_N.detach())
+                sampler_all.append(inputs["sampler_logprobs"])
         state.pending_grad = True
-        metrics = {k: v / max(n_total, 1) for k, v in sums.items() if k != "n_tokens"}
-        metrics["n_tokens"] = float(n_total)
-        return total, metrics
+        metrics = acc.result()
+        if policy and logp_all:
+            metrics.update(logprob_mismatch(torch.cat(logp_all), torch.cat(sampler_all)))
+        return sum(v for k, v in metrics.items() if k.startswith("term/")), metrics
 
     def optim_step(self, adapter: str, hp: AdamParams) -> tuple[int, float]:
         """AdamW on the accumulated gradients; zero them; bump and return the version."""
-        state = self._adapter(adapter)
+        state = self._trainable(adapter, "optim_step")
+        assert state.optimizer is not None
         if not hp.lr >= 0:
             raise ValueError(f"AdamParams.lr must be >= 0, got {hp.lr}")
         grads = [p.grad for p in state.params if p.grad is not None]
@@ -271,19 +377,110 @@ class ModelHost:
         state.pending_grad = False
         return state.version, grad_norm
 
+    # ----------------------------------------------------------------------------- files
+
     def save(self, adapter: str, path: str) -> int:
-        """Write ``adapter`` in PEFT format to ``path`` (atomically); returns its version."""
+        """Write ``adapter`` to the folder ``path`` atomically (temporary folder, then rename):
+        PEFT format, its AdamW state, its version and the base model's name and fingerprint
+        (:mod:`opentinker.adapter_io`). Returns its version."""
         state = self._adapter(adapter)
-        final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=final.name + ".tmp"))
-        try:
-            self.model.save_pretrained(str(tmp), selected_adapters=[adapter])
+        meta = adapter_io.AdapterMeta(
+            format=adapter_io.FORMAT, version=state.version, spec=state.spec,
+            base_model=self.model_path, base_fingerprint=self.base_fingerprint,
+        )
+
+        def fill(tmp: Path) -> None:
+            peft_dir = tmp / "peft"
+            self.model.save_pretrained(str(peft_dir), selected_adapters=[adapter])
             # PEFT writes a non-"default" adapter into a subfolder named after it.
-            src = tmp / adapter if (tmp / adapter / "adapter_config.json").is_file() else tmp
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(src, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            src = peft_dir / adapter if (peft_dir / adapter / "adapter_config.json").is_file() else peft_dir
+            for f in src.iterdir():
+                f.rename(tmp / f.name)
+            shutil.rmtree(peft_dir)
+            adapter_io.save_tensors(tmp, adapter_io.OPTIMIZER, adapter_io.optimizer_tensors(state.optimizer, state.named))
+            adapter_io.write_meta(tmp, meta)
+
+        adapter_io.write_folder(Path(path), fill)
         return state.version
+
+    @torch.no_grad()
+    def load(self, path: str, name: str, trainable: bool = True) -> int:
+        """Load a folder written by :meth:`save` as adapter ``name``: weights, AdamW state (for
+        a trainable adapter) and version (returned).
+
+        Raises:
+            ValueError: naming ``path`` and the fault: no such folder, a missing or corrupt
+                file, a base model other than this host's, weights that do not fit the spec.
+                Nothing is left behind: the host keeps serving as before.
+        """
+        folder = Path(path)
+        meta = adapter_io.read_meta(folder)
+        if meta.base_fingerprint != self.base_fingerprint:
+            raise ValueError(
+                f"{folder}: saved on base model {meta.base_model!r} (fingerprint "
+                f"{meta.base_fingerprint}); this host serves {self.model_path!r} "
+                f"(fingerprint {self.base_fingerprint})"
+            )
+        weights = adapter_io.read_tensors(folder, adapter_io.WEIGHTS)
+        moments = adapter_io.read_tensors(folder, adapter_io.OPTIMIZER) if trainable else {}
+        state = self._add_peft(name, meta.spec, trainable=trainable)
+        try:
+            for key, p in state.named.items():
+                if key not in weights or weights[key].shape != p.shape:
+                    got = tuple(weights[key].shape) if key in weights else "missing"
+                    raise ValueError(f"{folder / adapter_io.WEIGHTS}: {key} is {got}, the spec "
+                                     f"{meta.spec} needs {tuple(p.shape)}")
+                p.copy_(weights[key])
+            if state.optimizer is not None:
+                adapter_io.restore_optimizer(state.optimizer, state.named, moments,
+                                             str(folder / adapter_io.OPTIMIZER))
+        except Exception:
+            self.drop_adapter(name)
+            raise
+        state.version = meta.version
+        return state.version
+
+
+class _Metrics:
+    """Accumulates loss diagnostics over chunks: ``n_*`` counts are summed, other metrics
+    averaged weighted by the chunk's ``n_pairs`` (preference losses) or ``n_tokens``."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, prefix: str, metrics: Mapping[str, float], term: tuple[str, torch.Tensor, float]) -> None:
+        weight = float(metrics.get("n_pairs", metrics.get("n_tokens", 1.0)))
+        for k, v in metrics.items():
+            key = prefix + k
+            if k.startswith("n_"):
+                self.sums[key] = self.sums.get(key, 0.0) + float(v)
+                self.weights[key] = 1.0
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + float(v) * weight
+                self.weights[key] = self.weights.get(key, 0.0) + weight
+        name, loss_sum, normalizer = term
+        key = f"term/{name}"
+        self.sums[key] = self.sums.get(key, 0.0) + float(loss_sum.detach()) / normalizer
+        self.weights[key] = 1.0
+
+    def result(self) -> dict[str, float]:
+        return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
+
+
+def _chunks(datums: Sequence[Datum], size: int) -> Iterator[Sequence[Datum]]:
+    """Consecutive slices of about ``size`` datums; datums of one preference pair (equal
+    ``pair_id``) are never split, since a pair's loss is not a sum over its tokens."""
+    def pair(d: Datum) -> float | None:
+        if "pair_id" not in d.loss_inputs:
+            return None
+        ids = np.asarray(d.loss_inputs["pair_id"])[np.asarray(d.loss_inputs["mask"]) != 0]
+        return float(ids[0]) if len(ids) else None
+
+    start = 0
+    while start < len(datums):
+        end = min(start + size, len(datums))
+        while end < len(datums) and pair(datums[end]) is not None and pair(datums[end]) == pair(datums[end - 1]):
+            end += 1
+        yield datums[start:end]
+        start = end

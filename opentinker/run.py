@@ -5,13 +5,21 @@ learning-curve PNG, sample transcripts, the final table as JSON)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from opentinker.config import JobConfig, to_toml
 from opentinker.models import resolve_model
@@ -28,10 +36,38 @@ class RunResult:
     info: dict[str, Any]
 
 
-def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None) -> RunResult:
-    from opentinker.learner import check_algorithms
+LEARNER_STATE = "learner_state.json"
+"""Written beside each saved adapter: the learner's :meth:`~opentinker.learner.Learner.state_dict`."""
 
-    check_algorithms(cfg.train.advantage, cfg.train.loss)  # before any actor starts
+
+def save_learner_states(states: dict[str, dict[str, Any]], adapters: dict[str, str]) -> None:
+    """Write each policy's learner state to ``<adapter folder>/learner_state.json`` (atomically:
+    a temporary file, then a rename)."""
+    for policy, state in states.items():
+        final = Path(adapters[policy]) / LEARNER_STATE
+        tmp = final.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, final)
+
+
+def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, dict[str, Any]]:
+    """The learner states saved under ``adapters_dir/<policy>/``, for
+    :meth:`opentinker.runtime.Job.load_learner_states` (``FileNotFoundError`` naming a missing
+    file, ``ValueError`` naming one that is not JSON)."""
+    out = {}
+    for policy in policies:
+        path = Path(adapters_dir) / policy / LEARNER_STATE
+        try:
+            out[policy] = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is corrupt: {e}") from None
+    return out
+
+
+def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None) -> RunResult:
+    from opentinker.learner import check_job
+
+    check_job(cfg)  # before any actor starts
     console = console or Console()
     t_start = time.perf_counter()
     run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
@@ -69,6 +105,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                     log.write(step, "eval", last)
                     progress.update(task, description="train", status=_status(last, policies, "eval"))
         adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
+        save_learner_states(job.learner_states(), adapters)
         (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
         info = job.info()
     finally:

@@ -10,14 +10,16 @@ number of episodes; every actor counts the Ray calls it serves (:meth:`Job.ray_c
 from __future__ import annotations
 
 import importlib
+import logging
 import os
-
 from typing import Any
 
 import msgspec
 
 from opentinker.config import JobConfig
 from protocols.messages import AdamParams
+
+log = logging.getLogger(__name__)
 
 _KINDS = {
     "scheduler": "opentinker.scheduler:Scheduler",
@@ -63,27 +65,32 @@ class Component:
 
 
 def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str) -> dict[str, Any]:
-    tc = cfg.train
-    return dict(
-        policy=policy,
-        scheduler_endpoint=scheduler_ep,
-        advantage=tc.advantage,
-        loss=tc.loss,
-        loss_config={"clip_low": tc.clip_low, "clip_high": tc.clip_high},
-        adam=msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
-    )
+    tc = cfg.train_for(policy)
+    return {
+        "policy": policy,
+        "scheduler_endpoint": scheduler_ep,
+        "advantage": tc.advantage,
+        "advantage_config": tc.advantage_config(),
+        "loss": tc.loss,
+        "loss_config": tc.loss_config(),
+        "adam": msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
+        "game": cfg.game,
+    }
 
 
 class Job:
     """A running job: the components and a handle on the coordinator."""
 
     def __init__(self, cfg: JobConfig, model_path: str) -> None:
+        from opentinker.learner import check_job
+
+        check_job(cfg)  # a bad algorithm name fails here, not inside an actor
         self.cfg = cfg
         self.model_path = model_path
         self.backend = cfg.runtime.backend
         self._handles: dict[str, Any] = {}
         threads = cfg.model.threads or os.cpu_count() or 1
-        sched_kwargs = dict(model_path=model_path, device=cfg.model.device, threads=threads)
+        sched_kwargs = {"model_path": model_path, "device": cfg.model.device, "threads": threads}
         if self.backend == "ray":
             self._start_ray(sched_kwargs)
         else:
@@ -97,15 +104,15 @@ class Job:
         ep = sched.start()
         runners = []
         for i in range(cfg.runtime.env_runners):
-            r = self._add(f"env_runner{i}", Component("env_runner", dict(name=f"runner{i}", scheduler_endpoint=ep, model_path=self.model_path)))
+            r = self._add(f"env_runner{i}", Component("env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}))
             runners.append(r.start())
         learners = {}
         for p in cfg.policies:
             ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name)))
             learners[p.name] = tuple(ln.start())
-        coord = self._add("coordinator", Component("coordinator", dict(
-            cfg=msgspec.to_builtins(cfg), model_path=self.model_path, scheduler_endpoint=ep,
-            runner_endpoints=runners, learner_endpoints=learners)))
+        coord = self._add("coordinator", Component("coordinator", {
+            "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
+            "runner_endpoints": runners, "learner_endpoints": learners}))
         coord.start()
 
     def _add(self, name: str, handle: Any) -> Any:
@@ -128,7 +135,7 @@ class Job:
 
         def start_all(named: dict[str, Any]) -> dict[str, Any]:
             refs = {name: h.start.remote() for name, h in named.items()}
-            ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            _ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
             if pending:
                 names = [n for n, r in refs.items() if r in pending]
                 raise TimeoutError(f"actors still starting after {timeout:.0f} s: {names}")
@@ -139,27 +146,41 @@ class Job:
         group = {}
         for i in range(cfg.runtime.env_runners):
             group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
-                "env_runner", dict(name=f"runner{i}", scheduler_endpoint=ep, model_path=self.model_path)))
+                "env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}))
         for p in cfg.policies:
             group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name)))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
-        coord = self._add("coordinator", actor_cls.remote("coordinator", dict(
-            cfg=msgspec.to_builtins(cfg), model_path=self.model_path, scheduler_endpoint=ep,
-            runner_endpoints=runners, learner_endpoints=learners)))
+        coord = self._add("coordinator", actor_cls.remote("coordinator", {
+            "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
+            "runner_endpoints": runners, "learner_endpoints": learners}))
         start_all({"coordinator": coord})
 
     # --------------------------------------------------------------------------- calls
 
     def coordinator(self, method: str, *args: Any) -> Any:
         """Call a coordinator method (one Ray call on the Ray backend)."""
-        h = self._handles["coordinator"]
+        return self.call("coordinator", method, *args)
+
+    def call(self, component: str, method: str, *args: Any) -> Any:
+        """Call a method of a component (``coordinator``, ``learner_<policy>``, ...): one Ray
+        call on the Ray backend, for control (small arguments), never for data."""
+        h = self._handles[component]
         if self.backend == "ray":
             import ray
 
             return ray.get(h.call.remote(method, *args), timeout=self.cfg.runtime.timeout_s * 4)
         return h.call(method, *args)
+
+    def learner_states(self) -> dict[str, dict[str, Any]]:
+        """Policy -> its learner's :meth:`~opentinker.learner.Learner.state_dict`."""
+        return {p.name: self.call(f"learner_{p.name}", "state_dict") for p in self.cfg.policies}
+
+    def load_learner_states(self, states: dict[str, dict[str, Any]]) -> None:
+        """Restore learner states (e.g. read back from ``learner_state.json`` files)."""
+        for name, state in states.items():
+            self.call(f"learner_{name}", "load_state_dict", state)
 
     def info(self) -> dict[str, dict[str, Any]]:
         """Per component: Ray calls served, process id, bus counters."""
@@ -183,7 +204,7 @@ class Job:
                     ray.kill(h)
                 else:
                     h.stop()
-            except Exception:  # noqa: BLE001 - shut down the rest regardless
-                pass
+            except Exception:  # shut down the rest regardless
+                log.warning("shutdown of %s failed", name, exc_info=True)
         self._handles.clear()
 

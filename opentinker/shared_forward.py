@@ -17,7 +17,8 @@ token. Cache copies are ``index_select`` s, so gradients flow back into the shar
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +63,18 @@ def _buckets(lengths: Sequence[int], waste: float = 0.25) -> list[list[int]]:
     return buckets
 
 
+class Selected(NamedTuple):
+    """What :func:`selected_logprobs` returns."""
+
+    logp_N: torch.Tensor
+    """``float32[N]`` log-probs of the selected tokens, in (row, position) order."""
+    taken: list[np.ndarray]
+    """Per row, the selected positions."""
+    entropy_N: torch.Tensor | None
+    """``float32[N]`` entropy of the full next-token distribution at each selected position
+    (``H = -sum_v p_v log p_v``), when asked for; else ``None``."""
+
+
 def selected_logprobs(
     body: torch.nn.Module,
     lm_head: torch.nn.Module,
@@ -70,12 +83,17 @@ def selected_logprobs(
     pad_id: int,
     device: torch.device,
     share: bool = True,
-) -> tuple[torch.Tensor, list[np.ndarray]]:
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> Selected:
     """``logp_N`` of the tokens at positions where ``masks[i]`` is nonzero (position 0 never
     counts), in (row, position) order, and each row's positions.
 
     ``body`` maps ``input_ids`` to ``last_hidden_state`` (a Llama-style decoder with a KV
     cache); ``lm_head`` maps hidden states to logits. ``share=False`` runs every row in full.
+    ``entropy``: also return the full-vocabulary entropy at each selected position; it costs
+    one more ``N x V`` elementwise pass over logits that exist anyway (differentiable only
+    with ``entropy_grad``, e.g. for an entropy bonus; else a detached diagnostic).
     """
     taken = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
     as64 = [np.asarray(s, dtype=np.int64) for s in seqs]
@@ -87,7 +105,8 @@ def selected_logprobs(
     upos = [taken[i] for i in reps]
     U = len(useqs)
     if U == 0 or sum(len(p) for p in upos) == 0:
-        return torch.zeros(0, device=device), taken
+        empty = torch.zeros(0, device=device)
+        return Selected(empty, taken, empty if entropy else None)
 
     # Level 1: the common prefix; level 2: contexts up to the token before the first loss token.
     P = _lcp(useqs) if share and U > 1 else 0
@@ -161,7 +180,15 @@ def selected_logprobs(
         if h_N is not None:
             h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
         h_N = h_all.index_copy(0, torch.as_tensor(sel1, device=device), h1[torch.as_tensor(before[sel1], device=device)])
-    ulogp_N = torch.log_softmax(lm_head(h_N).float(), -1).gather(-1, targets[:, None])[:, 0]
+    logp_N_V = torch.log_softmax(lm_head(h_N).float(), -1)
+    ulogp_N = logp_N_V.gather(-1, targets[:, None])[:, 0]
     starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])
-    index = np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64)
-    return ulogp_N[torch.as_tensor(index, device=device)], taken
+    index = torch.as_tensor(
+        np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64), device=device
+    )
+    uentropy_N = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            src = logp_N_V if entropy_grad else logp_N_V.detach()
+            uentropy_N = -(src.exp() * src).sum(-1)
+    return Selected(ulogp_N[index], taken, None if uentropy_N is None else uentropy_N[index])

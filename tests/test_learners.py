@@ -11,12 +11,16 @@ import torch
 from learners import (
     ADVANTAGES,
     LOSSES,
+    EpisodeBatch,
+    LossKind,
     LossOutput,
     assemble,
     compute_loss,
-    group_advantages,
+    estimate,
     loss_token_count,
+    losses_of_kind,
     trajectory_to_datum,
+    turn_rewards,
 )
 from learners.advantages import register_advantage
 from learners.losses import register_loss
@@ -35,67 +39,101 @@ from protocols.messages import (
 # Advantages
 
 
+GROUP_ESTIMATORS = ["dr_grpo", "grpo", "rloo"]
+OUTCOME_ESTIMATORS = sorted(n for n, e in ADVANTAGES.items() if not e.needs_values)
+
+
+def adv(name: str, rewards, group_ids=None, config=None, roles=None) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """One-turn episodes through the registry; the advantage of each, in input order."""
+    batch = EpisodeBatch.outcomes(rewards, group_ids, roles)
+    per_turn = ADVANTAGES[name](batch, None, config or {}).per_turn
+    assert all(a.dtype == np.float32 and a.shape == (1,) for a in per_turn)
+    return np.concatenate(per_turn) if per_turn else np.zeros(0, np.float32)
+
+
+def test_registry_names_and_descriptors() -> None:
+    assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_ema", "role_ema",
+                               "turn_returns", "gae"}
+    assert {n for n, e in ADVANTAGES.items() if e.stateful} == {"reinforce_ema", "role_ema"}
+    assert {n for n, e in ADVANTAGES.items() if e.needs_values} == {"gae"}
+    assert set(LOSSES) == {"ppo", "importance_sampling", "cispo", "value", "entropy", "kl_k1",
+                           "kl_k2", "kl_k3", "dpo", "ipo", "sft"}
+    assert losses_of_kind(LossKind.POLICY) == ["cispo", "importance_sampling", "ppo"]
+    assert losses_of_kind(LossKind.PENALTY) == ["entropy", "kl_k1", "kl_k2", "kl_k3"]
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES) + sorted(LOSSES))
+def test_every_registered_function_cites_a_paper_and_an_equation(name: str) -> None:
+    import re
+
+    doc = (ADVANTAGES[name].fn if name in ADVANTAGES else LOSSES[name].fn).__doc__ or ""
+    assert re.search(r"(19|20)\d\d", doc), f"{name}: no year of a paper in {doc[:80]!r}"
+    assert re.search(r"eq\.|§|Algorithm|=", doc), f"{name}: no equation in {doc[:80]!r}"
+
+
 def test_dr_grpo_hand_computed() -> None:
-    adv = ADVANTAGES["dr_grpo"](np.array([1.0, -1.0, 2.0, 0.0]), {})
-    assert adv.dtype == np.float32
-    np.testing.assert_array_equal(adv, np.array([0.5, -1.5, 1.5, -0.5], np.float32))
+    np.testing.assert_array_equal(adv("dr_grpo", [1.0, -1.0, 2.0, 0.0]), [0.5, -1.5, 1.5, -0.5])
 
 
 def test_grpo_hand_computed() -> None:
-    adv = ADVANTAGES["grpo"](np.array([1.0, -1.0, 2.0, 0.0]), {"eps": 0.0})
+    got = adv("grpo", [1.0, -1.0, 2.0, 0.0], config={"eps": 0.0})
     std = math.sqrt(1.25)  # population std: ((.25 + 2.25 + 2.25 + .25) / 4) ** .5
-    np.testing.assert_allclose(adv, np.array([0.5, -1.5, 1.5, -0.5]) / std, rtol=1e-6)
-    adv_eps = ADVANTAGES["grpo"](np.array([1.0, -1.0, 2.0, 0.0]), {})
-    np.testing.assert_allclose(adv_eps, np.array([0.5, -1.5, 1.5, -0.5]) / (std + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(got, np.array([0.5, -1.5, 1.5, -0.5]) / std, rtol=1e-6)
+    got_eps = adv("grpo", [1.0, -1.0, 2.0, 0.0])
+    np.testing.assert_allclose(got_eps, np.array([0.5, -1.5, 1.5, -0.5]) / (std + 1e-6), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS + ["turn_returns"])
 def test_degenerate_groups_give_exact_zeros(name: str) -> None:
-    np.testing.assert_array_equal(ADVANTAGES[name](np.array([3.0]), {}), [0.0])
+    np.testing.assert_array_equal(adv(name, [3.0]), [0.0])
     # 0.1 * 3 / 3 != 0.1 in floating point: a plain r - mean would leave residues.
-    np.testing.assert_array_equal(ADVANTAGES[name](np.array([0.1, 0.1, 0.1]), {}), [0, 0, 0])
+    np.testing.assert_array_equal(adv(name, [0.1, 0.1, 0.1]), [0, 0, 0])
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", OUTCOME_ESTIMATORS)
 def test_permutation_within_group_permutes_advantages(name: str) -> None:
     rewards = np.array([0.3, -1.0, 2.5, 0.0, 1.0])
+    roles = np.array(["a", "b", "a", "b", "a"])
     perm = np.array([3, 0, 4, 1, 2])
-    adv = ADVANTAGES[name](rewards, {})
-    np.testing.assert_allclose(ADVANTAGES[name](rewards[perm], {}), adv[perm], rtol=1e-6)
+    got = adv(name, rewards, roles=roles)
+    np.testing.assert_allclose(adv(name, rewards[perm], roles=roles[perm]), got[perm], rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS + ["turn_returns"])
 def test_group_split_invariance(name: str) -> None:
     """Each group's advantages depend only on that group, wherever its members sit."""
     rewards = [1.0, 5.0, -1.0, 7.0, 2.0, 0.0, 6.0]
     group_ids = [0, 1, 0, 1, 0, 0, 2]
-    adv = group_advantages(rewards, group_ids, name, {})
+    got = adv(name, rewards, group_ids)
     for g in set(group_ids):
         idx = [i for i, gid in enumerate(group_ids) if gid == g]
-        alone = ADVANTAGES[name](np.array([rewards[i] for i in idx]), {})
-        np.testing.assert_array_equal(adv[idx], alone)
-    assert adv[6] == 0.0  # a group of one
+        np.testing.assert_array_equal(got[idx], adv(name, [rewards[i] for i in idx]))
+    assert got[6] == 0.0  # a group of one
 
 
-def test_group_advantages_dr_grpo_values_in_input_order() -> None:
-    adv = group_advantages([1.0, 10.0, -1.0, 20.0], [7, 3, 7, 3], "dr_grpo", {})
-    np.testing.assert_array_equal(adv, np.array([1.0, -5.0, -1.0, 5.0], np.float32))
+def test_group_estimators_work_per_group_in_input_order() -> None:
+    got = adv("dr_grpo", [1.0, 10.0, -1.0, 20.0], [7, 3, 7, 3])
+    np.testing.assert_array_equal(got, np.array([1.0, -5.0, -1.0, 5.0], np.float32))
 
 
-def test_group_advantages_errors() -> None:
+def test_estimate_and_batch_errors() -> None:
     with pytest.raises(ValueError, match=r"'nope'.*dr_grpo.*grpo"):
-        group_advantages([1.0], [0], "nope", {})
-    with pytest.raises(ValueError, match="length"):
-        group_advantages([1.0, 2.0], [0], "dr_grpo", {})
+        estimate("nope", EpisodeBatch.outcomes([1.0]), None, {})
+    with pytest.raises(ValueError, match="group_ids_D"):
+        EpisodeBatch.outcomes([1.0, 2.0], [0])
+    with pytest.raises(ValueError, match="finite"):
+        EpisodeBatch.outcomes([1.0, float("nan")])
+    with pytest.raises(ValueError, match="'gae' needs critic values"):
+        estimate("gae", EpisodeBatch.outcomes([1.0]), None, {})
 
 
 def test_duplicate_advantage_registration_raises() -> None:
     with pytest.raises(ValueError, match="already registered"):
-        register_advantage("dr_grpo")(lambda rewards_G, config: rewards_G)
+        register_advantage("dr_grpo")(ADVANTAGES["dr_grpo"].fn)
     try:
-        register_advantage("_test_tmp")(lambda rewards_G, config: rewards_G)
+        register_advantage("_test_tmp")(ADVANTAGES["dr_grpo"].fn)
         with pytest.raises(ValueError, match="already registered"):
-            register_advantage("_test_tmp")(lambda rewards_G, config: rewards_G)
+            register_advantage("_test_tmp")(ADVANTAGES["dr_grpo"].fn)
     finally:
         ADVANTAGES.pop("_test_tmp", None)
 
@@ -163,19 +201,27 @@ def test_importance_sampling_hand_computed_and_gradient() -> None:
 def test_diagnostics_hand_computed() -> None:
     trainer = np.array([-0.5, -1.0, -2.0, -0.1])
     sampler = np.array([-0.6, -1.0, -1.5, -0.4])
+    entropy = np.array([1.0, 2.0, 0.5, 0.25])
     logp_N = torch.tensor(trainer, dtype=torch.float32)
     inputs = {"advantages": torch.ones(4), "sampler_logprobs": torch.tensor(sampler)}
-    for name in LOSSES:
+    for name in losses_of_kind(LossKind.POLICY):
         m = compute_loss(name, logp_N, inputs, {}).metrics
         log_r = trainer - sampler
         assert m["approx_kl"] == pytest.approx(np.mean(np.exp(log_r) - 1 - log_r), rel=1e-5)
         assert m["logp_diff_mean"] == pytest.approx(np.mean(np.abs(log_r)), rel=1e-5)
         assert m["logp_diff_p95"] == pytest.approx(np.percentile(np.abs(log_r), 95), rel=1e-5)
+        assert m["logp_diff_max"] == pytest.approx(0.5, rel=1e-5)
         assert m["entropy_proxy"] == pytest.approx(np.mean(-trainer), rel=1e-6)
         assert m["approx_kl"] >= 0.0
+        assert "entropy" not in m  # only when the runtime passes full-vocabulary entropies
+        with_h = compute_loss(name, logp_N, {**inputs, "entropy": torch.tensor(entropy)}, {})
+        assert with_h.metrics["entropy"] == pytest.approx(entropy.mean())
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+POLICY_LOSSES = losses_of_kind(LossKind.POLICY)
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_on_policy_matches_reinforce(name: str) -> None:
     """At ratio 1 both losses have the REINFORCE gradient -A."""
     logp_N = torch.tensor([-0.3, -1.2, -2.0], requires_grad=True)
@@ -188,7 +234,7 @@ def test_on_policy_matches_reinforce(name: str) -> None:
     assert out.metrics["approx_kl"] == pytest.approx(0.0, abs=1e-7)
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_micro_batch_split_invariance(name: str) -> None:
     gen = torch.Generator().manual_seed(0)
     n = 37
@@ -213,7 +259,7 @@ def test_micro_batch_split_invariance(name: str) -> None:
     torch.testing.assert_close(split_N.grad, whole_N.grad)
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_empty_micro_batch(name: str) -> None:
     logp_N = torch.zeros(0, requires_grad=True)
     inputs = {"advantages": torch.zeros(0), "sampler_logprobs": torch.zeros(0)}
@@ -246,7 +292,7 @@ def test_duplicate_loss_registration_raises() -> None:
 POLICY = PolicyRef(kind=PolicyKind.ADAPTER, name="main", version=0)
 
 
-def _turn(obs: list[int], sampled: list[int], logp: list[float]) -> Turn:
+def _turn(obs: list[int], sampled: list[int], logp: list[float], reward: float = 0.0) -> Turn:
     return Turn(
         obs_tokens=np.array(obs, np.int32),
         sampled_tokens=np.array(sampled, np.int32),
@@ -254,6 +300,7 @@ def _turn(obs: list[int], sampled: list[int], logp: list[float]) -> Turn:
         policy=POLICY,
         stop_reason=StopReason.STOP,
         parse=ParseOutcome.OK,
+        reward=reward,
     )
 
 
@@ -310,10 +357,12 @@ def test_trajectory_to_datum_errors() -> None:
 
 def test_assemble_values_and_metrics() -> None:
     trajs = [_traj(0, 0, 1.0), _traj(1, 0, -1.0), _traj(2, 1, 3.0), _traj(3, 1, 3.0)]
-    datums, metrics = assemble(trajs, "dr_grpo", {})
+    datums, metrics, state = assemble(trajs, "dr_grpo", {})
     assert [d.loss_inputs["advantages"][3] for d in datums] == [1.0, -1.0, 0.0, 0.0]
+    assert state is None
     assert metrics == {
         "reward_mean": 1.5,
+        "adv_mean": 0.0,
         "adv_abs_mean": 0.5,
         "frac_zero_adv_groups": 0.5,
         "n_datums": 4.0,
@@ -327,10 +376,10 @@ def test_assemble_is_independent_of_arrival_order() -> None:
         _traj(3, 1, 0.0, "b"), _traj(0, 0, 1.0, "a"), _traj(0, 0, 2.0, "b"),
         _traj(1, 0, -4.0, "a"), _traj(3, 1, 5.0, "a"),
     ]
-    ref_datums, ref_metrics = assemble(trajs, "grpo", {})
+    ref_datums, ref_metrics, _ = assemble(trajs, "grpo", {})
     for seed in range(5):
         order = np.random.default_rng(seed).permutation(len(trajs))
-        datums, metrics = assemble([trajs[i] for i in order], "grpo", {})
+        datums, metrics, _ = assemble([trajs[i] for i in order], "grpo", {})
         assert metrics == ref_metrics
         for d, r in zip(datums, ref_datums, strict=True):
             assert d.tokens.tolist() == r.tokens.tolist()
@@ -341,13 +390,13 @@ def test_assemble_is_independent_of_arrival_order() -> None:
 def test_assemble_rejects_duplicates_and_handles_empty() -> None:
     with pytest.raises(ValueError, match=r"duplicate.*episode 0"):
         assemble([_traj(0, 0, 1.0), _traj(0, 0, 2.0)], "dr_grpo", {})
-    datums, metrics = assemble([], "dr_grpo", {})
-    assert datums == [] and metrics["n_datums"] == 0.0
+    datums, metrics, state = assemble([], "dr_grpo", {})
+    assert datums == [] and metrics["n_datums"] == 0.0 and state is None
 
 
 def test_assembled_datums_feed_the_loss() -> None:
     """End to end: flatten at mask == 1, as the runtime does, and take the loss."""
-    datums, _ = assemble([_traj(0, 0, 1.0), _traj(1, 0, -1.0)], "dr_grpo", {})
+    datums, _, _ = assemble([_traj(0, 0, 1.0), _traj(1, 0, -1.0)], "dr_grpo", {})
     picks = [d.loss_inputs["mask"] == 1 for d in datums]
     inputs = {
         key: torch.from_numpy(
@@ -362,3 +411,79 @@ def test_assembled_datums_feed_the_loss() -> None:
     (out.loss_sum / normalizer).backward()
     assert logp_N.grad is not None
     np.testing.assert_allclose(logp_N.grad.numpy(), [-1 / 6] * 3 + [1 / 6] * 3, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Turn-level credit
+
+
+def _two_turn_group() -> list[Trajectory]:
+    # Episode 0: reward 0.5 after turn 0 and 1.0 after turn 1.
+    # Episode 1: no reward at its turns; its total (-1) arrived after the opponent's move,
+    # so it is credited to its last turn.
+    a = Trajectory(episode_id=0, group_id=5, seat="player_0", seed=0, policy="main",
+                   total_reward=1.5, turns=[_turn([1, 2, 3], [4, 5], [-0.1, -0.2], 0.5),
+                                            _turn([6, 7], [8], [-0.3], 1.0)])
+    b = Trajectory(episode_id=1, group_id=5, seat="player_0", seed=0, policy="main",
+                   total_reward=-1.0, turns=[_turn([1, 2, 3], [9], [-0.4]),
+                                             _turn([6], [10, 11], [-0.5, -0.6])])
+    return [b, a]
+
+
+def test_turn_returns_literal_datums_for_a_two_turn_group() -> None:
+    # gamma 0.5: returns-to-go A: [0.5 + 0.5 * 1, 1] = [1, 1]; B: [0.5 * -1, -1] = [-0.5, -1].
+    # Turn 0 group mean (1 - 0.5) / 2 = 0.25 -> 0.75, -0.75; turn 1 mean 0 -> 1, -1.
+    (da, db), metrics, state = assemble(_two_turn_group(), "turn_returns", {"gamma": 0.5})
+    assert state is None
+    assert da.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert da.loss_inputs["mask"].tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert da.loss_inputs["advantages"].tolist() == [0, 0, 0, 0.75, 0.75, 0, 0, 1.0]
+    np.testing.assert_array_equal(da.loss_inputs["sampler_logprobs"],
+                                  np.array([0, 0, 0, -0.1, -0.2, 0, 0, -0.3], np.float32))
+    assert db.tokens.tolist() == [1, 2, 3, 9, 6, 10, 11]
+    assert db.loss_inputs["mask"].tolist() == [0, 0, 0, 1, 0, 1, 1]
+    assert db.loss_inputs["advantages"].tolist() == [0, 0, 0, -0.75, 0, -1.0, -1.0]
+    np.testing.assert_array_equal(db.loss_inputs["sampler_logprobs"],
+                                  np.array([0, 0, 0, -0.4, 0, -0.5, -0.6], np.float32))
+    assert all(v.dtype == np.float32 for d in (da, db) for v in d.loss_inputs.values())
+    assert metrics["adv_abs_mean"] == pytest.approx((0.75 + 1 + 0.75 + 1) / 4)
+    # The outcome estimator puts one advantage (total - group mean = +-1.25) on both turns.
+    (oa, ob), _, _ = assemble(_two_turn_group(), "dr_grpo", {})
+    assert oa.loss_inputs["advantages"].tolist() == [0, 0, 0, 1.25, 1.25, 0, 0, 1.25]
+    assert ob.loss_inputs["advantages"].tolist() == [0, 0, 0, -1.25, 0, -1.25, -1.25]
+
+
+def test_turn_rewards_credit_the_residue_to_the_last_turn() -> None:
+    a, b = sorted(_two_turn_group(), key=lambda t: t.episode_id)
+    np.testing.assert_array_equal(turn_rewards(a), [0.5, 1.0])
+    np.testing.assert_array_equal(turn_rewards(b), [0.0, -1.0])
+
+
+def test_turn_returns_hand_computed_with_a_turn_reached_once() -> None:
+    batch = EpisodeBatch(group_ids_D=np.array([0, 0, 0, 1]),
+                         turn_rewards=(np.array([0.0, 2.0, 1.0]), np.array([1.0]),
+                                       np.array([0.0, 0.0]), np.array([3.0, 4.0])),
+                         roles_D=("p",) * 4)
+    per_turn = ADVANTAGES["turn_returns"](batch, None, {}).per_turn
+    # gamma 1: returns [3, 3, 1], [1], [0, 0]; turn 0 mean 4/3; turn 1 mean 1.5;
+    # turn 2 reached by one episode only: 0. Group 1 has one episode: all 0.
+    np.testing.assert_allclose(per_turn[0], [3 - 4 / 3, 1.5, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(per_turn[1], [1 - 4 / 3], rtol=1e-6)
+    np.testing.assert_allclose(per_turn[2], [-4 / 3, -1.5], rtol=1e-6)
+    np.testing.assert_array_equal(per_turn[3], [0.0, 0.0])
+    # With one turn per episode it is Dr. GRPO.
+    one = EpisodeBatch.outcomes([1.0, 4.0, -2.0], [3, 3, 3])
+    np.testing.assert_array_equal(
+        np.concatenate(ADVANTAGES["turn_returns"](one, None, {"gamma": 0.3}).per_turn),
+        np.concatenate(ADVANTAGES["dr_grpo"](one, None, {}).per_turn))
+
+
+def test_stateful_estimator_state_flows_through_assemble() -> None:
+    trajs = [_traj(0, 0, 1.0, "a"), _traj(0, 0, -1.0, "b"), _traj(1, 1, 3.0, "a")]
+    datums, _, state = assemble(trajs, "role_ema", {"decay": 0.5}, None, "kuhn")
+    assert [d.loss_inputs["advantages"][3] for d in datums] == [1.0, -1.0, 3.0]
+    # a: 0.5 * 0 + 0.5 * mean(1, 3) = 1; b: 0.5 * -1.
+    assert state is not None and dict(state.baselines) == {"kuhn/a": 1.0, "kuhn/b": -0.5}
+    datums, _, state2 = assemble(trajs, "role_ema", {"decay": 0.5}, state, "kuhn")
+    assert [d.loss_inputs["advantages"][3] for d in datums] == [0.0, -0.5, 2.0]
+    assert state2 is not None and dict(state2.updates) == {"kuhn/a": 2, "kuhn/b": 2}

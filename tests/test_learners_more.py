@@ -3,6 +3,7 @@ hand-computed values, gradients against the analytic derivative, and invariances
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -12,110 +13,130 @@ import torch
 from learners import (
     ADVANTAGES,
     LOSSES,
-    OBJECTIVES,
-    SEQUENCE_ADVANTAGES,
     EmaState,
+    EpisodeBatch,
+    LossKind,
     chunked_token_logprobs,
     compute_loss,
+    discounted_returns,
     dpo,
-    gae,
-    group_advantages,
+    gae_1d,
     ipo,
-    reinforce_ema,
-    role_ema,
+    losses_of_kind,
     sequence_mean,
+    split_penalties,
     token_sum,
-    turn_returns,
 )
-from learners.losses import register_loss, register_objective
+from learners.losses import register_loss
 
 # ---------------------------------------------------------------------------------------------
 # Group and sequence advantages
 
 
+def _adv(name: str, rewards, state=None, config=None, group_ids=None, roles=None):  # type: ignore[no-untyped-def]
+    out = ADVANTAGES[name](EpisodeBatch.outcomes(rewards, group_ids, roles), state, config or {})
+    return np.concatenate(out.per_turn), out.state
+
+
 def test_rloo_hand_computed_and_permutation() -> None:
     rewards = np.array([1.0, -1.0, 2.0, 0.0])
     # A_0 = 1 - (-1 + 2 + 0) / 3 = 2/3; A_1 = -1 - 1 = -2; A_2 = 2 - 0 = 2; A_3 = 0 - 2/3.
-    adv = ADVANTAGES["rloo"](rewards, {})
-    assert adv.dtype == np.float32
+    adv, state = _adv("rloo", rewards)
+    assert adv.dtype == np.float32 and state is None
     np.testing.assert_allclose(adv, [2 / 3, -2.0, 2.0, -2 / 3], rtol=1e-6)
     perm = np.array([2, 0, 3, 1])
-    np.testing.assert_allclose(ADVANTAGES["rloo"](rewards[perm], {}), adv[perm], rtol=1e-6)
-    np.testing.assert_array_equal(ADVANTAGES["rloo"](np.array([5.0]), {}), [0.0])
-    adv_g = group_advantages([1.0, 10.0, 3.0, 20.0], [0, 1, 0, 1], "rloo", {})
+    np.testing.assert_allclose(_adv("rloo", rewards[perm])[0], adv[perm], rtol=1e-6)
+    np.testing.assert_array_equal(_adv("rloo", [5.0])[0], [0.0])
+    adv_g, _ = _adv("rloo", [1.0, 10.0, 3.0, 20.0], group_ids=[0, 1, 0, 1])
     np.testing.assert_allclose(adv_g, [-2.0, -10.0, 2.0, 10.0])
 
 
-def test_sequence_registry_names() -> None:
-    assert set(SEQUENCE_ADVANTAGES) == {"reinforce_ema", "role_ema", "turn_returns", "gae"}
-    assert not set(SEQUENCE_ADVANTAGES) & set(ADVANTAGES)
-
-
 def test_reinforce_ema_uses_pre_update_baseline_and_round_trips() -> None:
-    adv, state = reinforce_ema(np.array([1.0, 3.0]), None, {"decay": 0.5})
+    adv, state = _adv("reinforce_ema", [1.0, 3.0], None, {"decay": 0.5})
     np.testing.assert_array_equal(adv, [1.0, 3.0])  # fresh baseline is 0
-    assert state == EmaState(baseline=1.0, n_updates=1)  # 0.5 * 0 + 0.5 * 2
-    adv, state2 = reinforce_ema(np.array([0.0, 4.0]), state, {"decay": 0.5})
+    assert state == EmaState({"*": 1.0}, {"*": 1})  # 0.5 * 0 + 0.5 * 2
+    adv, state2 = _adv("reinforce_ema", [0.0, 4.0], state, {"decay": 0.5})
     np.testing.assert_array_equal(adv, [-1.0, 3.0])  # scored against 1.0, not the new 1.5
-    assert state2 == EmaState(baseline=1.5, n_updates=2)
-    # Round trip: the state is a plain record; rebuilding it gives the same continuation.
-    rebuilt = EmaState(baseline=state2.baseline, n_updates=state2.n_updates)
-    a1, s1 = reinforce_ema(np.array([2.0]), state2, {"decay": 0.5})
-    a2, s2 = reinforce_ema(np.array([2.0]), rebuilt, {"decay": 0.5})
+    assert state2 == EmaState({"*": 1.5}, {"*": 2})
+    # Round trip through JSON (what a checkpoint holds) gives the same continuation.
+    rebuilt = EmaState.from_json(json.loads(json.dumps(state2.to_json())))
+    assert rebuilt == state2
+    a1, s1 = _adv("reinforce_ema", [2.0], state2, {"decay": 0.5})
+    a2, s2 = _adv("reinforce_ema", [2.0], rebuilt, {"decay": 0.5})
     np.testing.assert_array_equal(a1, a2)
     assert s1 == s2
-    empty_adv, same = reinforce_ema(np.zeros(0), state2, {})
-    assert empty_adv.shape == (0,) and same == state2
+    # Groups do not matter to a batch-wide baseline.
+    np.testing.assert_array_equal(_adv("reinforce_ema", [1.0, 3.0], None, {}, [0, 1])[0], [1, 3])
     with pytest.raises(ValueError, match="decay"):
-        reinforce_ema(np.array([1.0]), None, {"decay": 1.0})
+        _adv("reinforce_ema", [1.0], None, {"decay": 1.0})
+
+
+def test_ema_state_json_errors() -> None:
+    with pytest.raises(ValueError, match="baselines"):
+        EmaState.from_json({"baselines": {"a": "x"}, "updates": {}})
+    with pytest.raises(ValueError, match="updates"):
+        EmaState.from_json({"baselines": {}, "updates": {"a": -1}})
+    with pytest.raises(ValueError, match="needs keys"):
+        EmaState.from_json([1, 2])
 
 
 def test_role_ema_per_key_baselines_and_round_trip() -> None:
     rewards = np.array([1.0, -1.0, 3.0, 0.5])
     roles = ["g/p0", "g/p1", "g/p0", "h/p0"]
-    state_in = {"g/p1": 2.0, "other": 7.0}
-    adv, state = role_ema(rewards, roles, state_in, {"decay": 0.5})
+    state_in = EmaState({"g/p1": 2.0, "other": 7.0}, {"g/p1": 4, "other": 1})
+    adv, state = _adv("role_ema", rewards, state_in, {"decay": 0.5}, roles=roles)
     np.testing.assert_array_equal(adv, [1.0, -3.0, 3.0, 0.5])
-    assert state == {"g/p0": 1.0, "g/p1": 0.5, "h/p0": 0.25, "other": 7.0}
-    assert state_in == {"g/p1": 2.0, "other": 7.0}  # not mutated
+    assert state.baselines == {"g/p0": 1.0, "g/p1": 0.5, "h/p0": 0.25, "other": 7.0}
+    assert state.updates == {"g/p0": 1, "g/p1": 5, "h/p0": 1, "other": 1}
+    assert state_in.baselines == {"g/p1": 2.0, "other": 7.0}  # not mutated
     # Permuting the batch permutes the advantages and leaves the state unchanged.
     perm = [3, 1, 0, 2]
-    adv_p, state_p = role_ema(rewards[perm], [roles[i] for i in perm], state_in, {"decay": 0.5})
+    adv_p, state_p = _adv("role_ema", rewards[perm], state_in, {"decay": 0.5},
+                          roles=[roles[i] for i in perm])
     np.testing.assert_array_equal(adv_p, adv[perm])
     assert state_p == state
-    # Round trip through a plain dict (what a checkpoint holds).
-    a1, s1 = role_ema(np.array([2.0]), ["g/p0"], dict(state), {"decay": 0.5})
+    a1, s1 = _adv("role_ema", [2.0], EmaState.from_json(state.to_json()), {"decay": 0.5},
+                  roles=["g/p0"])
     np.testing.assert_array_equal(a1, [1.0])
-    assert s1["g/p0"] == 1.5
-    with pytest.raises(ValueError, match="length"):
-        role_ema(rewards, roles[:2], None, {})
+    assert s1.baselines["g/p0"] == 1.5
 
 
-def test_turn_returns_hand_computed() -> None:
-    returns = turn_returns(np.array([1.0, 0.0, 2.0]), {"gamma": 0.5})
-    np.testing.assert_allclose(returns, [1.0 + 0.25 * 2.0, 1.0, 2.0])
-    np.testing.assert_allclose(turn_returns(np.array([1.0, 1.0]), {}), [2.0, 1.0])
+def test_discounted_returns_hand_computed() -> None:
+    np.testing.assert_allclose(discounted_returns(np.array([1.0, 0.0, 2.0]), 0.5),
+                               [1.0 + 0.25 * 2.0, 1.0, 2.0])
+    np.testing.assert_allclose(discounted_returns(np.array([1.0, 1.0]), 1.0), [2.0, 1.0])
 
 
 def test_gae_hand_computed() -> None:
     rewards, values = np.array([1.0, 2.0]), np.array([0.5, 1.0, 0.0])
-    adv, ret = gae(rewards, values, {"gamma": 0.9, "lam": 0.5})
+    adv, ret = gae_1d(rewards, values, 0.9, 0.5)
     d1 = 2.0 + 0.9 * 0.0 - 1.0
     d0 = 1.0 + 0.9 * 1.0 - 0.5
     np.testing.assert_allclose(adv, [d0 + 0.45 * d1, d1], rtol=1e-6)
     np.testing.assert_allclose(ret, adv + values[:-1], rtol=1e-6)
     with pytest.raises(ValueError, match="K\\+1"):
-        gae(rewards, values[:2], {})
+        gae_1d(rewards, values[:2], 1.0, 1.0)
+    # Through the registry: per trajectory, value targets beside the advantages.
+    batch = EpisodeBatch(group_ids_D=np.array([0, 0]), turn_rewards=(rewards, np.array([3.0])),
+                         roles_D=("p", "p"), values=(values, np.array([1.0, 0.0])))
+    out = ADVANTAGES["gae"](batch, None, {"gamma": 0.9, "lam": 0.5})
+    np.testing.assert_allclose(out.per_turn[0], adv, rtol=1e-6)
+    np.testing.assert_allclose(out.per_turn[1], [2.0])
+    assert out.value_targets is not None
+    np.testing.assert_allclose(out.value_targets[1], [3.0])
+    with pytest.raises(ValueError, match="K\\+1"):
+        EpisodeBatch(group_ids_D=np.array([0]), turn_rewards=(rewards,), roles_D=("p",),
+                     values=(values[:2],))
 
 
 def test_gae_lam1_is_returns_minus_values_and_lam0_is_td() -> None:
     rng = np.random.default_rng(0)
     rewards, values = rng.normal(size=6), np.append(rng.normal(size=6), 0.0)
-    adv, ret = gae(rewards, values, {"gamma": 0.8, "lam": 1.0})
-    disc = turn_returns(rewards, {"gamma": 0.8})
+    adv, ret = gae_1d(rewards, values, 0.8, 1.0)
+    disc = discounted_returns(rewards, 0.8)
     np.testing.assert_allclose(adv, disc - values[:-1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ret, disc, rtol=1e-5, atol=1e-6)
-    adv0, _ = gae(rewards, values, {"gamma": 0.8, "lam": 0.0})
+    adv0, _ = gae_1d(rewards, values, 0.8, 0.0)
     np.testing.assert_allclose(adv0, rewards + 0.8 * values[1:] - values[:-1], rtol=1e-5)
 
 
@@ -183,19 +204,18 @@ def test_cispo_hand_computed_gradient_and_diagnostics() -> None:
 # Objectives
 
 
-def test_objectives_are_reached_through_compute_loss_and_names_are_unique() -> None:
-    assert set(OBJECTIVES) == {"value", "entropy", "kl_k1", "kl_k2", "kl_k3", "sft", "dpo",
-                               "ipo"}
-    assert {"ppo", "importance_sampling", "cispo"} <= set(LOSSES)
-    assert not set(OBJECTIVES) & set(LOSSES)
+def test_one_registry_and_penalty_terms_by_name() -> None:
+    assert losses_of_kind(LossKind.POLICY) == ["cispo", "importance_sampling", "ppo"]
+    assert LOSSES["kl_k3"].needs == {"ref_logprobs"} and LOSSES["entropy"].needs == {"entropy"}
+    assert LOSSES["dpo"].kind is LossKind.PREFERENCE and LOSSES["sft"].kind is LossKind.SUPERVISED
     with pytest.raises(ValueError, match="already registered"):
-        register_loss("value")(OBJECTIVES["value"])
-    with pytest.raises(ValueError, match="already registered"):
-        register_objective("ppo")(LOSSES["ppo"])
+        register_loss("value")(LOSSES["value"].fn)
     with pytest.raises(ValueError, match=r"'nope'.*kl_k1.*ppo.*value"):
         compute_loss("nope", torch.zeros(1), {}, {})
     with pytest.raises(ValueError, match=r"'value'.*'old_values'"):
         compute_loss("value", torch.zeros(1), {"returns": torch.zeros(1)}, {})
+    config, terms = split_penalties({"clip_low": 0.2, "kl_k3": 0.05, "entropy": 0.0, "kl_k1": 1})
+    assert config == {"clip_low": 0.2} and terms == {"kl_k3": 0.05, "kl_k1": 1.0}
 
 
 def test_value_loss_hand_computed_and_gradient() -> None:

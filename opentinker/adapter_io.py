@@ -1,0 +1,171 @@
+"""Files of a saved adapter: what :meth:`ModelHost.save` writes and :meth:`ModelHost.load` reads.
+
+A saved adapter is a folder::
+
+    adapter_config.json        PEFT format: ``peft.PeftModel.from_pretrained`` loads these two
+    adapter_model.safetensors
+    optimizer.safetensors      AdamW state: ``<param>.exp_avg``, ``<param>.exp_avg_sq``, ``<param>.step``
+    opentinker.json            :class:`AdapterMeta`: version, LoRA spec, base model and its fingerprint
+
+Parameter names are PEFT's saved names (the adapter's name removed), so a folder loads under
+any name. The folder is written beside its final place and renamed into it, so a reader never
+sees half a checkpoint. Nothing is pickled: tensors are safetensors, the rest JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import msgspec
+import torch
+
+from protocols.messages import LoraSpec
+
+FORMAT = 1
+META = "opentinker.json"
+WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+_MOMENTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class AdapterMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``opentinker.json``: what the PEFT files do not say."""
+
+    format: int
+    """Layout version of the folder (:data:`FORMAT`)."""
+    version: int
+    """The adapter's version (number of optimizer steps) when saved."""
+    spec: LoraSpec
+    base_model: str
+    """The base model as the saving host named it (a path or hub id), for people."""
+    base_fingerprint: str
+    """:func:`fingerprint` of the base weights: loading onto other weights is refused."""
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of a model's weights: every tensor's name and shape and ~1k evenly spaced
+    values of it. Two different checkpoints of one architecture differ in it with overwhelming
+    probability; it costs milliseconds, not a pass over all the weights."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            stride = max(1, flat.numel() // 1024)
+            digest.update(f"{name}{tuple(tensor.shape)}".encode())
+            digest.update(flat[::stride].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def portable_name(param_name: str, adapter: str) -> str:
+    """``...q_proj.lora_A.<adapter>.weight`` -> ``...q_proj.lora_A.weight`` (PEFT's saved key)."""
+    return param_name.replace(f".{adapter}.", ".")
+
+
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer | None, named: Mapping[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """AdamW state of each named parameter that has one, as CPU tensors keyed
+    ``<name>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` (``step`` as a 1-element tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    if optimizer is None:
+        return out
+    for name, param in named.items():
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        for key in _MOMENTS:
+            value = torch.as_tensor(state[key]).detach().to("cpu", torch.float32)
+            out[f"{name}.{key}"] = value.reshape(1) if key == "step" else value.contiguous()
+    return out
+
+
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer, named: Mapping[str, torch.nn.Parameter],
+    tensors: Mapping[str, torch.Tensor], where: str,
+) -> None:
+    """Inverse of :func:`optimizer_tensors`; ``ValueError`` naming ``where`` on a missing or
+    misshapen entry. Parameters with no entry start with fresh moments (none were saved)."""
+    for name, param in named.items():
+        present = [f"{name}.{key}" in tensors for key in _MOMENTS]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ValueError(f"{where}: optimizer state of {name} is incomplete")
+        moments = {k: tensors[f"{name}.{k}"] for k in ("exp_avg", "exp_avg_sq")}
+        for key, value in moments.items():
+            if value.shape != param.shape:
+                raise ValueError(f"{where}: {name}.{key} has shape {tuple(value.shape)}, the "
+                                 f"parameter {tuple(param.shape)}")
+        optimizer.state[param] = {
+            # AdamW keeps ``step`` as a float32 CPU scalar (not capturable, not fused).
+            "step": tensors[f"{name}.step"].reshape(()).to(torch.float32).clone(),
+            **{k: v.to(param.device, param.dtype).clone() for k, v in moments.items()},
+        }
+
+
+def write_folder(final: Path, fill: Callable[[Path], None]) -> None:
+    """Write a folder with ``fill(tmp)`` beside ``final``, then rename it into place.
+
+    An existing ``final`` is renamed aside first and deleted after, so at every moment
+    ``final`` is either the old folder or the complete new one (or, for an instant, absent).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=final.name + ".tmp"))
+    old = None
+    try:
+        fill(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=final.name + ".old"))
+            os.replace(final, old / "x")
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: Path) -> AdapterMeta:
+    """``opentinker.json`` of a saved adapter; ``ValueError`` naming the path and the fault."""
+    file = path / META
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such adapter folder")
+    if not file.is_file():
+        raise ValueError(f"{path}: missing {META} (not a folder written by ModelHost.save)")
+    try:
+        meta = msgspec.json.decode(file.read_bytes(), type=AdapterMeta)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"{file} is corrupt: {e}") from None
+    if meta.format != FORMAT:
+        raise ValueError(f"{file}: format {meta.format}, this version reads format {FORMAT}")
+    return meta
+
+
+def read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """A safetensors file of a saved adapter, on CPU; ``ValueError`` naming it when it is
+    missing or unreadable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = path / name
+    if not file.is_file():
+        raise ValueError(f"{path}: missing {name}")
+    try:
+        return load_file(str(file), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{file} is corrupt: {e}") from None
+
+
+def write_meta(folder: Path, meta: AdapterMeta) -> None:
+    (folder / META).write_bytes(msgspec.json.format(msgspec.json.encode(meta)))
+
+
+def save_tensors(folder: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(folder / name))
