@@ -43,6 +43,7 @@ from learners.losses import (
     register_loss,
     split_penalties,
 )
+from learners.offline import pair_datums, preference_pairs, sft_datums
 from learners.preferences import chunked_token_logprobs, dpo, ipo
 
 __all__ = [
@@ -68,10 +69,13 @@ __all__ = [
     "logprob_mismatch",
     "loss_token_count",
     "losses_of_kind",
+    "pair_datums",
     "policy_diagnostics",
+    "preference_pairs",
     "register_advantage",
     "register_loss",
     "sequence_mean",
+    "sft_datums",
     "sort_trajectories",
     "split_penalties",
     "token_sum",

@@ -88,6 +88,9 @@ class TrainConfig(_Config):
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: Annotated[float, Meta(ge=0)] = 1.0
     """Global gradient-norm clip; 0 disables."""
+    record_trajectories: bool = True
+    """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
+    seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
 
     def __post_init__(self) -> None:
         if self.dual_clip != 0 and not self.dual_clip > 1:
@@ -111,7 +114,7 @@ class TrainConfig(_Config):
         return {"gamma": self.gamma, "decay": self.ema_decay}
 
 
-SCHEDULE_FIELDS = ("steps", "groups_per_step", "group_size")
+SCHEDULE_FIELDS = ("steps", "groups_per_step", "group_size", "record_trajectories")
 """``[train]`` fields that every policy shares (the others a policy may override)."""
 
 
@@ -144,6 +147,28 @@ class RuntimeConfig(_Config):
     startup_timeout_s: PosFloat = 180.0
 
 
+class OfflineConfig(_Config):
+    """An offline job: train the first policy's adapter on trajectories a run recorded, through
+    the scheduler, with the ``sft`` or a preference (``dpo``, ``ipo``) loss; no games are played."""
+
+    kind: Literal["sft", "dpo", "ipo"]
+    """``sft``: maximum likelihood on the sampled tokens of trajectories whose total reward is
+    above ``min_reward`` (e.g. winning games); ``dpo`` / ``ipo``: pairs of trajectories from the
+    same start (group, seed, seat) with different rewards, the higher one chosen."""
+    data: str
+    """A ``trajectories/<policy>.jsonl`` file of a run, or a folder of such files."""
+    steps: PosInt = 20
+    batch_size: PosInt = 16
+    """Sequences (``sft``) or pairs (``dpo``, ``ipo``) per step, cycling through the data in an
+    order shuffled from the job's seed."""
+    min_reward: float = 0.0
+    """``sft`` keeps trajectories whose total reward is strictly above this."""
+    beta: PosFloat = 0.1
+    """DPO's inverse temperature."""
+    tau: PosFloat = 0.1
+    """IPO's regularisation (target margin ``1 / (2 tau)``)."""
+
+
 class JobConfig(_Config):
     name: str = "default"
     seed: int = 0
@@ -157,6 +182,9 @@ class JobConfig(_Config):
     sampling: SamplingConfig = SamplingConfig()
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    offline: OfflineConfig | msgspec.UnsetType = msgspec.UNSET
+    """Set (an ``[offline]`` table): an offline job instead of self-play training (unset, it
+    is left out of the resolved TOML, which has no null)."""
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.policies]
@@ -173,6 +201,10 @@ class JobConfig(_Config):
             raise ValueError("system_prompt: must be non-empty (SmolLM2 injects its own otherwise)")
         for p in self.policies:
             self.train_for(p.name)
+
+    def offline_job(self) -> OfflineConfig | None:
+        """The ``[offline]`` table, or ``None`` for a self-play job."""
+        return self.offline if isinstance(self.offline, OfflineConfig) else None
 
     def train_for(self, policy: str) -> TrainConfig:
         """``[train]`` with ``policy``'s overrides applied (``ValueError`` naming a bad one)."""

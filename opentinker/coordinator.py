@@ -14,18 +14,22 @@ from typing import Any
 import numpy as np
 
 from games import names as game_names
-from games.scripted import SCRIPTED
 from games.kuhn_poker import exploitability
+from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.config import JobConfig
 from opentinker.episodes import KUHN, strata_episodes, train_episodes
-from opentinker.evaluation import kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
+from opentinker.evaluation import (
+    kuhn_policy_from_logprobs,
+    kuhn_policy_sequences,
+    stratified_mean_ci,
+)
 from opentinker.render import ChatTokenizer
 from protocols.messages import (
     CreateAdapter,
+    EpisodesDone,
     EpisodeSpec,
     EpisodeSummary,
-    EpisodesDone,
     LearnerStep,
     LearnerStepResult,
     LogprobsRequest,

@@ -23,7 +23,9 @@ from learners import (
     assemble,
     loss_token_count,
     losses_of_kind,
+    sort_trajectories,
 )
+from opentinker import trajectory_log
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
 from opentinker.config import JobConfig
 from protocols.messages import (
@@ -77,12 +79,15 @@ class Learner:
         adam: AdamParams,
         advantage_config: Mapping[str, float] | None = None,
         game: str = "",
+        record_path: str = "",
         endpoint: str = LOOPBACK,
     ) -> None:
         check_algorithms(advantage, loss)
         self.policy = policy
         self.game = game
         """Prefix of ``role_ema``'s role keys (``"<game>/<seat>"``)."""
+        self.record_path = record_path
+        """Where each trained step's trajectories are appended (``""``: nowhere)."""
         self.advantage_state: EmaState | None = None
         """The estimator's state, owned here (DESIGN §5); ``None`` until the first step."""
         self.steps_trained = 0
@@ -168,6 +173,8 @@ class Learner:
         # The state moves on only once the step has trained (a failed step leaves it as it was).
         self.advantage_state = new_state
         self.steps_trained += 1
+        if self.record_path:
+            trajectory_log.append(self.record_path, sort_trajectories(trajectories), self.game)
         if new_state is not None:
             metrics.update({f"baseline/{k}": v for k, v in new_state.baselines.items()})
         return LearnerStepResult(step=msg.step, version=opt.version, metrics=metrics)

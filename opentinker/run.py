@@ -65,9 +65,10 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
 
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None) -> RunResult:
-    from opentinker.learner import check_job
+    if cfg.offline_job() is None:
+        from opentinker.learner import check_job
 
-    check_job(cfg)  # before any actor starts
+        check_job(cfg)  # before any actor starts
     console = console or Console()
     t_start = time.perf_counter()
     run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
@@ -78,8 +79,10 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     console.print(f"[bold]opentinker[/] run [cyan]{run_dir}[/]  model={cfg.model.base}  backend={cfg.runtime.backend}")
     with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
         model_path = resolve_model(cfg.model.base)
+    if cfg.offline_job() is not None:
+        return _run_offline(cfg, console, run_dir, model_path, log)
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
-        job = Job(cfg, model_path)
+        job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")
     ev = cfg.eval
     final_n = ev.final_hands_per_stratum or ev.hands_per_stratum
@@ -117,6 +120,22 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total}, indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
     return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=log.rows, info=info)
+
+
+def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog) -> RunResult:
+    from opentinker.offline import run_offline
+
+    oc = cfg.offline_job()
+    assert oc is not None
+    with console.status(f"offline {oc.kind} on {oc.data}: {oc.steps} steps"):
+        summary = run_offline(cfg, run_dir, model_path, log)
+    name = cfg.policies[0].name
+    key = f"eval/{name}/{oc.kind}/loss"
+    console.print(f"offline {oc.kind}: {summary['units']} {'pairs' if oc.kind != 'sft' else 'sequences'} from "
+                  f"{summary['trajectories']} trajectories; loss on the data {summary['first_eval'][key]:.4f} -> "
+                  f"{summary['last_eval'][key]:.4f}; adapter {summary['adapters'][name]}")
+    return RunResult(run_dir=run_dir, first_eval=summary["first_eval"], last_eval=summary["last_eval"],
+                     rows=log.rows, info={})
 
 
 def _status(m: dict[str, float], policies: list[str], kind: str) -> str:

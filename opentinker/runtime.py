@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -64,8 +65,9 @@ class Component:
         self.obj.stop()
 
 
-def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str) -> dict[str, Any]:
+def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str) -> dict[str, Any]:
     tc = cfg.train_for(policy)
+    record = str(Path(run_dir) / "trajectories" / f"{policy}.jsonl") if run_dir and tc.record_trajectories else ""
     return {
         "policy": policy,
         "scheduler_endpoint": scheduler_ep,
@@ -75,18 +77,31 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str) -> dict[str,
         "loss_config": tc.loss_config(),
         "adam": msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
         "game": cfg.game,
+        "record_path": record,
     }
 
 
 class Job:
-    """A running job: the components and a handle on the coordinator."""
+    """A running job: the components and a handle on the coordinator.
 
-    def __init__(self, cfg: JobConfig, model_path: str) -> None:
-        from opentinker.learner import check_job
+    Args:
+        cfg: the job.
+        model_path: the resolved base model.
+        run_dir: the run's folder; learners record trajectories under it (``""``: nowhere).
+        scheduler_only: start only the scheduler (offline jobs talk to it directly at
+            :attr:`scheduler_endpoint`).
+    """
 
-        check_job(cfg)  # a bad algorithm name fails here, not inside an actor
+    def __init__(self, cfg: JobConfig, model_path: str, run_dir: str = "", scheduler_only: bool = False) -> None:
+        if not scheduler_only:
+            from opentinker.learner import check_job
+
+            check_job(cfg)  # a bad algorithm name fails here, not inside an actor
         self.cfg = cfg
         self.model_path = model_path
+        self.run_dir = str(run_dir)
+        self.scheduler_only = scheduler_only
+        self.scheduler_endpoint = ""
         self.backend = cfg.runtime.backend
         self._handles: dict[str, Any] = {}
         threads = cfg.model.threads or os.cpu_count() or 1
@@ -101,14 +116,16 @@ class Job:
     def _start_local(self, sched_kwargs: dict[str, Any]) -> None:
         cfg = self.cfg
         sched = self._add("scheduler", Component("scheduler", sched_kwargs))
-        ep = sched.start()
+        ep = self.scheduler_endpoint = sched.start()
+        if self.scheduler_only:
+            return
         runners = []
         for i in range(cfg.runtime.env_runners):
             r = self._add(f"env_runner{i}", Component("env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}))
             runners.append(r.start())
         learners = {}
         for p in cfg.policies:
-            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name)))
+            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir)))
             learners[p.name] = tuple(ln.start())
         coord = self._add("coordinator", Component("coordinator", {
             "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
@@ -142,13 +159,15 @@ class Job:
             return {name: ray.get(ref) for name, ref in refs.items()}
 
         sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs))
-        ep = start_all({"scheduler": sched})["scheduler"]
+        ep = self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
+        if self.scheduler_only:
+            return
         group = {}
         for i in range(cfg.runtime.env_runners):
             group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
                 "env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}))
         for p in cfg.policies:
-            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name)))
+            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir)))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}

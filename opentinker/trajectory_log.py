@@ -1,0 +1,102 @@
+"""Recorded training trajectories: ``<run>/trajectories/<policy>.jsonl``.
+
+One JSON object per line, a :class:`TrajectoryRecord`: the job's game and step and one seat's
+whole episode, token-in/token-out (observation tokens, the sampled tokens exactly as drawn,
+the sampler's log-probs, per-turn rewards, the group, seed and seat). Decoding is typed
+(``msgspec``; a malformed line is an error naming the file and line), and nothing is pickled.
+Log-probs are float32 values written as JSON floats, which read back to the same float32.
+
+The learner appends each step's trajectories in ``(episode_id, seat)`` order after the step
+has trained; offline jobs (:mod:`opentinker.offline`) read them back as
+:class:`protocols.messages.Trajectory` for :mod:`learners.offline`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from protocols.messages import ParseOutcome, PolicyRef, StopReason, Trajectory, Turn
+
+
+class TurnRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    obs_tokens: list[int]
+    sampled_tokens: list[int]
+    sampler_logprobs: list[float]
+    policy: PolicyRef
+    stop_reason: StopReason
+    parse: ParseOutcome
+    reward: float
+
+
+class TrajectoryRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    game: str
+    step: int
+    episode_id: int
+    group_id: int
+    seed: int
+    seat: str
+    policy: str
+    total_reward: float
+    turns: list[TurnRecord]
+
+
+def to_record(traj: Trajectory, game: str) -> TrajectoryRecord:
+    """The record of one trajectory (arrays as lists)."""
+    return TrajectoryRecord(
+        game=game, step=traj.step, episode_id=traj.episode_id, group_id=traj.group_id,
+        seed=traj.seed, seat=traj.seat, policy=traj.policy, total_reward=traj.total_reward,
+        turns=[TurnRecord(
+            obs_tokens=np.asarray(t.obs_tokens).tolist(),
+            sampled_tokens=np.asarray(t.sampled_tokens).tolist(),
+            sampler_logprobs=np.asarray(t.sampler_logprobs, np.float32).tolist(),
+            policy=t.policy, stop_reason=t.stop_reason, parse=t.parse, reward=t.reward,
+        ) for t in traj.turns],
+    )
+
+
+def from_record(rec: TrajectoryRecord) -> Trajectory:
+    """The :class:`Trajectory` of a record (``int32`` tokens, ``float32`` log-probs)."""
+    return Trajectory(
+        episode_id=rec.episode_id, group_id=rec.group_id, seat=rec.seat, seed=rec.seed,
+        policy=rec.policy, total_reward=rec.total_reward, step=rec.step,
+        turns=[Turn(
+            obs_tokens=np.asarray(t.obs_tokens, np.int32),
+            sampled_tokens=np.asarray(t.sampled_tokens, np.int32),
+            sampler_logprobs=np.asarray(t.sampler_logprobs, np.float32),
+            policy=t.policy, stop_reason=t.stop_reason, parse=t.parse, reward=t.reward,
+        ) for t in rec.turns],
+    )
+
+
+def append(path: str | Path, trajectories: Sequence[Trajectory], game: str) -> None:
+    """Append one line per trajectory to ``path`` (created with its folder when missing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encoder = msgspec.json.Encoder()
+    with open(path, "ab") as f:
+        f.writelines(encoder.encode(to_record(traj, game)) + b"\n" for traj in trajectories)
+
+
+def read(path: str | Path) -> list[TrajectoryRecord]:
+    """Every record of a ``.jsonl`` file, or of every ``*.jsonl`` file of a folder (sorted by
+    name). ``ValueError`` naming the file and line of a malformed record; ``FileNotFoundError``
+    when there is nothing to read."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"no trajectory file at {path}")
+    decoder = msgspec.json.Decoder(TrajectoryRecord)
+    out = []
+    for file in files:
+        for n, line in enumerate(file.read_bytes().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(decoder.decode(line))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ValueError(f"{file}:{n}: not a trajectory record: {e}") from None
+    return out

@@ -1,0 +1,151 @@
+"""Self-play data for offline learning: a run records its training trajectories, pure
+functions turn them into SFT sequences and DPO pairs, and offline jobs train an adapter on
+them through the scheduler (local backend, tiny-random)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import msgspec
+import numpy as np
+import pytest
+from conftest import DEVICE
+from rich.console import Console
+
+from learners import pair_datums, preference_pairs, sft_datums
+from opentinker import trajectory_log
+from opentinker.config import JobConfig
+from opentinker.run import read_learner_states, run_job
+from protocols.messages import (
+    ParseOutcome,
+    PolicyKind,
+    PolicyRef,
+    StopReason,
+    Trajectory,
+    Turn,
+)
+
+REF = PolicyRef(kind=PolicyKind.ADAPTER, name="main", version=2)
+
+
+def _traj(eid: int, group: int, reward: float, sampled: list[int], seat: str = "player_0",
+          seed: int = 5) -> Trajectory:
+    turn = Turn(obs_tokens=np.array([1, 2], np.int32), sampled_tokens=np.array(sampled, np.int32),
+                sampler_logprobs=np.array([-0.5] * len(sampled), np.float32), policy=REF,
+                stop_reason=StopReason.STOP, parse=ParseOutcome.OK, reward=reward)
+    return Trajectory(episode_id=eid, group_id=group, seat=seat, seed=seed, policy="main",
+                      turns=[turn], total_reward=reward, step=3)
+
+
+def test_sft_datums_keep_winners_with_their_sampled_tokens() -> None:
+    trajs = [_traj(2, 0, 1.0, [7, 8]), _traj(1, 0, -1.0, [9]), _traj(3, 1, 0.5, [6])]
+    datums = sft_datums(trajs, 0.0)
+    assert [d.tokens.tolist() for d in datums] == [[1, 2, 7, 8], [1, 2, 6]]
+    assert [d.loss_inputs["mask"].tolist() for d in datums] == [[0, 0, 1, 1], [0, 0, 1]]
+    assert set(datums[0].loss_inputs) == {"mask"}
+    assert len(sft_datums(trajs, -2.0)) == 3 and sft_datums(trajs, 1.0) == []
+
+
+def test_preference_pairs_come_from_one_start_with_different_outcomes() -> None:
+    trajs = [
+        _traj(0, 0, -1.0, [10]), _traj(1, 0, 1.0, [11]), _traj(2, 0, 0.0, [12]),
+        _traj(3, 0, 1.0, [11]),  # same tokens as episode 1 and the same reward: no pair
+        _traj(4, 0, -1.0, [13], seat="player_1"),  # another seat: another start
+        _traj(5, 1, 2.0, [14]), _traj(6, 1, 2.0, [15]),  # equal rewards: no pair
+        _traj(7, 2, 1.0, [16], seed=6), _traj(8, 2, 0.0, [16], seed=6),  # same tokens: no pair
+    ]
+    pairs = preference_pairs(list(reversed(trajs)))
+    got = [(c.episode_id, r.episode_id) for c, r in pairs]
+    assert got == [(1, 0), (2, 0), (3, 0), (1, 2), (3, 2)]
+    datums = pair_datums(pairs[:2], first_id=10)
+    assert [d.tokens.tolist() for d in datums] == [[1, 2, 11], [1, 2, 10], [1, 2, 12], [1, 2, 10]]
+    assert [d.loss_inputs["pair_sign"].tolist() for d in datums] == [[0, 0, 1], [0, 0, -1]] * 2
+    assert [d.loss_inputs["pair_id"].tolist() for d in datums] == [[0, 0, 10]] * 2 + [[0, 0, 11]] * 2
+
+
+def test_trajectory_log_round_trips_exactly(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    trajs = [_traj(i, 0, float(i), rng.integers(0, 49152, 3).tolist()) for i in range(3)]
+    trajs[1] = msgspec.structs.replace(trajs[1], turns=[msgspec.structs.replace(
+        trajs[1].turns[0], sampler_logprobs=rng.normal(size=3).astype(np.float32))])
+    path = tmp_path / "t" / "main.jsonl"
+    trajectory_log.append(path, trajs[:2], "kuhn_poker_v0")
+    trajectory_log.append(path, trajs[2:], "kuhn_poker_v0")
+    records = trajectory_log.read(path)
+    assert [r.game for r in records] == ["kuhn_poker_v0"] * 3 and records[0].step == 3
+    for got, want in zip((trajectory_log.from_record(r) for r in records), trajs, strict=True):
+        assert got.turns[0].sampled_tokens.dtype == np.int32
+        assert got.turns[0].sampler_logprobs.dtype == np.float32
+        np.testing.assert_array_equal(got.turns[0].sampler_logprobs, want.turns[0].sampler_logprobs)
+        assert msgspec.json.encode(got.turns[0].sampled_tokens.tolist()) == msgspec.json.encode(
+            want.turns[0].sampled_tokens.tolist())
+        assert (got.episode_id, got.group_id, got.seed, got.seat, got.total_reward, got.turns[0].policy) == (
+            want.episode_id, want.group_id, want.seed, want.seat, want.total_reward, want.turns[0].policy)
+    path.write_text(path.read_text() + '{"game": 3}\n')
+    with pytest.raises(ValueError, match=r"main.jsonl:4: not a trajectory record"):
+        trajectory_log.read(path)
+    with pytest.raises(FileNotFoundError):
+        trajectory_log.read(tmp_path / "none.jsonl")
+
+
+def _job(tmp_path, **over) -> JobConfig:
+    raw = {
+        "name": "rec", "game": "referential_v0", "out_dir": str(tmp_path), "seed": 0,
+        "system_prompt": "You play a word game.",
+        "model": {"base": "tiny-random", "threads": 1, "device": DEVICE},
+        "runtime": {"backend": "local", "env_runners": 1, "timeout_s": 120},
+        "train": {"steps": 1, "groups_per_step": 4, "group_size": 4, "lr": 1e-2,
+                  "advantage": "role_ema", "entropy_coef": 0.01},
+        "sampling": {"max_tokens": 4},
+        "eval": {"hands_per_stratum": 1, "head_to_head_per_stratum": 0, "exploitability": False},
+        "policies": [{"name": "main", "opponents": {"random": 1}}],
+    }
+    raw.update(over)
+    return msgspec.convert(raw, JobConfig)
+
+
+def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
+    quiet = Console(file=io.StringIO())
+    result = run_job(_job(tmp_path), console=quiet)
+    run = result.run_dir
+    # metrics.jsonl carries the diagnostics and the baselines of every training step.
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (train,) = [r for r in rows if r["kind"] == "train"]
+    for key in ("clip_frac", "approx_kl", "entropy", "logp_diff_mean", "logp_diff_p95", "entropy/entropy_mean"):
+        assert f"train/main/loss/{key}" in train, key
+    assert [k for k in train if k.startswith("train/main/baseline/referential_v0/")]
+    # The learner's state sits beside the adapter, as the run ended.
+    states = read_learner_states(run / "adapters", ["main"])
+    assert states["main"]["advantage"] == "role_ema" and states["main"]["steps_trained"] == 1
+    assert (run / "adapters" / "main" / "optimizer.safetensors").is_file()
+    # Every training trajectory is on file, token-in/token-out.
+    records = trajectory_log.read(run / "trajectories" / "main.jsonl")
+    assert len(records) == train["train/main/n_datums"] and {r.step for r in records} == {1}
+    rewards = sorted({r.total_reward for r in records})
+    assert len(rewards) > 1, rewards  # outcomes differ: there is something to prefer
+
+    data = str(run / "trajectories")
+    for kind, extra in (("sft", {"min_reward": -0.5}), ("dpo", {"beta": 0.5})):
+        off = _job(tmp_path, name=f"off_{kind}", offline={"kind": kind, "data": data, "steps": 6,
+                                                         "batch_size": 64, **extra})
+        res = run_job(off, console=quiet)
+        key = f"eval/main/{kind}/loss"
+        before, after = res.first_eval[key], res.last_eval[key]
+        assert after < before, (kind, before, after)
+        if kind == "dpo":
+            assert before == pytest.approx(np.log(2.0), abs=1e-4)  # adapter == base: margin 0
+        summary = json.loads((res.run_dir / "summary.json").read_text())
+        assert summary["kind"] == kind and summary["units"] > 0
+        trains = [r for r in res.rows if r["kind"] == "train"]
+        assert [r["train/main/version"] for r in trains] == list(range(1, 7))
+        assert (res.run_dir / "adapters" / "main" / "adapter_model.safetensors").is_file()
+    with pytest.raises(ValueError, match="no two trajectories of one start"):
+        run_job(_job(tmp_path, name="off_none", offline={"kind": "dpo", "data": _empty_pairs(tmp_path)}),
+                console=quiet)
+
+
+def _empty_pairs(tmp_path) -> str:
+    path = tmp_path / "same.jsonl"
+    trajectory_log.append(path, [_traj(0, 0, 1.0, [5]), _traj(1, 0, 1.0, [6])], "kuhn_poker_v0")
+    return str(path)
