@@ -22,6 +22,7 @@ Group estimators compute in float64 and give exact zeros to a group whose reward
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -41,9 +42,19 @@ class EpisodeBatch:
     """Role key of each trajectory (``role_ema`` keeps one baseline per key)."""
     values: tuple[np.ndarray, ...] | None = None
     """``D`` arrays ``float64[K_d + 1]`` from a critic (``gae``), else ``None``."""
+    rewards_D: np.ndarray = None  # type: ignore[assignment]
+    """``float64[D]`` total reward of each trajectory, as the environment summed it (default:
+    the sum of its turn rewards). Outcome estimators use these, not a re-summation, so equal
+    totals stay exactly equal (and their group exactly zero)."""
 
     def __post_init__(self) -> None:
         n = len(self.turn_rewards)
+        if self.rewards_D is None:
+            object.__setattr__(self, "rewards_D", np.array([math.fsum(r) for r in self.turn_rewards]))
+        object.__setattr__(self, "rewards_D", np.asarray(self.rewards_D, dtype=np.float64))
+        if self.rewards_D.shape != (n,) or not np.all(np.isfinite(self.rewards_D)):
+            raise ValueError(f"EpisodeBatch: rewards_D must be {n} finite totals, got "
+                             f"{self.rewards_D.tolist()}")
         ids = np.asarray(self.group_ids_D)
         if ids.shape != (n,) or len(self.roles_D) != n:
             raise ValueError(f"EpisodeBatch: {n} trajectories but group_ids_D shape {ids.shape} "
@@ -74,12 +85,7 @@ class EpisodeBatch:
         n = rewards.size
         ids = np.zeros(n, np.int64) if group_ids_D is None else np.asarray(group_ids_D, np.int64)
         return cls(group_ids_D=ids, turn_rewards=tuple(rewards[:, None]),
-                   roles_D=tuple(roles_D) if roles_D is not None else ("",) * n)
-
-    @property
-    def rewards_D(self) -> np.ndarray:
-        """``float64[D]`` total reward of each trajectory."""
-        return np.array([float(np.sum(r)) for r in self.turn_rewards], dtype=np.float64)
+                   roles_D=tuple(roles_D) if roles_D is not None else ("",) * n, rewards_D=rewards)
 
     def broadcast(self, advantages_D: np.ndarray) -> tuple[np.ndarray, ...]:
         """Each trajectory's one advantage repeated on each of its turns (``float32[K_d]``)."""
@@ -194,6 +200,12 @@ def estimate(name: str, batch: EpisodeBatch, state: EmaState | None,
 # Group estimators: one advantage per trajectory, relative to its group.
 
 
+def _mean(x: np.ndarray) -> float:
+    """Exactly rounded mean (``math.fsum``): the same whatever the order of ``x``, so
+    permuting a group never moves an advantage or a baseline by a rounding error."""
+    return math.fsum(x) / len(x)
+
+
 def _degenerate(rewards_G: np.ndarray) -> bool:
     """True when the group cannot rank its episodes: one episode, or all rewards equal."""
     return rewards_G.size < 2 or bool(np.all(rewards_G == rewards_G[0]))
@@ -222,7 +234,7 @@ def dr_grpo(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, fl
     ``r_i`` is trajectory ``i``'s total reward; ``A_i`` goes on every turn. Config: none.
     """
     del config
-    return Advantages(_per_group(batch, lambda r_G: r_G - r_G.mean()), state)
+    return Advantages(_per_group(batch, lambda r_G: r_G - _mean(r_G)), state)
 
 
 @register_advantage("grpo")
@@ -235,8 +247,12 @@ def grpo(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float
     Config: ``eps`` (default ``1e-6``).
     """
     eps = float(config.get("eps", 1e-6))
-    return Advantages(
-        _per_group(batch, lambda r_G: (r_G - r_G.mean()) / (r_G.std(ddof=0) + eps)), state)
+
+    def standardise(r_G: np.ndarray) -> np.ndarray:
+        centred_G = r_G - _mean(r_G)
+        return centred_G / (math.sqrt(_mean(centred_G**2)) + eps)
+
+    return Advantages(_per_group(batch, standardise), state)
 
 
 @register_advantage("rloo")
@@ -246,14 +262,14 @@ def rloo(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float
     ``A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean(r))``: the leave-one-out
     baseline of Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!", as
     the RLOO estimator of Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
-    Optimization for Learning from Human Feedback in LLMs" (§3, their RLOO equation, without
+    Optimization for Learning from Human Feedback in LLMs" (their RLOO estimator, without
     the ``1/G`` average, which the loss normalizer supplies). The baseline excludes episode
     ``i``, so it does not depend on episode ``i``'s actions and the gradient stays unbiased.
     A group of one has no other episode to form a baseline: zeros. Config: none.
     """
     del config
     return Advantages(
-        _per_group(batch, lambda r_G: r_G.size / (r_G.size - 1) * (r_G - r_G.mean())), state)
+        _per_group(batch, lambda r_G: r_G.size / (r_G.size - 1) * (r_G - _mean(r_G))), state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +294,7 @@ def _ema(batch: EpisodeBatch, keys_D: Sequence[str], state: EmaState | None,
     new_b, new_n = dict(state.baselines), dict(state.updates)
     keys = np.asarray(list(keys_D), dtype=object)
     for key in sorted(set(keys_D)):
-        mean = float(rewards_D[keys == key].mean())
+        mean = _mean(rewards_D[keys == key])
         new_b[key] = decay * state.baselines.get(key, 0.0) + (1.0 - decay) * mean
         new_n[key] = state.updates.get(key, 0) + 1
     advantages_D = (rewards_D - baselines_D).astype(np.float32)
@@ -378,7 +394,7 @@ def turn_returns(batch: EpisodeBatch, state: EmaState | None,
             values = np.array([returns[d][k] for d in at_k])
             if _degenerate(values):
                 continue
-            for d, v in zip(at_k, values - values.mean()):
+            for d, v in zip(at_k, values - _mean(values)):
                 out[d][k] = v
     return Advantages(tuple(a.astype(np.float32) for a in out), state)
 

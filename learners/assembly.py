@@ -50,6 +50,7 @@ def episode_batch(ordered: Sequence[Trajectory], role_prefix: str = "") -> Episo
         group_ids_D=np.array([t.group_id for t in ordered], dtype=np.int64),
         turn_rewards=tuple(turn_rewards(t) for t in ordered),
         roles_D=tuple(f"{role_prefix}/{t.seat}" if role_prefix else t.seat for t in ordered),
+        rewards_D=np.array([t.total_reward for t in ordered], dtype=np.float64),
     )
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 
@@ -73,6 +74,45 @@ class Selected(NamedTuple):
     entropy_N: torch.Tensor | None
     """``float32[N]`` entropy of the full next-token distribution at each selected position
     (``H = -sum_v p_v log p_v``), when asked for; else ``None``."""
+
+
+HEAD_ROWS = 256
+"""Rows of the vocabulary projection computed at once: its ``HEAD_ROWS x V`` float32 logits
+(50 MB for SmolLM2's 49k vocabulary) are the largest tensor; a long SFT batch never holds
+``N x V`` (DESIGN §6)."""
+
+
+def _head_rows(
+    lm_head: torch.nn.Module, h_R_H: torch.Tensor, targets_R: torch.Tensor, entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets_R`` and (if asked, else an empty tensor) entropies, for ``R`` rows."""
+    logp_R_V = torch.log_softmax(lm_head(h_R_H).float(), -1)
+    logp_R = logp_R_V.gather(-1, targets_R[:, None])[:, 0]
+    if not entropy:
+        return logp_R, logp_R.new_zeros(0)
+    src = logp_R_V if entropy_grad else logp_R_V.detach()
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp_R, -(src.exp() * src).sum(-1)
+
+
+def _project(
+    lm_head: torch.nn.Module, h_N_H: torch.Tensor, targets_N: torch.Tensor, entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_head_rows` over ``HEAD_ROWS`` rows at a time; with gradients, each block runs
+    under activation checkpointing, so its logits are recomputed in the backward instead of
+    kept (as :func:`learners.preferences.chunked_token_logprobs` does)."""
+    grad = torch.is_grad_enabled() and h_N_H.requires_grad
+    logps, entropies = [], []
+    for start in range(0, h_N_H.shape[0], HEAD_ROWS):
+        rows = slice(start, start + HEAD_ROWS)
+        if grad and h_N_H.shape[0] > HEAD_ROWS:
+            lp, ent = checkpoint(_head_rows, lm_head, h_N_H[rows], targets_N[rows], entropy, entropy_grad,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _head_rows(lm_head, h_N_H[rows], targets_N[rows], entropy, entropy_grad)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps), (torch.cat(entropies) if entropy else None)
 
 
 def selected_logprobs(
@@ -180,15 +220,9 @@ def selected_logprobs(
         if h_N is not None:
             h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
         h_N = h_all.index_copy(0, torch.as_tensor(sel1, device=device), h1[torch.as_tensor(before[sel1], device=device)])
-    logp_N_V = torch.log_softmax(lm_head(h_N).float(), -1)
-    ulogp_N = logp_N_V.gather(-1, targets[:, None])[:, 0]
+    ulogp_N, uentropy_N = _project(lm_head, h_N, targets, entropy, entropy_grad)
     starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])
     index = torch.as_tensor(
         np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64), device=device
     )
-    uentropy_N = None
-    if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            src = logp_N_V if entropy_grad else logp_N_V.detach()
-            uentropy_N = -(src.exp() * src).sum(-1)
     return Selected(ulogp_N[index], taken, None if uentropy_N is None else uentropy_N[index])

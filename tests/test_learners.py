@@ -478,6 +478,23 @@ def test_turn_returns_hand_computed_with_a_turn_reached_once() -> None:
         np.concatenate(ADVANTAGES["dr_grpo"](one, None, {}).per_turn))
 
 
+@pytest.mark.parametrize("name", OUTCOME_ESTIMATORS)
+def test_permuting_multi_turn_episodes_permutes_per_turn_advantages(name: str) -> None:
+    rng = np.random.default_rng(4)
+    turns = [rng.normal(size=k) for k in (1, 3, 2, 3, 1, 2)]
+    batch = EpisodeBatch(group_ids_D=np.array([0, 0, 0, 1, 1, 1]), turn_rewards=tuple(turns),
+                         roles_D=("a", "b", "a", "b", "a", "b"))
+    perm = [4, 2, 0, 5, 1, 3]
+    permuted = EpisodeBatch(group_ids_D=batch.group_ids_D[perm],
+                            turn_rewards=tuple(turns[i] for i in perm),
+                            roles_D=tuple(batch.roles_D[i] for i in perm))
+    want = ADVANTAGES[name](batch, None, {"gamma": 0.7})
+    got = ADVANTAGES[name](permuted, None, {"gamma": 0.7})
+    for g, i in zip(got.per_turn, perm, strict=True):
+        np.testing.assert_allclose(g, want.per_turn[i], rtol=1e-6)
+    assert got.state == want.state
+
+
 def test_stateful_estimator_state_flows_through_assemble() -> None:
     trajs = [_traj(0, 0, 1.0, "a"), _traj(0, 0, -1.0, "b"), _traj(1, 1, 3.0, "a")]
     datums, _, state = assemble(trajs, "role_ema", {"decay": 0.5}, None, "kuhn")
@@ -487,3 +504,13 @@ def test_stateful_estimator_state_flows_through_assemble() -> None:
     datums, _, state2 = assemble(trajs, "role_ema", {"decay": 0.5}, state, "kuhn")
     assert [d.loss_inputs["advantages"][3] for d in datums] == [0.0, -0.5, 2.0]
     assert state2 is not None and dict(state2.updates) == {"kuhn/a": 2, "kuhn/b": 2}
+
+
+def test_equal_totals_give_exact_zeros_whatever_their_turn_rewards() -> None:
+    def two_turns(eid: int, r0: float, r1: float) -> Trajectory:
+        return Trajectory(episode_id=eid, group_id=0, seat="p", seed=0, policy="main",
+                          total_reward=0.3, turns=[_turn([1], [2], [-0.1], r0), _turn([3], [4], [-0.1], r1)])
+
+    datums, metrics, _ = assemble([two_turns(0, 0.1, 0.2), two_turns(1, 0.2, 0.1)], "dr_grpo", {})
+    assert all(not d.loss_inputs["advantages"].any() for d in datums)
+    assert metrics["frac_zero_adv_groups"] == 1.0

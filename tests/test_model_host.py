@@ -358,3 +358,24 @@ def test_dpo_pairs_stay_whole_across_chunks_and_use_the_base_as_reference(host) 
     assert loss_a == pytest.approx(expected, rel=1e-4)
     assert m_a["reward_accuracy"] == pytest.approx(np.mean(margins > 0))
     host.drop_adapter(name)
+
+
+def test_vocabulary_projection_in_row_blocks_is_exact(host, monkeypatch) -> None:
+    """The head runs HEAD_ROWS rows at a time (checkpointed): same loss, gradient, entropy."""
+    from opentinker import shared_forward
+
+    name = "blocks_pol"
+    _trained(host, name)
+    datums, config = _datums(12, n=6), {"kl_k2": 0.2, "entropy": 0.5}
+    loss_a, m_a, g_a = _fb(host, name, datums, config, 13.0)
+    lp_a = host.logprobs(name, [d.tokens for d in datums])
+    monkeypatch.setattr(shared_forward, "HEAD_ROWS", 3)
+    loss_b, m_b, g_b = _fb(host, name, datums, config, 13.0)
+    lp_b = host.logprobs(name, [d.tokens for d in datums])
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    _close(g_b, g_a, 1e-5)
+    for key in ("entropy", "kl_k2/kl_mean", "entropy/entropy_mean", "logp_diff_p95"):
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-6), key
+    for a, b in zip(lp_a, lp_b, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    host.drop_adapter(name)
