@@ -32,6 +32,11 @@ from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
 
+class UnknownAdapterError(ValueError):
+    """A request named an adapter the host does not have (the scheduler may answer
+    ``not_found`` for it rather than ``invalid``)."""
+
+
 @dataclass
 class AdapterState:
     spec: LoraSpec
@@ -129,7 +134,8 @@ class ModelHost:
         return state
 
     def drop_adapter(self, name: str) -> None:
-        """Free ``name``'s weights and optimizer state. ``ValueError`` naming an unknown adapter."""
+        """Free ``name``'s weights and optimizer state. :class:`UnknownAdapterError` (a
+        ``ValueError``) naming an unknown adapter."""
         self._adapter(name)
         del self.adapters[name]
         self.model.delete_adapter(name)
@@ -150,7 +156,7 @@ class ModelHost:
 
     def _adapter(self, name: str) -> AdapterState:
         if name not in self.adapters:
-            raise ValueError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
+            raise UnknownAdapterError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
         return self.adapters[name]
 
     def _trainable(self, name: str, op: str) -> AdapterState:

@@ -87,8 +87,11 @@ def test_drop_adapter_frees_weights_and_optimizer(host) -> None:
     host.drop_adapter("dropme")
     assert "dropme" not in host.adapters and "dropme" not in host.model.peft_config
     assert not any(".dropme." in n for n, _ in host.model.named_parameters())
-    with pytest.raises(ValueError, match="unknown adapter 'dropme'"):
+    from opentinker.model_host import UnknownAdapterError
+
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'dropme'"):
         host.drop_adapter("dropme")
+    assert issubclass(UnknownAdapterError, ValueError)
     with pytest.raises(ValueError, match="unknown adapter 'dropme'"):
         host.logprobs("dropme", [_datums()[0].tokens])
     # The name is free again, for a fresh adapter at version 0 that equals the base.
