@@ -95,7 +95,7 @@ class EpisodeBatch:
 
 @dataclasses.dataclass(frozen=True)
 class EmaState:
-    """Moving-average baselines, one per key (``reinforce_ema`` uses the single key ``"*"``)."""
+    """Moving-average baselines, one per key (``reinforce_ema`` uses the single key ``"all"``)."""
 
     baselines: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Key -> current moving average of batch-mean rewards (an unseen key starts at 0)."""
@@ -309,7 +309,7 @@ def reinforce_ema(batch: EpisodeBatch, state: EmaState | None,
     The reinforcement baseline ``b`` of Williams 1992, "Simple Statistical Gradient-Following
     Algorithms for Connectionist Reinforcement Learning", §4 (the REINFORCE update
     ``Δw = α (r - b) e``), taken as an exponential moving average of past batch-mean rewards,
-    kept in ``state.baselines["*"]``.
+    kept in ``state.baselines["all"]``.
 
     The batch is scored against the baseline BEFORE the update, then
     ``b' = decay * b + (1 - decay) * mean(r)`` is returned. Using the pre-update value keeps
@@ -317,7 +317,7 @@ def reinforce_ema(batch: EpisodeBatch, state: EmaState | None,
     baseline leaks each episode's own reward into its baseline). With no state the baseline
     is 0, so the first batch sees raw rewards. Config: ``decay`` in ``[0, 1)`` (default 0.9).
     """
-    return _ema(batch, ["*"] * len(batch.turn_rewards), state, config)
+    return _ema(batch, ["all"] * len(batch.turn_rewards), state, config)
 
 
 @register_advantage("role_ema", stateful=True)

@@ -54,10 +54,10 @@ def test_rloo_hand_computed_and_permutation() -> None:
 def test_reinforce_ema_uses_pre_update_baseline_and_round_trips() -> None:
     adv, state = _adv("reinforce_ema", [1.0, 3.0], None, {"decay": 0.5})
     np.testing.assert_array_equal(adv, [1.0, 3.0])  # fresh baseline is 0
-    assert state == EmaState({"*": 1.0}, {"*": 1})  # 0.5 * 0 + 0.5 * 2
+    assert state == EmaState({"all": 1.0}, {"all": 1})  # 0.5 * 0 + 0.5 * 2
     adv, state2 = _adv("reinforce_ema", [0.0, 4.0], state, {"decay": 0.5})
     np.testing.assert_array_equal(adv, [-1.0, 3.0])  # scored against 1.0, not the new 1.5
-    assert state2 == EmaState({"*": 1.5}, {"*": 2})
+    assert state2 == EmaState({"all": 1.5}, {"all": 2})
     # Round trip through JSON (what a checkpoint holds) gives the same continuation.
     rebuilt = EmaState.from_json(json.loads(json.dumps(state2.to_json())))
     assert rebuilt == state2
