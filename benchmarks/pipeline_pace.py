@@ -108,8 +108,8 @@ class SingleProcessLoop:
         results = asyncio.run(self._rollout(step))
         trajectories = [t for _, ts in results for t in ts]
         tc = self.cfg.train
-        datums, _ = assemble(trajectories, tc.advantage, {})
-        self.host.forward_backward("main", datums, tc.loss, {"clip_low": tc.clip_low, "clip_high": tc.clip_high}, float(max(loss_token_count(datums), 1)))
+        datums, _, _ = assemble(trajectories, tc.advantage, tc.advantage_config())
+        self.host.forward_backward("main", datums, tc.loss, tc.loss_config(), float(max(loss_token_count(datums), 1)))
         self.host.optim_step("main", AdamParams(lr=tc.lr, grad_clip=tc.grad_clip))
 
 

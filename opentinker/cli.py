@@ -46,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from opentinker.config import load_config
 
-    from opentinker.learner import check_algorithms
+    from opentinker.learner import check_job
 
     try:
         cfg = load_config(args.config, _parse_set(args.set))
-        check_algorithms(cfg.train.advantage, cfg.train.loss)
+        if cfg.offline_job() is None:
+            check_job(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"opentinker: bad config: {e}", file=sys.stderr)
         return 2

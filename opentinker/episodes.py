@@ -195,6 +195,11 @@ async def play_episode(
             )
         for a, rew in env.rewards.items():
             totals[a] += float(rew)
+            if a != agent and rew and turns[a] and a not in scripted:
+                # A reward that arrives on another seat's move (a showdown, a rejected
+                # proposal) belongs to this seat's latest decision.
+                last = turns[a][-1]
+                turns[a][-1] = msgspec.structs.replace(last, reward=last.reward + float(rew))
         transcript.append(f"{agent} [{ref.label()}]: {text!r}")
     else:
         if env.agents:

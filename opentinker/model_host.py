@@ -32,9 +32,9 @@ from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
 
-class UnknownAdapterError(ValueError):
-    """A request named an adapter the host does not have (the scheduler may answer
-    ``not_found`` for it rather than ``invalid``)."""
+class UnknownAdapterError(LookupError, ValueError):
+    """A request named an adapter the host does not have; the bus answers ``not_found``
+    (a ``LookupError``), and callers that expect a ``ValueError`` still catch it."""
 
 
 @dataclass

@@ -192,6 +192,8 @@ class ForwardBackward(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     loss: str
     """Name in ``learners.LOSSES``."""
     loss_config: dict[str, float] = {}
+    """The loss's settings (e.g. ``clip_low``); a key naming a penalty loss (``kl_k1``,
+    ``kl_k2``, ``kl_k3``, ``entropy``) adds that term with this coefficient."""
     normalizer: float = 1.0
 
 
@@ -312,7 +314,9 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: StopReason
     parse: ParseOutcome
     reward: float = 0.0
-    """Reward received right after this turn."""
+    """Reward the seat received from this decision until its next one (including rewards
+    paid on other seats' moves, e.g. at a showdown); the turns' rewards sum to
+    ``Trajectory.total_reward``."""
 
 
 class Trajectory(msgspec.Struct, frozen=True, kw_only=True, tag=True):

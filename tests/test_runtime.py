@@ -16,7 +16,7 @@ from protocols.messages import PolicyKind
 
 def _cfg(**over) -> JobConfig:
     raw = {
-        "model": {"base": "tiny-random", "threads": 2, "device": DEVICE},
+        "model": {"base": "tiny-random", "threads": 1, "device": DEVICE},
         "runtime": {"backend": "local", "env_runners": 2, "timeout_s": 120},
         "train": {"groups_per_step": 4, "group_size": 2, "lr": 1e-2},
         "sampling": {"max_tokens": 4},

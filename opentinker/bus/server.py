@@ -82,7 +82,7 @@ class Server:
 
     Args:
         handler: serves one request; ``ValueError``/``TypeError`` become an ``Error(invalid)``
-            reply, ``KeyError`` (an unknown name) ``Error(not_found)``, anything else
+            reply, ``LookupError`` such as ``KeyError`` (an unknown name) ``Error(not_found)``, anything else
             ``Error(internal)``; the server keeps serving.
         endpoint: where to bind (``tcp://``, ``ipc://``, ``inproc://``); a non-loopback TCP
             address needs ``keys``.
@@ -284,9 +284,9 @@ class Server:
     async def _call(self, msg: Message) -> Message:
         try:
             return await self.handler(msg)
-        except KeyError as e:  # an unknown name (adapter, policy): KeyError's text is the repr
+        except LookupError as e:  # an unknown name (adapter, policy); KeyError's str is a repr
             self.counters["error/not_found"] += 1
-            return Error(code=ErrorCode.NOT_FOUND, message=str(e.args[0]) if e.args else "KeyError")
+            return Error(code=ErrorCode.NOT_FOUND, message=str(e.args[0]) if e.args else type(e).__name__)
         except (ValueError, TypeError) as e:
             self.counters["error/invalid"] += 1
             return Error(code=ErrorCode.INVALID, message=f"{type(e).__name__}: {e}")
