@@ -176,8 +176,9 @@ class Coordinator:
     # ----------------------------------------------------------------------------- evaluation
 
     def evaluate(self, step: int, head_to_head: bool, hands_per_stratum: int) -> dict[str, float]:
-        """Every policy against the random opponent (stratified over the 6 deals and both
-        seats), optionally head to head against the base model, and its exploitability."""
+        """Every policy against the random opponent and against each scripted policy in its
+        opponent mix (stratified over the starts and seats: Kuhn poker's 6 deals), optionally
+        head to head against the base model, and (Kuhn poker) its exploitability."""
         return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum))
 
     def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> tuple[float, float, float, int]:
@@ -196,7 +197,10 @@ class Coordinator:
         out: dict[str, float] = {}
         eid = EVAL_STEP_BASE + step * 1_000_000
         for p in self.cfg.policies:
-            jobs = [("random", PolicyRef(kind=PolicyKind.SCRIPTED, name="random"), n)]
+            # The random opponent always; every scripted partner of the policy's training mix
+            # too (for a cooperative game, the partner it is meant to work with).
+            partners = ["random", *sorted(o for o in p.opponents if o in SCRIPTED and o != "random")]
+            jobs = [(o, PolicyRef(kind=PolicyKind.SCRIPTED, name=o), n) for o in partners]
             if head_to_head and self.cfg.eval.head_to_head_per_stratum > 0:
                 jobs.append(("base", PolicyRef(kind=PolicyKind.BASE), self.cfg.eval.head_to_head_per_stratum))
             all_specs = []

@@ -88,12 +88,17 @@ def summary_table(
         return f"{v:.4f}"
 
     for p in policies:
-        rows = [
-            (f"{unit} vs random (95% CI)", f"eval/{p}/vs_random/chips", f"eval/{p}/vs_random/ci95", False),
-            (f"{'hands' if unit == 'chips/hand' else 'games'} vs random", f"eval/{p}/vs_random/hands", None, False),
-            ("invalid replies vs random", f"eval/{p}/vs_random/invalid_rate", None, True),
-            (f"{unit} vs base model (95% CI)", f"eval/{p}/vs_base/chips", f"eval/{p}/vs_base/ci95", False),
-            ("invalid replies vs base", f"eval/{p}/vs_base/invalid_rate", None, True),
+        # Opponents in the order random, the scripted partners, the base model.
+        found = {k.split("/")[2][3:] for k in (*first, *last) if k.startswith(f"eval/{p}/vs_") and k.endswith("/chips")}
+        opponents = [o for o in ("random", *sorted(found - {"random", "base"}), "base") if o in found]
+        rows = []
+        for o in opponents:
+            name = "base model" if o == "base" else o
+            rows += [(f"{unit} vs {name} (95% CI)", f"eval/{p}/vs_{o}/chips", f"eval/{p}/vs_{o}/ci95", False)]
+            if o == "random":
+                rows += [(f"{'hands' if unit == 'chips/hand' else 'games'} vs random", f"eval/{p}/vs_random/hands", None, False)]
+            rows += [(f"invalid replies vs {o}", f"eval/{p}/vs_{o}/invalid_rate", None, True)]
+        rows += [
             ("exploitability (NashConv/2)", f"eval/{p}/exploitability", None, False),
             ("prob. mass on canonical replies", f"eval/{p}/canonical_mass", None, False),
         ]

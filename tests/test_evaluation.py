@@ -28,3 +28,25 @@ def test_policy_from_logprobs_and_uniform_exploitability(chat_tok):
     policy, mass = kuhn_policy_from_logprobs(sharp, n_reply)
     assert all(p > 0.999 for p in policy.values())
     assert kuhn_poker.exploitability(policy) == pytest.approx(1 / 3, abs=1e-3)
+
+
+def test_summary_table_has_a_row_per_opponent_in_order():
+    from rich.console import Console
+
+    from opentinker.report import summary_table
+
+    def ev(x):
+        return {f"eval/main/vs_{o}/{k}": v for o in ("base", "referential_heuristic", "random")
+                for k, v in (("chips", x), ("ci95", 0.1), ("invalid_rate", 0.5), ("hands", 12))}
+
+    console = Console(width=200, record=True)
+    console.print(summary_table(ev(0.25), ev(0.75), ["main"], 3, unit="reward/game"))
+    text = console.export_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("│") and "vs" in ln]
+    labels = [ln.split("│")[2].strip() for ln in lines]
+    assert labels == [
+        "reward/game vs random (95% CI)", "games vs random", "invalid replies vs random",
+        "reward/game vs referential_heuristic (95% CI)", "invalid replies vs referential_heuristic",
+        "reward/game vs base model (95% CI)", "invalid replies vs base",
+    ]
+    assert "+0.250 ± 0.100" in lines[3] and "+0.750 ± 0.100" in lines[3]

@@ -95,16 +95,30 @@ def test_evaluation_reports_strata_and_exploitability(job):
         assert 0.0 < ev[f"eval/{p}/exploitability"] < 1.0
 
 
+PARTNERS = {
+    "kuhn_poker_v0": "kuhn_equilibrium", "tictactoe_v0": "tictactoe_minimax",
+    "negotiation_v0": "negotiation_fair", "referential_v0": "referential_heuristic",
+    "twenty_questions_v0": "twenty_questions_heuristic", "liars_dice_v0": "liars_dice_cautious",
+    "prisoners_dilemma_v0": "pd_tit_for_tat",
+}
+"""A scripted seat of each game (every registered game needs one here)."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("game", __import__("games").names())
 def test_every_game_trains_and_evaluates_through_the_runtime(game, tiny_path):
-    cfg = _cfg(game=game, policies=[{"name": "main", "opponents": {"random": 1, "self": 1}}])
+    partner = PARTNERS[game]
+    cfg = _cfg(game=game, policies=[{"name": "main", "opponents": {"random": 1, "self": 1, partner: 1}}])
     job = Job(cfg, tiny_path)
     try:
         m = job.coordinator("train_step", 1)
         assert m["train/main/version"] == 1 and m["train/episodes"] == 4 * 2
         ev = job.coordinator("evaluate", 1, True, 1)
-        assert ev["eval/main/vs_random/hands"] >= 6 * 2
+        # Against random and against the scripted partner of the training mix, every seat.
+        n_seats = len(__import__("games").make(game).possible_agents)
+        for opp in ("random", partner):
+            assert ev[f"eval/main/vs_{opp}/hands"] == 6 * n_seats, opp
+            assert 0.0 <= ev[f"eval/main/vs_{opp}/invalid_rate"] <= 1.0
         assert ("eval/main/exploitability" in ev) == (game == "kuhn_poker_v0")
     finally:
         job.shutdown()
