@@ -133,6 +133,26 @@ class LogprobsResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     adapter_version: int
 
 
+class ValuesRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The critic's values along each sequence, from ``adapter``'s value head (an adapter
+    created with ``LoraSpec.value_head``; anything else is an ``invalid`` error).
+
+    Aligned as log-probs are: entry ``t`` is the value of the state before token ``t``, i.e.
+    the value head on the final hidden state at position ``t - 1``, which has read tokens
+    ``< t`` (with the adapter on). A turn's value is the entry at its first sampled token.
+    """
+
+    adapter: str
+    sequences: list[np.ndarray]
+    """``int32[T_i]`` token arrays."""
+
+
+class ValuesResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    values: list[np.ndarray]
+    """Per sequence, ``float32[T_i]``; entry 0 is 0 (no state precedes the first token)."""
+    adapter_version: int
+
+
 # ---------------------------------------------------------------------------------------------
 # Scheduler: training and adapters
 
@@ -143,7 +163,9 @@ class Datum(msgspec.Struct, frozen=True, kw_only=True):
     Every array in ``loss_inputs`` has the shape of ``tokens`` (``[T]``); entry ``t`` refers
     to token ``t`` as predicted from tokens ``< t``. ``mask`` (1 on sampled tokens, 0 on
     observation tokens; entry 0 is always 0) is required; the loss names the others it needs
-    (e.g. ``advantages``, ``sampler_logprobs``).
+    (e.g. ``advantages``, ``sampler_logprobs``). The value loss reads ``value_mask`` (1 where
+    the critic is trained, e.g. each turn's first sampled token), ``value_targets`` and
+    ``old_values`` at those positions, aligned as :class:`ValuesResult`'s values.
     """
 
     tokens: np.ndarray
@@ -157,6 +179,10 @@ class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     seed: int = 0
     """Seed of the adapter's initialisation."""
+    value_head: bool = False
+    """Give the adapter a critic: a linear value head on the final hidden state (a shared
+    actor-critic trunk), trained, saved, snapshotted and dropped with the adapter; read with
+    :class:`ValuesRequest`, trained with the ``value`` loss."""
 
 
 class AdamParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,9 +218,13 @@ class ForwardBackward(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     loss: str
     """Name in ``learners.LOSSES``."""
     loss_config: dict[str, float] = {}
-    """The loss's settings (e.g. ``clip_low``); a key naming a penalty loss (``kl_k1``,
-    ``kl_k2``, ``kl_k3``, ``entropy``) adds that term with this coefficient."""
+    """The loss's settings (e.g. ``clip_low``, ``value_clip``); a key naming a penalty loss
+    (``kl_k1``, ``kl_k2``, ``kl_k3``, ``entropy``) or ``value`` (the critic's loss, for an
+    adapter with a value head) adds that term with this coefficient."""
     normalizer: float = 1.0
+    value_normalizer: float = 0.0
+    """Divides the value term (0: ``normalizer``); e.g. the step's number of value positions,
+    so the value loss is a mean over turns whatever the length of the replies."""
 
 
 class ForwardBackwardResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -462,6 +492,8 @@ Message = Union[
     SampleResult,
     LogprobsRequest,
     LogprobsResult,
+    ValuesRequest,
+    ValuesResult,
     CreateAdapter,
     AdapterInfo,
     ForwardBackward,

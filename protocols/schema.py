@@ -32,6 +32,7 @@ REPLIES: dict[type, type] = {
     m.Shutdown: m.Ack,
     m.SampleRequest: m.SampleResult,
     m.LogprobsRequest: m.LogprobsResult,
+    m.ValuesRequest: m.ValuesResult,
     m.CreateAdapter: m.AdapterInfo,
     m.DropAdapter: m.AdapterInfo,
     m.SnapshotAdapter: m.AdapterInfo,
@@ -48,8 +49,9 @@ REPLIES: dict[type, type] = {
 SERVED_BY: dict[type, str] = {
     m.Hello: "every server", m.Heartbeat: "every server", m.Cancel: "every server",
     m.Shutdown: "every server", m.SampleRequest: "scheduler", m.LogprobsRequest: "scheduler",
-    m.CreateAdapter: "scheduler", m.DropAdapter: "scheduler", m.SnapshotAdapter: "scheduler",
-    m.SaveAdapter: "scheduler", m.LoadAdapter: "scheduler", m.ForwardBackward: "scheduler",
+    m.ValuesRequest: "scheduler", m.CreateAdapter: "scheduler", m.DropAdapter: "scheduler",
+    m.SnapshotAdapter: "scheduler", m.SaveAdapter: "scheduler", m.LoadAdapter: "scheduler",
+    m.ForwardBackward: "scheduler",
     m.OptimStep: "scheduler", m.SchedulerStats: "scheduler", m.RunEpisodes: "env runner",
     m.LearnerStep: "learner",
 }
