@@ -26,13 +26,20 @@ from learners.aggregation import sequence_mean, token_sum
 from learners.assembly import (
     Assembly,
     assemble,
+    decision_positions,
     episode_batch,
     loss_token_count,
     sort_trajectories,
     trajectory_to_datum,
+    trajectory_tokens,
     turn_rewards,
+    with_value_inputs,
 )
-from learners.diagnostics import logprob_mismatch, policy_diagnostics
+from learners.diagnostics import (
+    explained_variance,
+    logprob_mismatch,
+    policy_diagnostics,
+)
 from learners.losses import (
     LOSSES,
     Loss,
@@ -41,7 +48,7 @@ from learners.losses import (
     compute_loss,
     losses_of_kind,
     register_loss,
-    split_penalties,
+    split_terms,
 )
 from learners.offline import pair_datums, preference_pairs, sft_datums
 from learners.preferences import chunked_token_logprobs, dpo, ipo
@@ -60,10 +67,12 @@ __all__ = [
     "assemble",
     "chunked_token_logprobs",
     "compute_loss",
+    "decision_positions",
     "discounted_returns",
     "dpo",
     "episode_batch",
     "estimate",
+    "explained_variance",
     "gae_1d",
     "ipo",
     "logprob_mismatch",
@@ -77,8 +86,10 @@ __all__ = [
     "sequence_mean",
     "sft_datums",
     "sort_trajectories",
-    "split_penalties",
+    "split_terms",
     "token_sum",
     "trajectory_to_datum",
+    "trajectory_tokens",
     "turn_rewards",
+    "with_value_inputs",
 ]

@@ -15,10 +15,21 @@ Advantages come per TURN (:mod:`learners.advantages`): turn ``k``'s advantage go
 ``k``'s sampled tokens, so an outcome estimator (one advantage per episode) puts the same value
 on every turn and ``turn_returns`` gives each turn its own credit. Zero-advantage datums are
 kept, since their tokens still count in the normalizer the caller passes to the loss.
+
+With a critic (``gae``), a turn's state is the sequence up to its DECISION POSITION, the
+position of its first sampled token (:func:`decision_positions`): the hidden state there has
+read the observation and predicts the reply. The critic's value of turn ``k`` is its value at
+that position (the ``values`` operation's entry ``t`` is the value of the state before token
+``t``, aligned as log-probs are), and the value loss is trained at the same positions::
+
+    tokens_T      = o o o s s o o s s s
+    mask_T        = 0 0 0 1 1 0 0 1 1 1
+    value_mask_T  = 0 0 0 1 0 0 0 1 0 0      (V_0 at position 3, V_1 at position 7)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -121,6 +132,47 @@ def trajectory_to_datum(traj: Trajectory, advantages: float | Sequence[float] | 
     )
 
 
+def trajectory_tokens(traj: Trajectory) -> np.ndarray:
+    """``int32[T]``: the trajectory's running sequence, ``obs_0 + sampled_0 + obs_1 + ...``
+    (the tokens of :func:`trajectory_to_datum`'s datum)."""
+    return np.concatenate([np.concatenate([np.asarray(t.obs_tokens), np.asarray(t.sampled_tokens)])
+                           for t in traj.turns]).astype(np.int32)
+
+
+def decision_positions(traj: Trajectory) -> np.ndarray:
+    """``int64[K]``: where each turn's first sampled token lies in :func:`trajectory_tokens`,
+    the position whose hidden state (it has read everything before) decides the reply.
+
+    Raises:
+        ValueError: a turn sampled no token (its decision has no position).
+    """
+    positions_K = np.zeros(len(traj.turns), np.int64)
+    offset = 0
+    for k, turn in enumerate(traj.turns):
+        offset += len(turn.obs_tokens)
+        if len(turn.sampled_tokens) == 0:
+            raise ValueError(f"episode {traj.episode_id} seat {traj.seat!r} turn {k}: no sampled "
+                             "tokens, so the turn has no decision position for the critic")
+        positions_K[k] = offset
+        offset += len(turn.sampled_tokens)
+    return positions_K
+
+
+def with_value_inputs(datum: Datum, positions_K: np.ndarray, old_values_K: np.ndarray,
+                      value_targets_K: np.ndarray) -> Datum:
+    """``datum`` plus the value loss's inputs, each ``float32[T]`` and nonzero only at the
+    ``K`` decision positions: ``value_mask`` (1), ``old_values`` (the critic's values when
+    the data was scored) and ``value_targets`` (e.g. GAE's lambda-returns)."""
+    T = len(datum.tokens)
+    extra = {}
+    for key, per_turn in (("value_mask", np.ones(len(positions_K))), ("old_values", old_values_K),
+                          ("value_targets", value_targets_K)):
+        row = np.zeros(T, np.float32)
+        row[positions_K] = per_turn
+        extra[key] = row
+    return Datum(tokens=datum.tokens, loss_inputs={**datum.loss_inputs, **extra})
+
+
 class Assembly(NamedTuple):
     """What :func:`assemble` returns."""
 
@@ -135,6 +187,16 @@ ASSEMBLY_METRICS = ("reward_mean", "adv_mean", "adv_abs_mean", "frac_zero_adv_gr
                     "n_datums", "n_loss_tokens")
 
 
+def _order(trajectories: Sequence[Trajectory]) -> list[int]:
+    """Indices of ``trajectories`` in ``(episode_id, seat)`` order; ``ValueError`` on a duplicate."""
+    order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].episode_id, trajectories[i].seat))
+    for i, j in itertools.pairwise(order):
+        a, b = trajectories[i], trajectories[j]
+        if (a.episode_id, a.seat) == (b.episode_id, b.seat):
+            raise ValueError(f"duplicate trajectory for episode {a.episode_id} seat {a.seat!r}")
+    return order
+
+
 def sort_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
     """Sorted by ``(episode_id, seat)``, so results never depend on arrival order.
 
@@ -142,11 +204,18 @@ def sort_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
         ValueError: two trajectories share ``(episode_id, seat)`` (a duplicate delivery would
             double-count an episode and skew its group's baseline).
     """
-    ordered = sorted(trajectories, key=lambda t: (t.episode_id, t.seat))
-    for a, b in itertools.pairwise(ordered):
-        if (a.episode_id, a.seat) == (b.episode_id, b.seat):
-            raise ValueError(f"duplicate trajectory for episode {a.episode_id} seat {a.seat!r}")
-    return ordered
+    return [trajectories[i] for i in _order(trajectories)]
+
+
+def _turn_values(traj: Trajectory, values_T: np.ndarray) -> np.ndarray:
+    """``float64[K + 1]``: the critic's value at each turn's decision position, then 0 (the
+    episode ended: nothing follows its last turn)."""
+    values_T = np.asarray(values_T, dtype=np.float64)
+    T = sum(len(t.obs_tokens) + len(t.sampled_tokens) for t in traj.turns)
+    if values_T.shape != (T,):
+        raise ValueError(f"episode {traj.episode_id} seat {traj.seat!r}: values of shape "
+                         f"{values_T.shape} for a sequence of {T} tokens")
+    return np.append(values_T[decision_positions(traj)], 0.0)
 
 
 def assemble(
@@ -155,6 +224,7 @@ def assemble(
     config: Mapping[str, float],
     state: EmaState | None = None,
     role_prefix: str = "",
+    values: Sequence[np.ndarray] | None = None,
 ) -> Assembly:
     """Advantages and datums for one policy's trajectories of one step.
 
@@ -167,22 +237,38 @@ def assemble(
         config: passed to the estimator.
         state: the estimator's state from the previous step (``None`` at the start).
         role_prefix: prefix of the role keys (the game's name), see :func:`episode_batch`.
+        values: for a critic estimator (``gae``): per trajectory, in the order of
+            ``trajectories``, the ``values`` operation's ``float32[T_d]`` on its
+            :func:`trajectory_tokens` (entry ``t``: the value of the state before token
+            ``t``). Turn ``k``'s value is read at its decision position; the value after the
+            last turn is 0. The datums then carry the value loss's inputs
+            (:func:`with_value_inputs`) with the estimator's value targets.
 
     Returns:
         :class:`Assembly`; metrics: ``reward_mean`` (over trajectories), ``adv_mean`` and
         ``adv_abs_mean`` (over turns), ``frac_zero_adv_groups`` (groups whose advantages are
-        all exactly 0: no learning signal), ``n_datums``, ``n_loss_tokens``.
+        all exactly 0: no learning signal), ``n_datums``, ``n_loss_tokens``; with values also
+        ``n_value_positions``.
 
     Raises:
-        ValueError: duplicates (see :func:`sort_trajectories`), or as the estimator and
-            :func:`trajectory_to_datum` do.
+        ValueError: duplicates (see :func:`sort_trajectories`), values of the wrong length,
+            or as the estimator and :func:`trajectory_to_datum` do.
     """
-    ordered = sort_trajectories(trajectories)
+    order = _order(trajectories)
+    ordered = [trajectories[i] for i in order]
     if not ordered:
         return Assembly([], {name: 0.0 for name in ASSEMBLY_METRICS}, state)
     batch = episode_batch(ordered, role_prefix)
+    if values is not None:
+        if len(values) != len(trajectories):
+            raise ValueError(f"{len(values)} value arrays for {len(trajectories)} trajectories")
+        batch = dataclasses.replace(batch, values=tuple(_turn_values(t, values[i])
+                                                        for t, i in zip(ordered, order)))
     result = estimate(estimator, batch, state, config)
     datums = [trajectory_to_datum(t, a) for t, a in zip(ordered, result.per_turn)]
+    if result.value_targets is not None and batch.values is not None:
+        datums = [with_value_inputs(d, decision_positions(t), v[:-1], r)
+                  for d, t, v, r in zip(datums, ordered, batch.values, result.value_targets)]
 
     turns_A = np.concatenate(result.per_turn)
     group_ids_D = batch.group_ids_D
@@ -197,13 +283,16 @@ def assemble(
         "n_datums": float(len(datums)),
         "n_loss_tokens": float(loss_token_count(datums)),
     }
+    if result.value_targets is not None:
+        metrics["n_value_positions"] = float(loss_token_count(datums, "value_mask"))
     return Assembly(datums, metrics, result.state)
 
 
-def loss_token_count(datums: Sequence[Datum]) -> int:
-    """Number of loss tokens (``sum`` of every ``mask``): the usual global normalizer.
+def loss_token_count(datums: Sequence[Datum], key: str = "mask") -> int:
+    """Number of loss tokens (``sum`` of every ``mask``): the usual global normalizer; with
+    ``key="value_mask"``, the number of value positions (the value term's normalizer).
 
     Counted over the whole step's datums, before any split into micro-batches, and passed to
     ``ForwardBackward.normalizer`` so every micro-batch divides by the same number.
     """
-    return int(sum(int(np.asarray(d.loss_inputs["mask"]).sum()) for d in datums))
+    return int(sum(int(np.asarray(d.loss_inputs[key]).sum()) for d in datums))

@@ -66,6 +66,22 @@ def policy_diagnostics(
     return out
 
 
+@torch.no_grad()
+def explained_variance(values_N: torch.Tensor, targets_N: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` of a critic's values ``V`` against its targets ``R``
+    (population variances over the ``N`` positions): 1 is a perfect critic, 0 one no better
+    than a constant, negative one worse than a constant. The PPO implementations' critic
+    diagnostic (e.g. OpenAI baselines ``explained_variance``). 0.0 when ``R`` is constant or
+    there are fewer than 2 positions (nothing to explain)."""
+    if values_N.numel() < 2:
+        return 0.0
+    targets = targets_N.detach().double()
+    var_r = targets.var(unbiased=False)
+    if var_r.item() == 0.0:
+        return 0.0
+    return (1.0 - (targets - values_N.detach().double()).var(unbiased=False) / var_r).item()
+
+
 def _quantile(values_N: torch.Tensor, q: float) -> float:
     """Linear-interpolation quantile (numpy's default method) of a non-empty 1-D tensor."""
     sorted_N = values_N.sort().values
@@ -74,8 +90,6 @@ def _quantile(values_N: torch.Tensor, q: float) -> float:
     high = min(low + 1, sorted_N.numel() - 1)
     weight = position - low
     return (sorted_N[low] * (1.0 - weight) + sorted_N[high] * weight).item()
-
-
 
 
 def _input(inputs: Mapping[str, torch.Tensor], key: str, logp_N: torch.Tensor) -> torch.Tensor:

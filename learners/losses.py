@@ -19,9 +19,11 @@ off, full-vocabulary entropies) and what a job may select:
   ratio 1 and returns the same diagnostics (:func:`policy_diagnostics`).
 * :attr:`LossKind.PENALTY` (``kl_k1``, ``kl_k2``, ``kl_k3``, ``entropy``): terms ADDED to
   another loss with a coefficient. A ``ForwardBackward.loss_config`` key that names a penalty
-  is that term's coefficient (:func:`split_penalties`): ``loss="ppo", loss_config={"clip_low":
+  is that term's coefficient (:func:`split_terms`): ``loss="ppo", loss_config={"clip_low":
   0.2, "kl_k3": 0.05}`` is PPO plus 0.05 x the k3 KL to the reference.
-* :attr:`LossKind.VALUE` (``value``): its first argument is the critic's predicted values.
+* :attr:`LossKind.VALUE` (``value``): its first argument is the critic's predicted values
+  (a value head beside the adapter); main loss of a critic-only step, or a term added to a
+  policy loss with ``loss_config={"value": 0.5}``.
 * :attr:`LossKind.PREFERENCE` (``dpo``, ``ipo``, in :mod:`learners.preferences`) and
   :attr:`LossKind.SUPERVISED` (``sft``): trained offline on recorded trajectories.
 """
@@ -113,19 +115,25 @@ def losses_of_kind(kind: LossKind) -> list[str]:
     return sorted(n for n, spec in LOSSES.items() if spec.kind is kind)
 
 
-def split_penalties(loss_config: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """Split a ``loss_config`` into the main loss's own config and the penalty terms.
+TERM_KINDS = (LossKind.PENALTY, LossKind.VALUE)
+"""Kinds of loss that ride beside a main loss as a term with a coefficient."""
 
-    A key naming a :attr:`LossKind.PENALTY` loss is that term's coefficient (terms with
-    coefficient 0 are dropped); every other key belongs to the main loss.
+
+def split_terms(loss_config: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Split a ``loss_config`` into the main loss's own config and the added terms.
+
+    A key naming a :attr:`LossKind.PENALTY` loss (``kl_k3``, ``entropy``) or the
+    :attr:`LossKind.VALUE` loss (``value``: the critic's loss, for an adapter with a value
+    head) is that term's coefficient (terms with coefficient 0 are dropped); every other key
+    belongs to the main loss (and is passed to the terms too, e.g. ``value_clip``).
 
     Returns:
-        ``(config, {penalty name: coefficient})``.
+        ``(config, {term name: coefficient})``.
     """
     config, terms = {}, {}
     for key, value in loss_config.items():
         spec = LOSSES.get(key)
-        if spec is not None and spec.kind is LossKind.PENALTY:
+        if spec is not None and spec.kind in TERM_KINDS:
             if float(value) != 0.0:
                 terms[key] = float(value)
         else:
@@ -279,44 +287,53 @@ def importance_sampling(
 _REF = frozenset({"ref_logprobs"})
 
 
-@register_loss("value", LossKind.VALUE, frozenset({"returns", "old_values"}))
+@register_loss("value", LossKind.VALUE, frozenset({"value_targets", "old_values"}))
 def value(
     values_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
-    """Clipped value-regression loss, summed over tokens (or turns).
+    """Clipped value-regression loss, summed over value positions (one per turn in jobs).
 
-    ``l_t = 0.5 max((v_t - R_t)^2, (clip(v_t, v_old_t - eps, v_old_t + eps) - R_t)^2)``: the
-    value clipping of the reference PPO implementation (OpenAI baselines ``ppo2``; Engstrom et
-    al. 2020, "Implementation Matters in Deep Policy Gradients", §3, optimization 1), which
-    keeps a value update inside an ``eps`` trust region around the values at sampling time.
+    ``l_t = coef * 0.5 max((v_t - R_t)^2, (clip(v_t, v_old_t - eps, v_old_t + eps) - R_t)^2)``:
+    the value clipping of the reference PPO implementation (OpenAI baselines ``ppo2``;
+    Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients", §3, optimization
+    1), which keeps a value update inside an ``eps`` trust region around the values at
+    sampling time. The ``0.5`` and ``coef`` are the ``c1 L^VF`` term of Schulman et al. 2017,
+    "Proximal Policy Optimization Algorithms", eq. 9. Where the clipped error is the larger
+    one the position has no gradient; elsewhere ``d l_t / d v_t = coef (v_t - R_t)``.
 
     NOTE: the first argument is the model output this loss needs, the PREDICTED VALUES, not
     log-probs (same position, so the one signature and :func:`compute_loss` serve).
 
     Args:
         values_N: ``float[N]`` predicted values (differentiable).
-        inputs: ``returns`` (targets, e.g. :func:`learners.advantages.gae`'s) and
-            ``old_values`` (values when the data was sampled), each ``float[N]``.
-        config: ``value_clip`` ``eps`` (default 0.2; 0 disables clipping).
+        inputs: ``value_targets`` (``R``, e.g. :func:`learners.advantages.gae`'s
+            lambda-returns) and ``old_values`` (values when the data was sampled), each
+            ``float[N]``.
+        config: ``value_clip`` ``eps`` (default 0.2; 0 disables clipping), ``coef``
+            (default 1.0).
 
     Returns:
-        ``loss_sum = sum_t l_t``; metrics ``n_tokens``, ``value_mse`` (unclipped),
-        ``value_clip_frac`` (tokens where the clipped error is strictly larger: no gradient).
+        ``loss_sum = sum_t l_t``; metrics ``n_tokens`` (value positions), ``value_mse``
+        (unclipped), ``value_clip_frac`` (positions where the clipped error is strictly
+        larger: no gradient), ``value_mean`` and ``target_mean``.
     """
     values_N = _check_logp(values_N, "value")
-    returns_N = _require(inputs, "returns", "value", values_N)
+    targets_N = _require(inputs, "value_targets", "value", values_N)
     old_N = _require(inputs, "old_values", "value", values_N)
     eps = float(config.get("value_clip", 0.2))
-    error_N = (values_N - returns_N) ** 2
+    coef = float(config.get("coef", 1.0))
+    error_N = (values_N - targets_N) ** 2
     if eps > 0:
-        clipped_N = (torch.clamp(values_N, old_N - eps, old_N + eps) - returns_N) ** 2
+        clipped_N = (torch.clamp(values_N, old_N - eps, old_N + eps) - targets_N) ** 2
     else:
         clipped_N = error_N
     loss_N = 0.5 * torch.maximum(error_N, clipped_N)
-    return LossOutput(loss_sum=loss_N.sum(), metrics={
+    return LossOutput(loss_sum=coef * loss_N.sum(), metrics={
         "n_tokens": float(values_N.numel()),
         "value_mse": _mean(error_N),
         "value_clip_frac": _mean(clipped_N > error_N),
+        "value_mean": _mean(values_N),
+        "target_mean": _mean(targets_N),
     })
 
 

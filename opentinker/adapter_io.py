@@ -4,6 +4,7 @@ A saved adapter is a folder::
 
     adapter_config.json        PEFT format: ``peft.PeftModel.from_pretrained`` loads these two
     adapter_model.safetensors
+    value_head.safetensors     only with ``LoraSpec.value_head``: ``value_head.weight``, ``.bias``
     optimizer.safetensors      AdamW state: ``<param>.exp_avg``, ``<param>.exp_avg_sq``, ``<param>.step``
     opentinker.json            :class:`AdapterMeta`: version, LoRA spec, base model and its fingerprint
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from opentinker import value_head
 from protocols.messages import LoraSpec
 
 FORMAT = 1
@@ -169,3 +171,55 @@ def save_tensors(folder: Path, name: str, tensors: Mapping[str, torch.Tensor]) -
     from safetensors.torch import save_file
 
     save_file(dict(tensors), str(folder / name))
+
+
+def write_adapter(
+    final: Path, model: torch.nn.Module, adapter: str, named: Mapping[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None, meta: AdapterMeta,
+) -> None:
+    """Write adapter ``adapter`` of the PEFT ``model`` to the folder ``final`` atomically
+    (:func:`write_folder`): PEFT files, value head (if ``named`` holds one), AdamW state of
+    the ``named`` parameters, and ``meta``."""
+
+    def fill(tmp: Path) -> None:
+        peft_dir = tmp / "peft"
+        model.save_pretrained(str(peft_dir), selected_adapters=[adapter])
+        # PEFT writes a non-"default" adapter into a subfolder named after it.
+        src = peft_dir / adapter if (peft_dir / adapter / "adapter_config.json").is_file() else peft_dir
+        for f in src.iterdir():
+            f.rename(tmp / f.name)
+        shutil.rmtree(peft_dir)
+        _, head = value_head.split(dict(named))
+        if head:
+            save_tensors(tmp, value_head.FILE, {k: p.detach().cpu() for k, p in head.items()})
+        save_tensors(tmp, OPTIMIZER, optimizer_tensors(optimizer, named))
+        write_meta(tmp, meta)
+
+    write_folder(final, fill)
+
+
+def read_adapter(folder: Path, spec: LoraSpec, trainable: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(weights, optimizer moments)`` of a saved adapter (moments only when ``trainable``);
+    the weights include the value head when ``spec`` has one. ``ValueError`` naming a missing
+    or corrupt file."""
+    weights = read_tensors(folder, WEIGHTS)
+    if spec.value_head:
+        weights.update(read_tensors(folder, value_head.FILE))
+    return weights, (read_tensors(folder, OPTIMIZER) if trainable else {})
+
+
+@torch.no_grad()
+def restore(
+    folder: Path, spec: LoraSpec, named: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer | None,
+    weights: Mapping[str, torch.Tensor], moments: Mapping[str, torch.Tensor],
+) -> None:
+    """Copy :func:`read_adapter`'s tensors into a fresh adapter's ``named`` parameters and
+    ``optimizer``; ``ValueError`` naming the file and the parameter that does not fit."""
+    for key, p in named.items():
+        if key not in weights or weights[key].shape != p.shape:
+            got = tuple(weights[key].shape) if key in weights else "missing"
+            file = value_head.FILE if key.startswith(value_head.PREFIX) else WEIGHTS
+            raise ValueError(f"{folder / file}: {key} is {got}, the spec {spec} needs {tuple(p.shape)}")
+        p.copy_(weights[key])
+    if optimizer is not None:
+        restore_optimizer(optimizer, named, moments, str(folder / OPTIMIZER))

@@ -10,23 +10,40 @@ Log-probs for training are computed only at the positions the loss needs: the tr
 body runs on the whole sequence, the 49k-row vocabulary projection only on the hidden states
 that predict a loss token. A loss that needs the reference (a KL penalty, DPO) gets the base
 model's log-probs at the same positions, computed with the adapter off and no gradient.
+
+An adapter may carry a critic (``LoraSpec.value_head``, :mod:`opentinker.value_head`): its
+values are read with :meth:`ModelHost.values` and trained by ``forward_backward`` with the
+``value`` loss, from the same hidden states as the policy's log-probs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from learners import LOSSES, LossKind, compute_loss, logprob_mismatch, split_penalties
-from opentinker import adapter_io
+from learners import (
+    LOSSES,
+    LossKind,
+    compute_loss,
+    explained_variance,
+    logprob_mismatch,
+    split_terms,
+)
+from opentinker import adapter_io, value_head
 from opentinker.sampler import SampledRow, sample_rows, validate_params
-from opentinker.shared_forward import Selected, selected_logprobs
+from opentinker.shared_forward import (
+    Hidden,
+    Selected,
+    project_logprobs,
+    selected_hidden,
+    selected_logprobs,
+)
+from opentinker.train_batches import VALUE_INPUTS, MetricSums, chunks, gather
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -41,7 +58,7 @@ class UnknownAdapterError(LookupError, ValueError):
 class AdapterState:
     spec: LoraSpec
     named: dict[str, torch.nn.Parameter]
-    """Portable parameter name (PEFT's saved key) -> parameter."""
+    """Portable parameter name (PEFT's saved key, or ``value_head.*``) -> parameter."""
     optimizer: torch.optim.AdamW | None
     """``None`` for a frozen adapter."""
     version: int = 0
@@ -55,6 +72,14 @@ class AdapterState:
     @property
     def trainable(self) -> bool:
         return self.optimizer is not None
+
+    def critic(self, name: str, op: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameter table, checked to hold a value head (``ValueError`` naming
+        ``op`` and the adapter otherwise)."""
+        if not self.spec.value_head:
+            raise ValueError(f"{op}: adapter {name!r} has no value head (create it with "
+                             "LoraSpec.value_head = true)")
+        return self.named
 
 
 class ModelHost:
@@ -129,23 +154,26 @@ class ModelHost:
             raise ValueError(f"LoraSpec.target_modules {spec.target_modules} matched no module")
         for p in named.values():
             p.requires_grad_(False)
+        if spec.value_head:
+            named.update(value_head.new_value_head(self.base.config.hidden_size, self.device))
         optimizer = torch.optim.AdamW(list(named.values()), lr=0.0) if trainable else None
         self.adapters[name] = state = AdapterState(spec=spec, named=named, optimizer=optimizer)
         return state
 
     def drop_adapter(self, name: str) -> None:
-        """Free ``name``'s weights and optimizer state. :class:`UnknownAdapterError` (a
-        ``ValueError``) naming an unknown adapter."""
+        """Free ``name``'s weights, value head and optimizer state. :class:`UnknownAdapterError`
+        (a ``ValueError``) naming an unknown adapter."""
         self._adapter(name)
         del self.adapters[name]
         self.model.delete_adapter(name)
 
     @torch.no_grad()
     def snapshot(self, src: str, new_name: str) -> int:
-        """Freeze a copy of ``src`` under ``new_name``, at ``src``'s current version (returned).
+        """Freeze a copy of ``src`` (its value head too) under ``new_name``, at ``src``'s
+        current version (returned).
 
-        The copy samples and scores exactly as ``src`` did at this moment, whatever ``src``
-        trains afterwards; ``forward_backward`` and ``optim_step`` on it are refused.
+        The copy samples, scores and values exactly as ``src`` did at this moment, whatever
+        ``src`` trains afterwards; ``forward_backward`` and ``optim_step`` on it are refused.
         """
         source = self._adapter(src)
         state = self._add_peft(new_name, source.spec, trainable=False)
@@ -227,42 +255,68 @@ class ModelHost:
             p.requires_grad_(False)
         return contextlib.nullcontext()
 
+    def _inner(self) -> torch.nn.Module:
+        """The causal LM (``.model`` body, ``.lm_head``): PEFT injects the LoRA layers into
+        ``self.base`` in place, so it computes with whichever adapter is active."""
+        return self.base
+
     def _logp_at(
         self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True,
         entropy: bool = False, entropy_grad: bool = False,
     ) -> Selected:
         """Log-probs (and optionally entropies) at the masked positions of ``seqs`` with the
         active adapter (see :func:`opentinker.shared_forward.selected_logprobs`)."""
-        inner = self.model.get_base_model() if self.model is not self.base else self.base
+        inner = self._inner()
         return selected_logprobs(inner.model, inner.lm_head, seqs, masks, self.pad_id, self.device, share,
                                  entropy=entropy, entropy_grad=entropy_grad)
 
+    def _hidden_at(self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> Hidden:
+        """Final hidden states before the masked positions, with the active adapter."""
+        return selected_hidden(self._inner().model, seqs, masks, self.pad_id, self.device, self.share_prefix)
+
     @torch.no_grad()
-    def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
-        """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0)."""
-        self._check_tokens(seqs, "LogprobsRequest.sequences")
+    def _along(
+        self, adapter: str | None, seqs: Sequence[np.ndarray], per_row: Callable[[Hidden], torch.Tensor], chunk: int,
+    ) -> list[np.ndarray]:
+        """``float32[T_i]`` per sequence: ``per_row`` of the hidden state before every token
+        (entry 0 is 0), ``chunk`` sequences at a time."""
         out: list[np.ndarray] = []
         with self._select(adapter):
             for start in range(0, len(seqs), chunk):
                 part = [np.asarray(s) for s in seqs[start : start + chunk]]
-                sel = self._logp_at(part, [np.ones(len(s)) for s in part], self.share_prefix)
-                logp_N = sel.logp_N.cpu().numpy()
-                k = 0
-                for pos, s in zip(sel.taken, part):
+                hidden = self._hidden_at(part, [np.ones(len(s)) for s in part])
+                per_U = per_row(hidden).float().cpu().numpy() if len(hidden.tokens_U) else np.zeros(0, np.float32)
+                for rows, pos, s in zip(hidden.rows, hidden.taken, part):
                     row = np.zeros(len(s), dtype=np.float32)
-                    row[pos] = logp_N[k : k + len(pos)]
-                    k += len(pos)
+                    row[pos] = per_U[rows]
                     out.append(row)
         return out
 
+    def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
+        """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0)."""
+        self._check_tokens(seqs, "LogprobsRequest.sequences")
+        head = self._inner().lm_head
+        return self._along(adapter, seqs, lambda h: project_logprobs(
+            head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk)
+
+    def values(self, adapter: str, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
+        """The critic's ``float32[T_i]`` values along each sequence: entry ``t`` is the value
+        head on the final hidden state at ``t - 1`` (the state before token ``t``, having read
+        tokens ``< t``, adapter on); entry 0 is 0. No vocabulary projection runs."""
+        named = self._adapter(adapter).critic(adapter, "ValuesRequest")
+        self._check_tokens(seqs, "ValuesRequest.sequences")
+        return self._along(adapter, seqs, lambda h: value_head.apply(named, h.h_U_H), chunk)
+
     # ----------------------------------------------------------------------------- training
 
-    def _check_datums(self, datums: Sequence[Datum]) -> None:
+    def _check_datums(self, datums: Sequence[Datum], needs: Sequence[str] = ("mask",)) -> None:
         self._check_tokens([d.tokens for d in datums], "ForwardBackward.datums.tokens")
         keys = set(datums[0].loss_inputs) if datums else set()
         for i, d in enumerate(datums):
-            if "mask" not in d.loss_inputs:
-                raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs needs 'mask'")
+            missing = [k for k in needs if k not in d.loss_inputs]
+            if missing:
+                raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs needs {missing} "
+                                 f"(has {sorted(d.loss_inputs)})")
             if set(d.loss_inputs) != keys:
                 raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs has keys "
                                  f"{sorted(d.loss_inputs)}, datums[0] has {sorted(keys)}")
@@ -290,79 +344,107 @@ class ModelHost:
         loss_config: Mapping[str, float],
         normalizer: float,
         chunk: int = 64,
+        value_normalizer: float = 0.0,
     ) -> tuple[float, dict[str, float]]:
         """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``.
 
-        ``loss`` is a name in ``learners.LOSSES``; penalty terms ride in ``loss_config`` under
-        their own names (``{"kl_k3": 0.05, "entropy": 0.01}``: see
-        :func:`learners.losses.split_penalties`) and share the normalizer. Inputs the losses
-        need and the datums lack are computed here: ``ref_logprobs`` (the base model, adapter
-        off, no gradient, at the loss positions only) and ``entropy`` (full-vocabulary, from
-        logits that exist anyway). Policy losses always get ``entropy`` for their diagnostics.
+        ``loss`` is a name in ``learners.LOSSES``. Terms ride in ``loss_config`` under their
+        own names with their coefficients (:func:`learners.losses.split_terms`): penalties
+        (``{"kl_k3": 0.05, "entropy": 0.01}``) share the normalizer; ``value`` (the critic's
+        clipped loss on the adapter's value head, ``value_clip`` in ``loss_config``) is
+        divided by ``value_normalizer`` (0: ``normalizer``). The value loss may also be the
+        main loss (a critic-only step). Inputs the losses need and the datums lack are
+        computed here: ``ref_logprobs`` (the base model, adapter off, no gradient, at the
+        loss positions only) and ``entropy`` (full-vocabulary, from logits that exist anyway).
+        Policy losses always get ``entropy`` for their diagnostics.
+
+        Log-probs are taken where ``mask`` is nonzero, values where ``value_mask`` is (with
+        ``value_targets`` and ``old_values`` there), from ONE pass of the body over the union
+        of those positions; only log-prob positions go through the vocabulary projection.
 
         Returns the normalised loss (all terms) and metrics: the main loss's diagnostics
-        (token-weighted over chunks, or pair-weighted; the log-prob mismatch quantiles are
-        exact over the whole call), each penalty's as ``<term>/<metric>``, and each term's
-        normalised loss as ``term/<name>``.
+        (token-weighted over chunks, or pair-weighted; the log-prob mismatch quantiles and
+        the critic's ``explained_variance`` are exact over the whole call), each term's as
+        ``<term>/<metric>``, and each term's normalised loss as ``term/<name>``.
         """
         if not normalizer > 0:
             raise ValueError(f"ForwardBackward.normalizer must be > 0, got {normalizer}")
+        if not value_normalizer >= 0:
+            raise ValueError(f"ForwardBackward.value_normalizer must be >= 0, got {value_normalizer}")
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; known: {sorted(LOSSES)}")
         spec = LOSSES[loss]
-        if spec.kind is LossKind.VALUE or spec.kind is LossKind.PENALTY:
+        if spec.kind is LossKind.PENALTY:
             raise ValueError(f"loss {loss!r} ({spec.kind.value}) cannot be the main loss of "
-                             "forward_backward (a value loss needs a value head; a penalty is "
-                             "added to another loss through loss_config)")
-        config, terms = split_penalties(loss_config)
+                             "forward_backward (a penalty is added to another loss through loss_config)")
+        config, terms = split_terms(loss_config)
+        if loss in terms:
+            raise ValueError(f"loss_config names the main loss {loss!r} as a term")
         state = self._trainable(adapter, "forward_backward")
-        self._check_datums(datums)
+        norms = {LossKind.VALUE: value_normalizer or normalizer}
+        # (name, config, metric prefix, normalizer): the main loss, then each term.
+        jobs = [(loss, config, "", norms.get(spec.kind, normalizer))] + [
+            (t, {**config, "coef": c} if LOSSES[t].kind is LossKind.VALUE else {"coef": c}, f"{t}/",
+             norms.get(LOSSES[t].kind, normalizer)) for t, c in terms.items()]
+        on_values = [j for j in jobs if LOSSES[j[0]].kind is LossKind.VALUE]
+        on_logp = [j for j in jobs if LOSSES[j[0]].kind is not LossKind.VALUE]
+        named = state.critic(adapter, "forward_backward with the 'value' loss") if on_values else {}
+        self._check_datums(datums, ("mask", *(VALUE_INPUTS if on_values else ())))
         given = set(datums[0].loss_inputs) if datums else set()
-        needs = spec.needs.union(*(LOSSES[t].needs for t in terms))
+        needs = set().union(*(LOSSES[j[0]].needs for j in on_logp))
         want_ref = "ref_logprobs" in needs and "ref_logprobs" not in given
         policy = spec.kind is LossKind.POLICY
-        want_entropy = ("entropy" in needs or policy) and "entropy" not in given
-        acc = _Metrics()
-        logp_all: list[torch.Tensor] = []
-        sampler_all: list[torch.Tensor] = []
-        for part in _chunks(datums, chunk):
+        want_entropy = bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given
+        acc = MetricSums()
+        seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
+        lm_head = self._inner().lm_head
+        for part in chunks(datums, chunk):
             seqs = [d.tokens for d in part]
-            masks = [d.loss_inputs["mask"] for d in part]
+            masks = [np.asarray(d.loss_inputs["mask"]) if on_logp else np.zeros(len(d.tokens)) for d in part]
+            vmasks = [np.asarray(d.loss_inputs["value_mask"]) if on_values else np.zeros(len(d.tokens))
+                      for d in part]
             ref_N = None
             if want_ref:
                 with torch.no_grad(), self._select(None):
                     ref_N = self._logp_at(seqs, masks, self.share_prefix).logp_N
             with self._select(adapter), self._grad(state):
-                sel = self._logp_at(seqs, masks, self.share_prefix, entropy=want_entropy,
-                                    entropy_grad="entropy" in terms)
-                if sel.logp_N.numel() == 0:
+                hidden = self._hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
+                if len(hidden.tokens_U) == 0:
                     continue
-                inputs = {
-                    k: torch.as_tensor(
-                        np.concatenate([np.asarray(d.loss_inputs[k])[pos] for d, pos in zip(part, sel.taken)]),
-                        dtype=torch.float32, device=self.device,
-                    )
-                    for k in given - {"mask"}
-                }
-                if ref_N is not None:
-                    inputs["ref_logprobs"] = ref_N
-                if sel.entropy_N is not None:
-                    inputs["entropy"] = sel.entropy_N
-                out = compute_loss(loss, sel.logp_N, inputs, config)
-                total_loss = out.loss_sum
-                acc.add("", out.metrics, term=(loss, out.loss_sum, normalizer))
-                for term, coef in terms.items():
-                    extra = compute_loss(term, sel.logp_N, inputs, {"coef": coef})
-                    total_loss = total_loss + extra.loss_sum
-                    acc.add(f"{term}/", extra.metrics, term=(term, extra.loss_sum, normalizer))
-                (total_loss / normalizer).backward()
-            if policy:
-                logp_all.append(sel.logp_N.detach())
-                sampler_all.append(inputs["sampler_logprobs"])
+                total_loss = torch.zeros((), device=self.device)
+                outputs: list[tuple[list, torch.Tensor, dict[str, torch.Tensor]]] = []
+                if on_logp:
+                    logp_N, entropy_N = project_logprobs(lm_head, hidden, hidden.at(masks), want_entropy,
+                                                         "entropy" in terms)
+                    inputs = gather(part, masks, given - {"mask", *VALUE_INPUTS}, self.device)
+                    if ref_N is not None:
+                        inputs["ref_logprobs"] = ref_N
+                    if entropy_N is not None:
+                        inputs["entropy"] = entropy_N
+                    outputs.append((on_logp, logp_N, inputs))
+                    if policy:
+                        seen["logp"].append(logp_N.detach())
+                        seen["sampler"].append(inputs["sampler_logprobs"])
+                if on_values:
+                    values_N = value_head.apply(named, hidden.h_U_H[hidden.at(vmasks)])
+                    vinputs = gather(part, vmasks, ("value_targets", "old_values"), self.device)
+                    outputs.append((on_values, values_N, vinputs))
+                    seen["values"].append(values_N.detach())
+                    seen["targets"].append(vinputs["value_targets"])
+                for todo, first_N, inputs in outputs:
+                    for name, cfg, prefix, norm in todo:
+                        out = compute_loss(name, first_N, inputs, cfg)
+                        total_loss = total_loss + out.loss_sum / norm
+                        acc.add(prefix, out.metrics, term=(name, out.loss_sum, norm))
+                total_loss.backward()
         state.pending_grad = True
         metrics = acc.result()
-        if policy and logp_all:
-            metrics.update(logprob_mismatch(torch.cat(logp_all), torch.cat(sampler_all)))
+        if policy and seen["logp"]:
+            metrics.update(logprob_mismatch(torch.cat(seen["logp"]), torch.cat(seen["sampler"])))
+        for _, _, prefix, _ in on_values:
+            if seen["values"]:
+                metrics[prefix + "explained_variance"] = explained_variance(
+                    torch.cat(seen["values"]), torch.cat(seen["targets"]))
         return sum(v for k, v in metrics.items() if k.startswith("term/")), metrics
 
     def optim_step(self, adapter: str, hp: AdamParams) -> tuple[int, float]:
@@ -387,32 +469,20 @@ class ModelHost:
 
     def save(self, adapter: str, path: str) -> int:
         """Write ``adapter`` to the folder ``path`` atomically (temporary folder, then rename):
-        PEFT format, its AdamW state, its version and the base model's name and fingerprint
-        (:mod:`opentinker.adapter_io`). Returns its version."""
+        PEFT format, its value head if it has one, its AdamW state, its version and the base
+        model's name and fingerprint (:mod:`opentinker.adapter_io`). Returns its version."""
         state = self._adapter(adapter)
         meta = adapter_io.AdapterMeta(
             format=adapter_io.FORMAT, version=state.version, spec=state.spec,
             base_model=self.model_path, base_fingerprint=self.base_fingerprint,
         )
-
-        def fill(tmp: Path) -> None:
-            peft_dir = tmp / "peft"
-            self.model.save_pretrained(str(peft_dir), selected_adapters=[adapter])
-            # PEFT writes a non-"default" adapter into a subfolder named after it.
-            src = peft_dir / adapter if (peft_dir / adapter / "adapter_config.json").is_file() else peft_dir
-            for f in src.iterdir():
-                f.rename(tmp / f.name)
-            shutil.rmtree(peft_dir)
-            adapter_io.save_tensors(tmp, adapter_io.OPTIMIZER, adapter_io.optimizer_tensors(state.optimizer, state.named))
-            adapter_io.write_meta(tmp, meta)
-
-        adapter_io.write_folder(Path(path), fill)
+        adapter_io.write_adapter(Path(path), self.model, adapter, state.named, state.optimizer, meta)
         return state.version
 
     @torch.no_grad()
     def load(self, path: str, name: str, trainable: bool = True) -> int:
-        """Load a folder written by :meth:`save` as adapter ``name``: weights, AdamW state (for
-        a trainable adapter) and version (returned).
+        """Load a folder written by :meth:`save` as adapter ``name``: weights (and value head),
+        AdamW state (for a trainable adapter) and version (returned).
 
         Raises:
             ValueError: naming ``path`` and the fault: no such folder, a missing or corrupt
@@ -427,66 +497,12 @@ class ModelHost:
                 f"{meta.base_fingerprint}); this host serves {self.model_path!r} "
                 f"(fingerprint {self.base_fingerprint})"
             )
-        weights = adapter_io.read_tensors(folder, adapter_io.WEIGHTS)
-        moments = adapter_io.read_tensors(folder, adapter_io.OPTIMIZER) if trainable else {}
+        weights, moments = adapter_io.read_adapter(folder, meta.spec, trainable)
         state = self._add_peft(name, meta.spec, trainable=trainable)
         try:
-            for key, p in state.named.items():
-                if key not in weights or weights[key].shape != p.shape:
-                    got = tuple(weights[key].shape) if key in weights else "missing"
-                    raise ValueError(f"{folder / adapter_io.WEIGHTS}: {key} is {got}, the spec "
-                                     f"{meta.spec} needs {tuple(p.shape)}")
-                p.copy_(weights[key])
-            if state.optimizer is not None:
-                adapter_io.restore_optimizer(state.optimizer, state.named, moments,
-                                             str(folder / adapter_io.OPTIMIZER))
+            adapter_io.restore(folder, meta.spec, state.named, state.optimizer, weights, moments)
         except Exception:
             self.drop_adapter(name)
             raise
         state.version = meta.version
         return state.version
-
-
-class _Metrics:
-    """Accumulates loss diagnostics over chunks: ``n_*`` counts are summed, other metrics
-    averaged weighted by the chunk's ``n_pairs`` (preference losses) or ``n_tokens``."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-
-    def add(self, prefix: str, metrics: Mapping[str, float], term: tuple[str, torch.Tensor, float]) -> None:
-        weight = float(metrics.get("n_pairs", metrics.get("n_tokens", 1.0)))
-        for k, v in metrics.items():
-            key = prefix + k
-            if k.startswith("n_"):
-                self.sums[key] = self.sums.get(key, 0.0) + float(v)
-                self.weights[key] = 1.0
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + float(v) * weight
-                self.weights[key] = self.weights.get(key, 0.0) + weight
-        name, loss_sum, normalizer = term
-        key = f"term/{name}"
-        self.sums[key] = self.sums.get(key, 0.0) + float(loss_sum.detach()) / normalizer
-        self.weights[key] = 1.0
-
-    def result(self) -> dict[str, float]:
-        return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
-
-
-def _chunks(datums: Sequence[Datum], size: int) -> Iterator[Sequence[Datum]]:
-    """Consecutive slices of about ``size`` datums; datums of one preference pair (equal
-    ``pair_id``) are never split, since a pair's loss is not a sum over its tokens."""
-    def pair(d: Datum) -> float | None:
-        if "pair_id" not in d.loss_inputs:
-            return None
-        ids = np.asarray(d.loss_inputs["pair_id"])[np.asarray(d.loss_inputs["mask"]) != 0]
-        return float(ids[0]) if len(ids) else None
-
-    start = 0
-    while start < len(datums):
-        end = min(start + size, len(datums))
-        while end < len(datums) and pair(datums[end]) is not None and pair(datums[end]) == pair(datums[end - 1]):
-            end += 1
-        yield datums[start:end]
-        start = end

@@ -38,14 +38,16 @@ from protocols.messages import (
     Saved,
     SchedulerStats,
     SnapshotAdapter,
+    ValuesRequest,
+    ValuesResult,
 )
 
 log = logging.getLogger(__name__)
 
 
 COMPUTE_OPS = (
-    SampleRequest, LogprobsRequest, CreateAdapter, DropAdapter, SnapshotAdapter, LoadAdapter,
-    ForwardBackward, OptimStep, SaveAdapter,
+    SampleRequest, LogprobsRequest, ValuesRequest, CreateAdapter, DropAdapter, SnapshotAdapter,
+    LoadAdapter, ForwardBackward, OptimStep, SaveAdapter,
 )
 """Requests that queue for the compute thread."""
 
@@ -106,7 +108,7 @@ class Scheduler:
         if isinstance(msg, SchedulerStats):
             return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
         if not isinstance(msg, COMPUTE_OPS):
-            raise ValueError(f"the scheduler does not serve {type(msg).__name__}")
+            raise TypeError(f"the scheduler does not serve {type(msg).__name__}")
         loop = asyncio.get_running_loop()
         job = _Job(msg, loop.create_future(), loop)
         with self._cv:
@@ -227,10 +229,13 @@ class Scheduler:
         self.compute_counters[type(msg).__name__] += 1
         if isinstance(msg, LogprobsRequest):
             return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))
+        if isinstance(msg, ValuesRequest):
+            return ValuesResult(values=host.values(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))
         if isinstance(msg, CreateAdapter):
             return AdapterInfo(name=msg.name, version=host.create_adapter(msg.name, msg.spec))
         if isinstance(msg, ForwardBackward):
-            loss, metrics = host.forward_backward(msg.adapter, msg.datums, msg.loss, msg.loss_config, msg.normalizer)
+            loss, metrics = host.forward_backward(msg.adapter, msg.datums, msg.loss, msg.loss_config, msg.normalizer,
+                                                  value_normalizer=msg.value_normalizer)
             return ForwardBackwardResult(loss=loss, metrics=metrics)
         if isinstance(msg, OptimStep):
             version, grad_norm = host.optim_step(msg.adapter, msg.params)

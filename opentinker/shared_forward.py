@@ -1,4 +1,5 @@
-"""Log-probs of selected tokens, computing every shared piece of the batch once.
+"""Hidden states and log-probs at selected positions, computing every shared piece of the
+batch once.
 
 A training batch of dialogue turns is mostly repetition: every sequence starts with the same
 system prompt and game header, many turns share the whole prompt (the same information
@@ -11,8 +12,10 @@ row in full; a test checks it):
    first loss token), once, continuing from the prefix's KV cache copied to each context;
 3. each distinct sequence's *tail*, continuing from its context's KV cache.
 
-Then the 49k-row vocabulary projection runs only on the hidden states that predict a loss
-token. Cache copies are ``index_select`` s, so gradients flow back into the shared levels.
+:func:`selected_hidden` returns the final hidden states that predict the selected tokens;
+the 49k-row vocabulary projection then runs only on those that predict a loss token
+(:func:`project_logprobs`), and a value head only on those at value positions. Cache copies
+are ``index_select`` s, so gradients flow back into the shared levels.
 """
 
 from __future__ import annotations
@@ -115,25 +118,44 @@ def _project(
     return torch.cat(logps), (torch.cat(entropies) if entropy else None)
 
 
-def selected_logprobs(
+class Hidden(NamedTuple):
+    """What :func:`selected_hidden` returns: the body's hidden states that predict the
+    selected tokens, each distinct (sequence, positions) row computed once."""
+
+    h_U_H: torch.Tensor
+    """``float[U, H]``: for each selected position ``t`` of each DISTINCT row, the final
+    hidden state at ``t - 1`` (it has read tokens ``< t``), in (row, position) order."""
+    tokens_U: torch.Tensor
+    """``int64[U]``: the token at each of those positions (the vocabulary projection's target)."""
+    rows: list[np.ndarray]
+    """Per input row, ``int64[n_i]``: the entries of ``h_U_H`` of its selected positions."""
+    taken: list[np.ndarray]
+    """Per input row, its selected positions (ascending)."""
+
+    def at(self, masks: Sequence[np.ndarray] | None = None) -> torch.Tensor:
+        """``int64[N]`` entries of ``h_U_H``, in (row, position) order, of the selected
+        positions where ``masks[i]`` is nonzero (``None``: every selected position)."""
+        if masks is None:
+            parts = self.rows
+        else:
+            parts = [r[np.asarray(m)[p] != 0] for r, p, m in zip(self.rows, self.taken, masks)]
+        index = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return torch.as_tensor(index.astype(np.int64), device=self.h_U_H.device)
+
+
+def selected_hidden(
     body: torch.nn.Module,
-    lm_head: torch.nn.Module,
     seqs: Sequence[np.ndarray],
     masks: Sequence[np.ndarray],
     pad_id: int,
     device: torch.device,
     share: bool = True,
-    entropy: bool = False,
-    entropy_grad: bool = False,
-) -> Selected:
-    """``logp_N`` of the tokens at positions where ``masks[i]`` is nonzero (position 0 never
-    counts), in (row, position) order, and each row's positions.
+) -> Hidden:
+    """Final hidden states before the positions where ``masks[i]`` is nonzero (position 0
+    never counts: nothing precedes it), running the shared prefix, contexts and tails once.
 
     ``body`` maps ``input_ids`` to ``last_hidden_state`` (a Llama-style decoder with a KV
-    cache); ``lm_head`` maps hidden states to logits. ``share=False`` runs every row in full.
-    ``entropy``: also return the full-vocabulary entropy at each selected position; it costs
-    one more ``N x V`` elementwise pass over logits that exist anyway (differentiable only
-    with ``entropy_grad``, e.g. for an entropy bonus; else a detached diagnostic).
+    cache, whose output is after the final norm). ``share=False`` runs every row in full.
     """
     taken = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
     as64 = [np.asarray(s, dtype=np.int64) for s in seqs]
@@ -144,9 +166,11 @@ def selected_logprobs(
     useqs = [as64[i] for i in reps]
     upos = [taken[i] for i in reps]
     U = len(useqs)
-    if U == 0 or sum(len(p) for p in upos) == 0:
-        empty = torch.zeros(0, device=device)
-        return Selected(empty, taken, empty if entropy else None)
+    starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])]).astype(np.int64)
+    row_index = [np.arange(starts[u], starts[u + 1], dtype=np.int64) for u in inverse]
+    if U == 0 or starts[-1] == 0:
+        return Hidden(torch.zeros((0, 0), device=device), torch.zeros(0, dtype=torch.long, device=device),
+                      row_index, taken)
 
     # Level 1: the common prefix; level 2: contexts up to the token before the first loss token.
     P = _lcp(useqs) if share and U > 1 else 0
@@ -220,9 +244,47 @@ def selected_logprobs(
         if h_N is not None:
             h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
         h_N = h_all.index_copy(0, torch.as_tensor(sel1, device=device), h1[torch.as_tensor(before[sel1], device=device)])
-    ulogp_N, uentropy_N = _project(lm_head, h_N, targets, entropy, entropy_grad)
-    starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])])
-    index = torch.as_tensor(
-        np.concatenate([np.arange(starts[u], starts[u + 1]) for u in inverse]).astype(np.int64), device=device
-    )
-    return Selected(ulogp_N[index], taken, None if uentropy_N is None else uentropy_N[index])
+    return Hidden(h_N, targets, row_index, taken)
+
+
+def project_logprobs(
+    lm_head: torch.nn.Module, hidden: Hidden, index_N: torch.Tensor, entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies, if asked) of the tokens at the hidden rows ``index_N``
+    (``int64[N]``, from :meth:`Hidden.at`): each distinct row goes through the vocabulary
+    projection once, in blocks of :data:`HEAD_ROWS`."""
+    if index_N.numel() == 0:
+        empty = torch.zeros(0, device=hidden.h_U_H.device)
+        return empty, (empty if entropy else None)
+    distinct, inverse_N = torch.unique(index_N, return_inverse=True)
+    if distinct.numel() == hidden.h_U_H.shape[0]:  # every row (unique sorts: distinct == arange)
+        h, targets = hidden.h_U_H, hidden.tokens_U
+    else:
+        h, targets = hidden.h_U_H[distinct], hidden.tokens_U[distinct]
+    logp, ent = _project(lm_head, h, targets, entropy, entropy_grad)
+    return logp[inverse_N], (None if ent is None else ent[inverse_N])
+
+
+def selected_logprobs(
+    body: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    seqs: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    pad_id: int,
+    device: torch.device,
+    share: bool = True,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> Selected:
+    """``logp_N`` of the tokens at positions where ``masks[i]`` is nonzero (position 0 never
+    counts), in (row, position) order, and each row's positions.
+
+    ``body`` and ``share`` as in :func:`selected_hidden`; ``lm_head`` maps hidden states to
+    logits. ``entropy``: also return the full-vocabulary entropy at each selected position; it
+    costs one more ``N x V`` elementwise pass over logits that exist anyway (differentiable
+    only with ``entropy_grad``, e.g. for an entropy bonus; else a detached diagnostic).
+    """
+    hidden = selected_hidden(body, seqs, masks, pad_id, device, share)
+    logp_N, entropy_N = project_logprobs(lm_head, hidden, hidden.at(), entropy, entropy_grad)
+    return Selected(logp_N, hidden.taken, entropy_N)

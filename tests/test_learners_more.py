@@ -20,11 +20,12 @@ from learners import (
     compute_loss,
     discounted_returns,
     dpo,
+    explained_variance,
     gae_1d,
     ipo,
     losses_of_kind,
     sequence_mean,
-    split_penalties,
+    split_terms,
     token_sum,
 )
 from learners.losses import register_loss
@@ -213,9 +214,12 @@ def test_one_registry_and_penalty_terms_by_name() -> None:
     with pytest.raises(ValueError, match=r"'nope'.*kl_k1.*ppo.*value"):
         compute_loss("nope", torch.zeros(1), {}, {})
     with pytest.raises(ValueError, match=r"'value'.*'old_values'"):
-        compute_loss("value", torch.zeros(1), {"returns": torch.zeros(1)}, {})
-    config, terms = split_penalties({"clip_low": 0.2, "kl_k3": 0.05, "entropy": 0.0, "kl_k1": 1})
+        compute_loss("value", torch.zeros(1), {"value_targets": torch.zeros(1)}, {})
+    config, terms = split_terms({"clip_low": 0.2, "kl_k3": 0.05, "entropy": 0.0, "kl_k1": 1})
     assert config == {"clip_low": 0.2} and terms == {"kl_k3": 0.05, "kl_k1": 1.0}
+    # The critic's loss rides the same way; its clip range stays in the shared config.
+    config, terms = split_terms({"clip_low": 0.2, "value": 0.5, "value_clip": 0.1})
+    assert config == {"clip_low": 0.2, "value_clip": 0.1} and terms == {"value": 0.5}
 
 
 def test_value_loss_hand_computed_and_gradient() -> None:
@@ -223,7 +227,7 @@ def test_value_loss_hand_computed_and_gradient() -> None:
     # Token 1: v 2, R 3, old 1 -> clip(2) = 1.5: max(1, 2.25) = 2.25, grad 0 (clipped).
     # Token 2: v 1, R 1, old 1 -> 0, grad 0.
     values_N = torch.tensor([2.0, 2.0, 1.0], requires_grad=True)
-    inputs = {"returns": torch.tensor([0.0, 3.0, 1.0]), "old_values": torch.ones(3)}
+    inputs = {"value_targets": torch.tensor([0.0, 3.0, 1.0]), "old_values": torch.ones(3)}
     out = compute_loss("value", values_N, inputs, {"value_clip": 0.5})
     assert out.loss_sum.item() == pytest.approx(0.5 * (4.0 + 2.25 + 0.0))
     out.loss_sum.backward()
@@ -232,8 +236,22 @@ def test_value_loss_hand_computed_and_gradient() -> None:
     assert out.metrics["value_clip_frac"] == pytest.approx(1 / 3)
     assert out.metrics["value_mse"] == pytest.approx(5 / 3)
     assert out.metrics["n_tokens"] == 3.0
+    assert out.metrics["value_mean"] == pytest.approx(5 / 3) and out.metrics["target_mean"] == pytest.approx(4 / 3)
     unclipped = compute_loss("value", values_N, inputs, {"value_clip": 0.0})
     assert unclipped.loss_sum.item() == pytest.approx(0.5 * (4.0 + 1.0))
+    scaled = compute_loss("value", values_N, inputs, {"value_clip": 0.5, "coef": 0.25})
+    assert scaled.loss_sum.item() == pytest.approx(0.25 * out.loss_sum.item())
+
+
+def test_explained_variance_hand_computed() -> None:
+    targets = torch.tensor([1.0, 2.0, 3.0, 4.0])  # Var = 1.25
+    values = torch.tensor([1.0, 2.0, 2.0, 5.0])  # R - V = [0, 0, 1, -1]: Var = 0.5
+    assert explained_variance(values, targets) == pytest.approx(1 - 0.5 / 1.25)
+    assert explained_variance(targets, targets) == 1.0
+    assert explained_variance(torch.full((4,), 2.5), targets) == pytest.approx(0.0)  # a constant
+    assert explained_variance(targets.flip(0), targets) < 0  # worse than a constant
+    assert explained_variance(values, torch.ones(4)) == 0.0  # nothing to explain
+    assert explained_variance(values[:1], targets[:1]) == 0.0
 
 
 def test_entropy_loss_hand_computed_and_gradient() -> None:
@@ -301,7 +319,7 @@ def test_objectives_empty_and_split_invariance(name: str) -> None:
     n = 11
     first = torch.randn(n, generator=gen)
     inputs = {
-        "returns": torch.randn(n, generator=gen),
+        "value_targets": torch.randn(n, generator=gen),
         "old_values": torch.randn(n, generator=gen),
         "entropy": torch.rand(n, generator=gen),
         "ref_logprobs": -torch.rand(n, generator=gen),
