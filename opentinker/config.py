@@ -14,12 +14,18 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from protocols.messages import LoraSpec
+
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 Prob = Annotated[float, Meta(gt=0, le=1)]
 
 SPECIAL_OPPONENTS = ("self", "base")
+
+CRITIC_ADVANTAGES = ("gae",)
+"""Advantage estimators that need a learned critic (``learners.ADVANTAGES[name].needs_values``;
+a test keeps the two in agreement, so this module needs no torch import)."""
 
 
 class _Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -60,7 +66,8 @@ class TrainConfig(_Config):
     """Advantage estimator, a name in ``learners.ADVANTAGES``: ``dr_grpo``, ``grpo``, ``rloo``
     (group-relative), ``reinforce_ema`` (moving-average baseline), ``role_ema`` (one baseline
     per game and seat, SPIRAL's RAE), ``turn_returns`` (per-turn discounted returns, turn-level
-    credit). ``gae`` needs a learned critic, which jobs do not have yet."""
+    credit), ``gae`` (GAE over turns with a learned critic: the policy's adapter gets a value
+    head, trained with the value loss beside the policy loss: PPO with a critic)."""
     loss: str = "ppo"
     """Policy loss, a name in ``learners.LOSSES`` of kind policy: ``ppo``,
     ``importance_sampling``, ``cispo``."""
@@ -74,7 +81,14 @@ class TrainConfig(_Config):
     is_truncation: PosFloat = 2.0
     """Truncation of the importance weight of ``importance_sampling``."""
     gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
-    """Discount over a seat's turns (``turn_returns``)."""
+    """Discount over a seat's turns (``turn_returns``, ``gae``)."""
+    lam: Annotated[float, Meta(ge=0, le=1)] = 0.95
+    """GAE's lambda (``gae``): 1 gives returns minus values, 0 the one-step TD error."""
+    value_coef: Annotated[float, Meta(gt=0)] = 0.5
+    """Coefficient of the critic's value loss (``gae``), a mean over turns, added to the
+    policy loss (PPO's ``c1``)."""
+    value_clip: Annotated[float, Meta(ge=0)] = 0.2
+    """Clip range of the value loss around the values at scoring time (``gae``); 0 disables."""
     ema_decay: Annotated[float, Meta(ge=0, lt=1)] = 0.9
     """Decay of the moving-average baselines (``reinforce_ema``, ``role_ema``)."""
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
@@ -96,9 +110,16 @@ class TrainConfig(_Config):
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"train.dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
 
+    @property
+    def critic(self) -> bool:
+        """Whether this policy trains a critic (its estimator needs values): its adapter then
+        has a value head and its loss a ``value`` term."""
+        return self.advantage in CRITIC_ADVANTAGES
+
     def loss_config(self) -> dict[str, float]:
-        """``ForwardBackward.loss_config`` of this policy: the policy loss's settings, and each
-        penalty's coefficient under the penalty's loss name (``kl_k3``, ``entropy``)."""
+        """``ForwardBackward.loss_config`` of this policy: the policy loss's settings, each
+        penalty's coefficient under the penalty's loss name (``kl_k3``, ``entropy``), and with
+        a critic the value loss's (``value``, ``value_clip``)."""
         out = {"clip_low": self.clip_low, "clip_high": self.clip_high,
                "is_truncation": self.is_truncation, "eps_high": self.clip_high}
         if self.dual_clip:
@@ -107,11 +128,13 @@ class TrainConfig(_Config):
             out[f"kl_{self.kl_estimator}"] = self.kl_coef
         if self.entropy_coef:
             out["entropy"] = self.entropy_coef
+        if self.critic:
+            out.update(value=self.value_coef, value_clip=self.value_clip)
         return out
 
     def advantage_config(self) -> dict[str, float]:
         """The advantage estimator's config."""
-        return {"gamma": self.gamma, "decay": self.ema_decay}
+        return {"gamma": self.gamma, "decay": self.ema_decay, "lam": self.lam}
 
 
 SCHEDULE_FIELDS = ("steps", "groups_per_step", "group_size", "record_trajectories")
@@ -219,6 +242,13 @@ class JobConfig(_Config):
             return msgspec.convert({**msgspec.to_builtins(self.train), **p.train}, TrainConfig)
         except msgspec.ValidationError as e:
             raise ValueError(f"{where}: {e}") from None
+
+    def lora_spec(self, policy: str) -> LoraSpec:
+        """The ``LoraSpec`` of ``policy``'s adapter: its LoRA settings, seeded from the job's
+        seed, with a value head when the policy trains a critic (:attr:`TrainConfig.critic`)."""
+        (p,) = [p for p in self.policies if p.name == policy]
+        return LoraSpec(rank=p.lora_rank, alpha=p.lora_alpha, target_modules=tuple(p.target_modules),
+                        seed=self.seed, value_head=self.train_for(policy).critic)
 
     def run_name(self) -> str:
         """``{game}__{name}__{seed}__{time}``, as CleanRL names runs."""

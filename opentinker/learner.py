@@ -5,6 +5,13 @@ scheduler for ``forward_backward`` and ``optim_step``. The algorithm itself live
 ``learners`` as pure functions; this actor owns the I/O and the estimator's state (the
 moving-average baselines of ``reinforce_ema`` and ``role_ema``), which it reports in its
 metrics and checkpoints with :meth:`Learner.state_dict` / :meth:`Learner.load_state_dict`.
+
+With a critic estimator (``gae``) a step is PPO with a learned value function: ask the
+scheduler for the critic's values of the step's sequences (``ValuesRequest``, before any
+update, so they are the "old" values), read each turn's value at its decision position,
+compute GAE advantages and lambda-return targets, and send ONE ``ForwardBackward`` whose
+datums carry both the policy's and the value loss's inputs (``loss_config`` holds the
+``value`` coefficient; the value term is a mean over turns via ``value_normalizer``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from learners import (
     ADVANTAGES,
     LOSSES,
@@ -24,6 +33,7 @@ from learners import (
     loss_token_count,
     losses_of_kind,
     sort_trajectories,
+    trajectory_tokens,
 )
 from opentinker import trajectory_log
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
@@ -38,6 +48,8 @@ from protocols.messages import (
     OptimStep,
     OptimStepResult,
     Trajectory,
+    ValuesRequest,
+    ValuesResult,
 )
 
 log = logging.getLogger(__name__)
@@ -46,12 +58,9 @@ log = logging.getLogger(__name__)
 def check_algorithms(advantage: str, loss: str, where: str = "train") -> None:
     """Raise ``ValueError`` naming an advantage estimator or policy loss a job cannot use, with
     the names it can (``where`` names the config table, e.g. ``policies[b].train``)."""
-    usable = sorted(n for n, e in ADVANTAGES.items() if not e.needs_values)
     if advantage not in ADVANTAGES:
-        raise ValueError(f"{where}.advantage {advantage!r} is not an advantage estimator; known: {usable}")
-    if ADVANTAGES[advantage].needs_values:
-        raise ValueError(f"{where}.advantage {advantage!r} needs a learned critic (a value head), "
-                         f"which jobs do not have yet; use one of {usable}")
+        raise ValueError(f"{where}.advantage {advantage!r} is not an advantage estimator; "
+                         f"known: {sorted(ADVANTAGES)}")
     policy_losses = losses_of_kind(LossKind.POLICY)
     if loss not in LOSSES or LOSSES[loss].kind is not LossKind.POLICY:
         hint = f" ({loss} is a {LOSSES[loss].kind.value} loss)" if loss in LOSSES else ""
@@ -149,15 +158,17 @@ class Learner:
                 raise TimeoutError(
                     f"learner {self.policy}: step {msg.step} has {got} of {msg.expected} trajectories"
                 ) from None
-            trajectories = list(self._by_step.pop(msg.step).values())
+            trajectories = sort_trajectories(list(self._by_step.pop(msg.step).values()))
+        values = await self._values(trajectories)
         datums, metrics, new_state = assemble(
-            trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game
+            trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
         )
         n_tokens = loss_token_count(datums)
+        n_values = loss_token_count(datums, "value_mask") if values is not None and datums else 0
         fb = await self.scheduler.request(
             ForwardBackward(
                 adapter=self.policy, datums=datums, loss=self.loss, loss_config=self.loss_config,
-                normalizer=float(max(n_tokens, 1)),
+                normalizer=float(max(n_tokens, 1)), value_normalizer=float(max(n_values, 1)),
             )
         )
         assert isinstance(fb, ForwardBackwardResult)
@@ -174,10 +185,20 @@ class Learner:
         self.advantage_state = new_state
         self.steps_trained += 1
         if self.record_path:
-            trajectory_log.append(self.record_path, sort_trajectories(trajectories), self.game)
+            trajectory_log.append(self.record_path, trajectories, self.game)
         if new_state is not None:
             metrics.update({f"baseline/{k}": v for k, v in new_state.baselines.items()})
         return LearnerStepResult(step=msg.step, version=opt.version, metrics=metrics)
+
+    async def _values(self, ordered: list[Trajectory]) -> list[np.ndarray] | None:
+        """The critic's values along each trajectory's sequence, for an estimator that needs
+        them (else ``None``); taken before this step's update, so they are the old values."""
+        if not ADVANTAGES[self.advantage].needs_values or not ordered:
+            return None
+        reply = await self.scheduler.request(
+            ValuesRequest(adapter=self.policy, sequences=[trajectory_tokens(t) for t in ordered]))
+        assert isinstance(reply, ValuesResult)
+        return reply.values
 
     def state_dict(self) -> dict[str, Any]:
         """What this learner carries from step to step, as plain JSON-able data."""

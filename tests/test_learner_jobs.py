@@ -1,7 +1,8 @@
 """Every learner selectable by name in a job, run for real on the local backend with
-tiny-random: one job trains six policies side by side (one per advantage estimator, each
-policy loss, a KL and an entropy term), sharing one scheduler and base model; the learner's
-estimator state is reported, checkpointed and restored; a bad name is refused before start."""
+tiny-random: one job trains seven policies side by side (one per advantage estimator, GAE with
+a learned critic among them, each policy loss, a KL and an entropy term), sharing one
+scheduler and base model; the learner's estimator state is reported, checkpointed and
+restored; a bad name is refused before start."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ POLICIES = {
     "p_role": ({"self": 1}, {"advantage": "role_ema", "entropy_coef": 0.01, "ema_decay": 0.5}),
     "p_turn": ({"random": 1}, {"advantage": "turn_returns", "gamma": 0.9, "kl_coef": 0.05,
                                "kl_estimator": "k1", "loss": "cispo"}),
+    "p_gae": ({"random": 1}, {"advantage": "gae", "gamma": 0.9, "lam": 0.8, "value_coef": 0.5}),
 }
 
 
@@ -84,6 +86,13 @@ def test_every_learner_trains_in_one_job_with_its_diagnostics(job) -> None:
     assert roles and roles <= {f"train/p_role/baseline/{GAME}/player_{i}" for i in (0, 1)}
     assert "train/p_ema/baseline/all" in m
     assert not [k for k in m if "/baseline/" in k and not k.startswith(("train/p_role", "train/p_ema"))]
+    # PPO with a critic: the value loss at one position per turn, beside the policy loss. The
+    # fresh value head is zero at step 1 and has learned something by step 2.
+    for step in (first, m):
+        assert step["train/p_gae/loss/value/n_tokens"] == step["train/p_gae/n_value_positions"] == step["train/p_gae/turns"]
+        assert step["train/p_gae/loss/term/value"] > 0.0 and "train/p_gae/loss/value/explained_variance" in step
+    assert first["train/p_gae/loss/value/value_mean"] == 0.0 and m["train/p_gae/loss/value/value_mean"] != 0.0
+    assert not [k for k in m if "/loss/value/" in k and not k.startswith("train/p_gae")]
 
 
 def test_learner_state_round_trips_and_is_restored(job) -> None:
@@ -112,11 +121,10 @@ def test_bad_names_are_refused_before_start_with_the_known_ones(tiny_path) -> No
             {"name": "main", "train": policy_train or {}}]}, JobConfig)
 
     with pytest.raises(ValueError, match=r"train.advantage 'ppo' is not an advantage estimator; "
-                                         r"known: \['dr_grpo', 'grpo', 'reinforce_ema', 'rloo', "
-                                         r"'role_ema', 'turn_returns'\]"):
+                                         r"known: \['dr_grpo', 'gae', 'grpo', 'reinforce_ema', "
+                                         r"'rloo', 'role_ema', 'turn_returns'\]"):
         check_job(cfg({"advantage": "ppo"}))
-    with pytest.raises(ValueError, match=r"'gae' needs a learned critic"):
-        check_job(cfg({"advantage": "gae"}))
+    check_job(cfg({"advantage": "gae"}))  # PPO with a learned critic
     with pytest.raises(ValueError, match=r"train.loss 'dpo' is not a policy loss \(dpo is a "
                                          r"preference loss\); known: \['cispo', "
                                          r"'importance_sampling', 'ppo'\]"):
