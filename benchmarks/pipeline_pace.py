@@ -32,7 +32,7 @@ from opentinker.models import resolve_model
 from opentinker.render import ChatTokenizer
 from opentinker.runtime import Job
 from protocols.messages import (
-    AdamParams, LoraSpec, PolicyKind, PolicyRef, RunEpisodes, SampleResult, SamplingParams,
+    AdamParams, PolicyKind, PolicyRef, RunEpisodes, SampleResult, SamplingParams,
 )
 
 
@@ -75,7 +75,7 @@ class SingleProcessLoop:
         self.cfg = cfg
         self.host = ModelHost(path, threads=os.cpu_count(), device=cfg.model.device)
         p = cfg.policies[0]
-        self.host.create_adapter(p.name, LoraSpec(rank=p.lora_rank, alpha=p.lora_alpha, target_modules=tuple(p.target_modules), seed=cfg.seed))
+        self.host.create_adapter(p.name, cfg.lora_spec(p.name))
         self.tok = ChatTokenizer(path)
 
     async def _rollout(self, step: int):

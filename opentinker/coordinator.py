@@ -34,7 +34,6 @@ from protocols.messages import (
     LearnerStepResult,
     LogprobsRequest,
     LogprobsResult,
-    LoraSpec,
     PolicyKind,
     PolicyRef,
     RunEpisodes,
@@ -89,10 +88,7 @@ class Coordinator:
         self.runners = [Client(ctx, ep, name=f"coordinator->runner{i}") for i, ep in enumerate(self.runner_endpoints)]
         self.learners = {p: Client(ctx, ep, name=f"coordinator->{p}") for p, (ep, _) in self.learner_endpoints.items()}
         for p in self.cfg.policies:
-            spec = LoraSpec(
-                rank=p.lora_rank, alpha=p.lora_alpha, target_modules=tuple(p.target_modules),
-                seed=self.cfg.seed,
-            )
+            spec = self.cfg.lora_spec(p.name)
             await self.scheduler.request(CreateAdapter(name=p.name, spec=spec), self.cfg.runtime.timeout_s)
 
     def stop(self) -> None:
