@@ -11,8 +11,12 @@ actor in a worker process of its own). Two payloads:
 
 Latency: sequential request / reply, p50 and p99 of ``--n`` round trips (``--n_large`` for
 1 MiB) after a warm-up. Throughput: the same count with ``--window`` requests in flight;
-MiB/s counts the request's bytes once per round trip (one way). "vs raw pyzmq" is the p50 over
-the raw pyzmq p50 on the same transport and payload (Ray rows: against raw pyzmq over tcp).
+MiB/s counts the request's bytes once per round trip (one way). All servers run at once and
+every row's requests are split into ``--rounds`` rounds taken in turn (the order rotating), so
+a change in the machine's load mid-run hits every row alike. Ratios, each against the same
+transport and payload (Ray rows: against raw pyzmq over tcp): "p50 vs raw" (this p50 / raw
+pyzmq's), "throughput: raw / this" (raw pyzmq's msgs/s / this), "Ray p50 / this" (how many
+times lower this latency is than a Ray actor call's).
 
     python benchmarks/bus.py --transports ipc,tcp --kinds bus_sync,bus_async,raw_zmq,ray --json bus.json
 """
@@ -55,6 +59,8 @@ class Args:
     n_large: int = 200
     warmup: int = 50
     window: int = 32
+    rounds: int = 5
+    """Each row's requests are split into this many rounds, taken in turn with the other rows."""
     transports: str = "ipc,tcp"
     kinds: str = "bus_sync,bus_async,raw_zmq,ray"
     timeout: float = 30.0
@@ -174,106 +180,130 @@ def summary(lat_s: list[float], n_tp: int, tp_s: float, nbytes: int) -> dict[str
     }
 
 
-def bench_bus(endpoint: str, msg: Message, n: int, args: Args) -> dict[str, float]:
-    async def go() -> dict[str, float]:
-        ctx = zmq.asyncio.Context()
-        client = Client(ctx, endpoint, name="bench")
-        try:
-            for _ in range(args.warmup):
-                await client.request(msg, timeout=args.timeout)
-            reply = await client.request(msg, timeout=args.timeout)
-            if isinstance(msg, LogprobsResult):
-                assert isinstance(reply, LogprobsResult) and reply.logprobs[0].nbytes == msg.logprobs[0].nbytes
-            else:
-                assert isinstance(reply, Ack), reply
+class AsyncBus:
+    """This bus's asyncio client, on an event loop of its own."""
+
+    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
+        self.msg, self.args = msg, args
+        self.loop = asyncio.new_event_loop()
+        self.ctx = zmq.asyncio.Context()
+        self.client = Client(self.ctx, endpoint, name="bench")
+        self._run(self._warmup())
+
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, self.args.timeout * 20))
+
+    async def _warmup(self) -> None:
+        for _ in range(self.args.warmup):
+            reply = await self.client.request(self.msg, timeout=self.args.timeout)
+        check_echo(self.msg, reply)
+
+    def latency(self, n: int) -> list[float]:
+        async def go() -> list[float]:
             lat = []
             for _ in range(n):
                 t = time.perf_counter()
-                await client.request(msg, timeout=args.timeout)
+                await self.client.request(self.msg, timeout=self.args.timeout)
                 lat.append(time.perf_counter() - t)
+            return lat
 
-            async def worker(count: int) -> None:
-                for _ in range(count):
-                    await client.request(msg, timeout=args.timeout)
+        return self._run(go())
 
-            w = max(1, min(args.window, n))
-            counts = [n // w + (i < n % w) for i in range(w)]
+    def throughput(self, n: int) -> float:
+        async def worker(count: int) -> None:
+            for _ in range(count):
+                await self.client.request(self.msg, timeout=self.args.timeout)
+
+        w = max(1, min(self.args.window, n))
+        counts = [n // w + (i < n % w) for i in range(w)]
+
+        async def go() -> float:
             t = time.perf_counter()
             await asyncio.gather(*(worker(c) for c in counts))
-            tp = time.perf_counter() - t
-            return summary(lat, n, tp, frame_bytes(encode(msg, 1)))
-        finally:
-            client.close()
-            ctx.destroy(linger=0)
+            return time.perf_counter() - t
 
-    return asyncio.run(asyncio.wait_for(go(), args.timeout * 20))
+        return self._run(go())
+
+    def close(self) -> None:
+        self.client.close()
+        self.ctx.destroy(linger=0)
+        self.loop.close()
 
 
-def bench_sync(endpoint: str, msg: Message, n: int, args: Args) -> dict[str, float]:
-    with SyncClient(endpoint, name="bench-sync", connect_timeout=args.timeout) as client:
+class SyncBus:
+    """This bus's blocking client."""
+
+    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
+        self.msg, self.args = msg, args
+        self.client = SyncClient(endpoint, name="bench-sync", connect_timeout=args.timeout)
         for _ in range(args.warmup):
-            client.request(msg, timeout=args.timeout)
-        reply = client.request(msg, timeout=args.timeout)
-        if isinstance(msg, LogprobsResult):
-            assert isinstance(reply, LogprobsResult) and reply.logprobs[0].nbytes == msg.logprobs[0].nbytes
-        else:
-            assert isinstance(reply, Ack), reply
+            reply = self.client.request(msg, timeout=args.timeout)
+        check_echo(msg, reply)
+
+    def latency(self, n: int) -> list[float]:
         lat = []
         for _ in range(n):
             t = time.perf_counter()
-            client.request(msg, timeout=args.timeout)
+            self.client.request(self.msg, timeout=self.args.timeout)
             lat.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        window = [client.submit(msg) for _ in range(min(args.window, n))]
-        sent = len(window)
+        return lat
+
+    def throughput(self, n: int) -> float:
+        c, t = self.client, time.perf_counter()
+        window = [c.submit(self.msg) for _ in range(min(self.args.window, n))]
         for i in range(n):
-            client.result(window[i], timeout=args.timeout)
-            if sent < n:
-                window.append(client.submit(msg))
-                sent += 1
-        tp = time.perf_counter() - t
-        return summary(lat, n, tp, frame_bytes(encode(msg, 1)))
+            c.result(window[i], timeout=self.args.timeout)
+            if len(window) < n:
+                window.append(c.submit(self.msg))
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.client.close()
 
 
-def bench_raw(endpoint: str, msg: Message, n: int, args: Args) -> dict[str, float]:
-    frames = encode(msg, 1)
-    nframes, nbytes = len(frames), frame_bytes(frames)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(args.timeout * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(args.timeout * 1000))
-    try:
-        sock.connect(endpoint)
+class RawZmq:
+    """A synchronous DEALER sending the bus's frames, already encoded, to a raw echo."""
 
-        def round_trip() -> list[zmq.Frame]:
-            sock.send_multipart(frames, copy=False)
-            return sock.recv_multipart(copy=False)  # zmq.Again after RCVTIMEO
-
+    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
+        self.frames = encode(msg, 1)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(args.timeout * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(args.timeout * 1000))
+        self.sock.connect(endpoint)
         for _ in range(args.warmup):
-            round_trip()
-        reply = round_trip()
-        assert len(reply) == nframes and sum(len(f) for f in reply) == nbytes
+            reply = self._round_trip()
+        assert len(reply) == len(self.frames) and sum(len(f) for f in reply) == frame_bytes(self.frames)
+        self.window = args.window
+
+    def _round_trip(self) -> list[zmq.Frame]:
+        self.sock.send_multipart(self.frames, copy=False)
+        return self.sock.recv_multipart(copy=False)  # zmq.Again after RCVTIMEO
+
+    def latency(self, n: int) -> list[float]:
         lat = []
         for _ in range(n):
             t = time.perf_counter()
-            round_trip()
+            self._round_trip()
             lat.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        sent = 0
-        for _ in range(min(args.window, n)):
-            sock.send_multipart(frames, copy=False)
+        return lat
+
+    def throughput(self, n: int) -> float:
+        t, sent = time.perf_counter(), 0
+        for _ in range(min(self.window, n)):
+            self.sock.send_multipart(self.frames, copy=False)
             sent += 1
         for _ in range(n):
-            sock.recv_multipart(copy=False)
+            self.sock.recv_multipart(copy=False)
             if sent < n:
-                sock.send_multipart(frames, copy=False)
+                self.sock.send_multipart(self.frames, copy=False)
                 sent += 1
-        tp = time.perf_counter() - t
-        return summary(lat, n, tp, nbytes)
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
 
 
 class Echo:
@@ -281,35 +311,49 @@ class Echo:
         return x
 
 
-def bench_ray(payload: Any, nbytes: int, n: int, args: Args) -> dict[str, float]:
-    import ray
+class RayEcho:
+    """A Ray actor call that returns its argument (the small message's bytes, or the array)."""
 
-    actor = ray.remote(num_cpus=0)(Echo).remote()
-    try:
+    def __init__(self, payload: Any, args: Args) -> None:
+        import ray
+
+        self.ray, self.payload, self.args = ray, payload, args
+        self.actor = ray.remote(num_cpus=0)(Echo).remote()
         for _ in range(args.warmup):
-            ray.get(actor.echo.remote(payload), timeout=args.timeout * 2)
-        reply = ray.get(actor.echo.remote(payload), timeout=args.timeout)
+            reply = ray.get(self.actor.echo.remote(payload), timeout=args.timeout * 2)
         assert len(reply) == len(payload)
+
+    def latency(self, n: int) -> list[float]:
         lat = []
         for _ in range(n):
             t = time.perf_counter()
-            ray.get(actor.echo.remote(payload), timeout=args.timeout)
+            self.ray.get(self.actor.echo.remote(self.payload), timeout=self.args.timeout)
             lat.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        pending = [actor.echo.remote(payload) for _ in range(min(args.window, n))]
+        return lat
+
+    def throughput(self, n: int) -> float:
+        ray, t = self.ray, time.perf_counter()
+        pending = [self.actor.echo.remote(self.payload) for _ in range(min(self.args.window, n))]
         sent = len(pending)
         for _ in range(n):
-            ready, pending = ray.wait(pending, num_returns=1, timeout=args.timeout)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.args.timeout)
             if not ready:
-                raise TimeoutError(f"ray echo: no reply in {args.timeout:.0f} s")
-            ray.get(ready[0], timeout=args.timeout)
+                raise TimeoutError(f"ray echo: no reply in {self.args.timeout:.0f} s")
+            ray.get(ready[0], timeout=self.args.timeout)
             if sent < n:
-                pending.append(actor.echo.remote(payload))
+                pending.append(self.actor.echo.remote(self.payload))
                 sent += 1
-        tp = time.perf_counter() - t
-        return summary(lat, n, tp, nbytes)
-    finally:
-        ray.kill(actor)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.ray.kill(self.actor)
+
+
+def check_echo(msg: Message, reply: Message) -> None:
+    if isinstance(msg, LogprobsResult):
+        assert isinstance(reply, LogprobsResult) and reply.logprobs[0].nbytes == msg.logprobs[0].nbytes
+    else:
+        assert isinstance(reply, Ack), reply
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,55 +369,87 @@ def main() -> None:
         assert k in KINDS, f"unknown kind {k!r}"
     msgs = {"small": small_message(), "1MiB": large_message()}
     counts = {"small": args.n, "1MiB": args.n_large}
-    rows: list[dict[str, Any]] = []
     tmp = tempfile.mkdtemp(prefix="otbus-")
+    servers: dict[tuple[str, str], EchoServer] = {}
+    runners: dict[tuple[str, str, str], Any] = {}
     try:
+        # Every server runs at once, each in its own process; the clients then take turns in
+        # rounds (the order rotating), so a change in the machine's load hits every row alike.
         for kind in (k for k in kinds if k != "ray"):
-            target, bench = {"bus_sync": (serve_bus, bench_sync), "bus_async": (serve_bus, bench_bus),
-                             "raw_zmq": (serve_raw, bench_raw)}[kind]
+            target = serve_raw if kind == "raw_zmq" else serve_bus
             for transport in transports:
-                bind = f"ipc://{os.path.join(tmp, kind)}.sock" if transport == "ipc" else LOOPBACK
-                server = EchoServer(target, bind, args.timeout * 2)
-                try:
-                    for payload in PAYLOADS:
-                        r = bench(server.endpoint, msgs[payload], counts[payload], args)
-                        rows.append({"kind": kind, "transport": transport, "payload": payload, **r})
-                finally:
-                    server.close()
+                key = (target.__name__, transport)
+                if key not in servers:
+                    bind = f"ipc://{os.path.join(tmp, target.__name__)}.sock" if transport == "ipc" else LOOPBACK
+                    servers[key] = EchoServer(target, bind, args.timeout * 2)
+                make = {"bus_sync": SyncBus, "bus_async": AsyncBus, "raw_zmq": RawZmq}[kind]
+                for payload in PAYLOADS:
+                    runners[(kind, transport, payload)] = make(servers[key].endpoint, msgs[payload], args)
         if "ray" in kinds:
             import ray
 
             ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
-            try:
-                small = b"".join(bytes(memoryview(f)) for f in encode(msgs["small"], 1))
-                arr = msgs["1MiB"].logprobs[0]
-                for payload, x, nb in (("small", small, len(small)), ("1MiB", arr, arr.nbytes)):
-                    r = bench_ray(x, nb, counts[payload], args)
-                    rows.append({"kind": "ray", "transport": "ray", "payload": payload, **r})
-            finally:
-                ray.shutdown()
+            small = b"".join(bytes(memoryview(f)) for f in encode(msgs["small"], 1))
+            runners[("ray", "ray", "small")] = RayEcho(small, args)
+            runners[("ray", "ray", "1MiB")] = RayEcho(msgs["1MiB"].logprobs[0], args)
+        lat: dict[tuple[str, str, str], list[float]] = {k: [] for k in runners}
+        tp_s: dict[tuple[str, str, str], float] = {k: 0.0 for k in runners}
+        done: dict[tuple[str, str, str], int] = {k: 0 for k in runners}
+        order = list(runners)
+        for r in range(args.rounds):
+            for key in order[r % len(order):] + order[: r % len(order)]:
+                n = max(1, counts[key[2]] // args.rounds)
+                lat[key] += runners[key].latency(n)
+                tp_s[key] += runners[key].throughput(n)
+                done[key] += n
+        nbytes = {p: frame_bytes(encode(m, 1)) for p, m in msgs.items()}
+        nbytes_ray = {"small": nbytes["small"], "1MiB": msgs["1MiB"].logprobs[0].nbytes}
+        rows: list[dict[str, Any]] = []
+        for key in runners:
+            kind, transport, payload = key
+            nb = nbytes_ray[payload] if kind == "ray" else nbytes[payload]
+            rows.append({"kind": kind, "transport": transport, "payload": payload,
+                         **summary(lat[key], done[key], tp_s[key], nb)})
     finally:
+        for runner in runners.values():
+            runner.close()
+        if "ray" in kinds:
+            import ray
+
+            ray.shutdown()
+        for server in servers.values():
+            server.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    raw = {(r["transport"], r["payload"]): r["p50_us"] for r in rows if r["kind"] == "raw_zmq"}
+    raw = {(r["transport"], r["payload"]): r for r in rows if r["kind"] == "raw_zmq"}
+    ray_p50 = {r["payload"]: r["p50_us"] for r in rows if r["kind"] == "ray"}
     for r in rows:
         t = r["transport"]
         if t == "ray":
             t = "tcp" if ("tcp", r["payload"]) in raw else next((tt for tt, p in raw if p == r["payload"]), "")
         base = raw.get((t, r["payload"]))
-        r["vs_raw_zmq"] = r["p50_us"] / base if base else None
+        r["vs_raw_zmq"] = r["p50_us"] / base["p50_us"] if base else None
+        r["throughput_vs_raw_zmq"] = base["msgs_per_s"] / r["msgs_per_s"] if base else None
+        r["ray_p50_over_this"] = ray_p50[r["payload"]] / r["p50_us"] if r["payload"] in ray_p50 else None
 
-    table = Table(title=f"bus round trips (server in another process; {args.n} small / {args.n_large} x 1 MiB, "
-                        f"window {args.window}; MiB/s one way; ray vs raw over tcp)")
-    for col in ("kind", "transport", "payload", "p50 µs", "p99 µs", "msgs/s", "MiB/s", "vs raw pyzmq"):
+    table = Table(title=f"bus round trips (servers in other processes; {args.n} small / {args.n_large} x 1 MiB "
+                        f"in {args.rounds} interleaved rounds, window {args.window}; MiB/s one way; "
+                        "ray vs raw over tcp)")
+    cols = ("kind", "transport", "payload", "p50 µs", "p99 µs", "msgs/s", "MiB/s",
+            "p50 vs raw", "throughput: raw / this", "Ray p50 / this")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("kind", "transport", "payload") else "right")
+
+    def x(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f}x"
+
     for r in rows:
-        ratio = "—" if r["vs_raw_zmq"] is None else f"{r['vs_raw_zmq']:.2f}x"
         table.add_row(r["kind"], r["transport"], r["payload"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
-                      f"{r['msgs_per_s']:.0f}", f"{r['mib_per_s']:.1f}", ratio)
+                      f"{r['msgs_per_s']:.0f}", f"{r['mib_per_s']:.1f}", x(r["vs_raw_zmq"]),
+                      x(r["throughput_vs_raw_zmq"]), x(r["ray_p50_over_this"]))
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 110)
+        console.width = max(console.width, 150)
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:

@@ -31,7 +31,7 @@ def test_bus_benchmark(tmp_path):
     assert set(got) == want and len(rows) == len(want)
     for key, r in got.items():
         assert r["n"] == (50 if key[2] == "small" else 5), key
-        for field in ("bytes", "p50_us", "p99_us", "msgs_per_s", "mib_per_s", "vs_raw_zmq"):
+        for field in ("bytes", "p50_us", "p99_us", "msgs_per_s", "mib_per_s", "vs_raw_zmq", "throughput_vs_raw_zmq", "ray_p50_over_this"):
             assert r[field] is not None and r[field] > 0, (key, field, r[field])
         assert r["p99_us"] >= r["p50_us"], key
     assert all(r["vs_raw_zmq"] == 1.0 for (k, _, _), r in got.items() if k == "raw_zmq")

@@ -13,6 +13,7 @@ in flight; further callers wait for a slot (backpressure).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -98,7 +99,8 @@ class Client:
         self._io: SocketReader | None = None
         self._beater: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
-        self._slots: asyncio.Semaphore | None = None
+        self._inflight = 0
+        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._max_inflight = max_inflight
 
     def next_request_id(self) -> int:
@@ -134,7 +136,6 @@ class Client:
     def _start(self) -> None:
         if self._io is None:
             self._io = SocketReader(self._sock, self._on_frames)
-            self._slots = asyncio.Semaphore(self._max_inflight)
 
     async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None) -> Message:
         """Send ``msg`` and return the reply.
@@ -149,9 +150,15 @@ class Client:
         for attempt in range(2):
             if self.welcome is None:
                 await self.connect(timeout)
-            assert self._slots is not None
-            async with self._slots:
+            if self._inflight >= self._max_inflight:
+                await self._slot()
+            self._inflight += 1
+            try:
                 reply = await self._roundtrip(msg, rid, timeout)
+            finally:
+                self._inflight -= 1
+                if self._slot_waiters:
+                    self._slot_waiters.popleft().set_result(None)
             if isinstance(reply, Error) and reply.code is ErrorCode.NO_HANDSHAKE and attempt == 0:
                 self.welcome = None  # the server restarted or dropped us: say Hello again, retry
                 continue
@@ -160,6 +167,20 @@ class Client:
             raise RemoteError(reply, f"{self.name} -> {self.endpoint} ({type(msg).__name__})")
         return reply
 
+    async def _slot(self) -> None:
+        """Wait (first come, first served) until fewer than ``max_inflight`` are in flight."""
+        while self._inflight >= self._max_inflight:
+            waiter = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+                elif self._slot_waiters:  # pass the slot it was given on
+                    self._slot_waiters.popleft().set_result(None)
+                raise
+
     async def _roundtrip(self, msg: Message, rid: int, timeout: float) -> Message:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -167,7 +188,11 @@ class Client:
         self.counters[f"sent/{type(msg).__name__}"] += 1
         expire = loop.call_later(timeout, _expire, fut)
         try:
-            await self._send(encode(msg, rid), fut)
+            frames = encode(msg, rid)
+            try:
+                self._io.send(frames)  # type: ignore[union-attr]
+            except zmq.Again:
+                await self._send_when_room(frames, fut)
             return await fut
         except _Expired:
             self._cancel_remote(rid)
@@ -181,9 +206,9 @@ class Client:
             expire.cancel()
             self._pending.pop(rid, None)
 
-    async def _send(self, frames: list, fut: asyncio.Future) -> None:
-        """Send now; while the queue is full (the high-water mark), wait for room until the
-        request's future is done (it expires with the request's timeout)."""
+    async def _send_when_room(self, frames: list, fut: asyncio.Future) -> None:
+        """The queue is full (the high-water mark): retry, backing off, until the request's
+        future is done (it expires with the request's timeout)."""
         assert self._io is not None
         delay = 1e-4
         while True:

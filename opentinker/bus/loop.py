@@ -61,8 +61,11 @@ class SocketReader:
 
     def send(self, frames: list[Any]) -> None:
         """Send without blocking; raises ``zmq.Again`` when the queue is full."""
-        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        if not self._draining:  # inside drain, the loop reads on anyway
+        sock = self.sock
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        # Inside drain the loop reads on anyway; elsewhere the send may have taken the edge of
+        # a message that already arrived: reading EVENTS re-arms it, and shows what is waiting.
+        if not self._draining and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.kick()
 
     def close(self) -> None:
