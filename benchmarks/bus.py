@@ -42,7 +42,14 @@ import zmq.asyncio
 from rich.console import Console
 from rich.table import Table
 
-from opentinker.bus import LOOPBACK, Client, LoopThread, Server, SyncClient
+from opentinker.bus import (
+    LOOPBACK,
+    Client,
+    LoopThread,
+    Server,
+    SyncClient,
+    new_event_loop,
+)
 from protocols.codec import encode
 from protocols.messages import Ack, LogprobsRequest, LogprobsResult, Message
 
@@ -185,7 +192,7 @@ class AsyncBus:
 
     def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
         self.msg, self.args = msg, args
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()  # what the runtime's loops are (uvloop where installed)
         self.ctx = zmq.asyncio.Context()
         self.client = Client(self.ctx, endpoint, name="bench")
         self._run(self._warmup())

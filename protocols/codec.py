@@ -127,9 +127,11 @@ def _decoder(tp: Any) -> msgspec.msgpack.Decoder:
     cache = getattr(_local, "decoders", None)
     if cache is None:
         cache = _local.decoders = {}
-    dec = cache.get(tp)
+    key = id(tp)  # hashing a typing.Union costs microseconds; ids of cached types stay put
+    dec = cache.get(key)
     if dec is None:
-        dec = cache[tp] = msgspec.msgpack.Decoder(tp, dec_hook=_dec_hook)
+        dec = cache[key] = msgspec.msgpack.Decoder(tp, dec_hook=_dec_hook)
+        _local.keep = [*getattr(_local, "keep", []), tp]  # the id stays this type's
     return dec
 
 

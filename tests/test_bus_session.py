@@ -395,3 +395,25 @@ def test_shutdown_is_acknowledged_then_the_server_stops():
         ctx.destroy(0)
 
     run(main())
+
+
+def test_request_timeouts_share_one_timer_and_finished_requests_are_dropped():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        gate = Gate()
+        gate.release.set()
+        server = Server(gate, heartbeat_s=None)
+        client = Client(ctx, await server.start(ctx), heartbeat_s=None)
+        for i in range(3000):  # finished requests never pile up in the deadline heap
+            await client.request(step(f"t{i}"), 600)
+        assert len(client._deadlines.heap) <= 1024
+        gate.release.clear()
+        slow = [asyncio.ensure_future(client.request(step(f"late{i}"), 0.2 + 0.1 * i)) for i in range(3)]
+        done = await asyncio.gather(*slow, return_exceptions=True)
+        assert all(isinstance(d, TimeoutError) for d in done), done
+        assert client.counters["sent/Cancel"] == 3
+        client.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())

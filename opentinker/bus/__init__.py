@@ -30,6 +30,7 @@ from opentinker.bus.common import (
     check_bind,
     is_loopback,
 )
+from opentinker.bus.loop import new_event_loop
 from opentinker.bus.server import Handler, Server
 from opentinker.bus.sync import SyncClient
 
@@ -52,5 +53,6 @@ __all__ = [
     "SyncClient",
     "check_bind",
     "is_loopback",
+    "new_event_loop",
     "next_request_id",
 ]

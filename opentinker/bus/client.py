@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import itertools
 import logging
 import os
@@ -38,7 +39,7 @@ from opentinker.bus.common import (
     configure,
     plain_context,
 )
-from opentinker.bus.loop import SocketReader
+from opentinker.bus.loop import SocketReader, new_event_loop
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -99,6 +100,7 @@ class Client:
         self._io: SocketReader | None = None
         self._beater: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
+        self._deadlines: _Deadlines | None = None
         self._inflight = 0
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._max_inflight = max_inflight
@@ -186,7 +188,9 @@ class Client:
         fut = loop.create_future()
         self._pending[rid] = fut
         self.counters[f"sent/{type(msg).__name__}"] += 1
-        expire = loop.call_later(timeout, _expire, fut)
+        if self._deadlines is None:
+            self._deadlines = _Deadlines(loop)
+        deadline = self._deadlines.add(fut, timeout, len(self._pending))
         try:
             frames = encode(msg, rid)
             try:
@@ -203,7 +207,7 @@ class Client:
             self._cancel_remote(rid)
             raise
         finally:
-            expire.cancel()
+            _Deadlines.done(deadline)
             self._pending.pop(rid, None)
 
     async def _send_when_room(self, frames: list, fut: asyncio.Future) -> None:
@@ -294,9 +298,51 @@ class _Expired(Exception):
     """A request's timeout passed (raised inside the client, turned into TimeoutError)."""
 
 
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(_Expired())
+class _Deadlines:
+    """Request timeouts on one timer (not a timer per request): a heap of ``[deadline, seq,
+    future]`` entries, the timer set for the earliest. A finished request clears its entry's
+    future (so no reply is kept alive by the heap), and cleared entries are skipped, or
+    dropped all at once when they are most of the heap."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.heap: list[list] = []
+        self.seq = itertools.count()
+        self.handle: asyncio.TimerHandle | None = None
+        self.at = float("inf")
+
+    def add(self, fut: asyncio.Future, timeout: float, live: int) -> list:
+        """Expire ``fut`` after ``timeout`` s; ``live``: requests in flight (for compaction).
+        Returns the entry, for :meth:`done`."""
+        deadline = self.loop.time() + timeout
+        entry = [deadline, next(self.seq), fut]
+        heapq.heappush(self.heap, entry)
+        if len(self.heap) > max(1024, 4 * live):  # mostly finished requests: drop them
+            self.heap = [e for e in self.heap if e[2] is not None]
+            heapq.heapify(self.heap)
+        if deadline < self.at:
+            self._arm(deadline)
+        return entry
+
+    @staticmethod
+    def done(entry: list) -> None:
+        entry[2] = None
+
+    def _arm(self, when: float) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        self.at = when
+        self.handle = self.loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.handle, self.at = None, float("inf")
+        now = self.loop.time()
+        while self.heap and (self.heap[0][0] <= now or self.heap[0][2] is None):
+            fut = heapq.heappop(self.heap)[2]
+            if fut is not None and not fut.done():
+                fut.set_exception(_Expired())
+        if self.heap:
+            self._arm(self.heap[0][0])
 
 
 class Pusher:
@@ -350,10 +396,11 @@ class Puller:
 
 
 class LoopThread:
-    """An asyncio event loop in a daemon thread, with its own ZeroMQ context."""
+    """An asyncio event loop (uvloop's where installed) in a daemon thread, with its own
+    ZeroMQ context."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.ctx = zmq.asyncio.Context()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Message], Awaitable[Message]]
 
 
+_SESSION = frozenset({Hello, Heartbeat, Cancel, Shutdown})
+"""Messages the server answers itself (never passed to the handler)."""
+
+
 @dataclass
 class _Peer:
     name: str
@@ -197,7 +201,13 @@ class Server:
         self.counters[f"recv/{kind}"] += 1
         peer = self._peers.get(identity)
         if peer is not None:
-            peer.beats.heard()
+            peer.beats.missed = 0  # heard from it
+            if type(msg) not in _SESSION and self._running < self.max_inflight:  # the hot path
+                self._running += 1
+                task = run_eager(self._request(identity, peer, rid, msg), self._loop)
+                if task is not None:  # it waits for something: cancellable while in flight
+                    peer.inflight[rid] = task
+                return
         if isinstance(msg, Hello):
             self._hello(identity, rid, msg)
         elif peer is None:
@@ -251,7 +261,10 @@ class Server:
             if isinstance(msg, STATE_CHANGING):
                 reply = await self._once(rid, msg)
             else:
-                reply = await self._call(msg)
+                try:
+                    reply = await self.handler(msg)
+                except Exception as e:  # noqa: BLE001 - becomes an Error reply
+                    reply = self._error_reply(e)
         except asyncio.CancelledError:
             reply = Error(code=ErrorCode.CANCELLED, message=f"{type(msg).__name__} {rid} was cancelled")
         finally:
@@ -284,18 +297,20 @@ class Server:
     async def _call(self, msg: Message) -> Message:
         try:
             return await self.handler(msg)
-        except LookupError as e:  # an unknown name (adapter, policy); KeyError's str is a repr
+        except Exception as e:  # noqa: BLE001 - becomes an Error reply
+            return self._error_reply(e)
+
+    def _error_reply(self, e: Exception) -> Error:
+        """The ``Error`` for a handler's exception (the server keeps serving)."""
+        if isinstance(e, LookupError):  # an unknown name (adapter, policy); KeyError's str is a repr
             self.counters["error/not_found"] += 1
             return Error(code=ErrorCode.NOT_FOUND, message=str(e.args[0]) if e.args else type(e).__name__)
-        except (ValueError, TypeError) as e:
+        if isinstance(e, (ValueError, TypeError)):
             self.counters["error/invalid"] += 1
             return Error(code=ErrorCode.INVALID, message=f"{type(e).__name__}: {e}")
-        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as e:
-            self.counters["error/internal"] += 1
-            log.exception("%s: handler failed", self.name)
-            return Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
+        self.counters["error/internal"] += 1
+        log.error("%s: handler failed", self.name, exc_info=e)
+        return Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
 
     def _send(self, identity: bytes, reply: Message, rid: int) -> None:
         if self._sock is None or self._sock.closed:

@@ -26,6 +26,7 @@ from opentinker.bus.common import (
     RemoteError,
     configure,
 )
+from opentinker.bus.loop import recv_frames, send_frames
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -128,7 +129,7 @@ class SyncClient:
     def _send(self, msg: Message, rid: int) -> int:
         self._outstanding[rid] = msg
         self.counters[f"sent/{type(msg).__name__}"] += 1
-        self._sock.send_multipart(encode(msg, rid), copy=False)
+        send_frames(self._sock, encode(msg, rid))
         return rid
 
     def _wait(self, rid: int, timeout: float) -> Message:
@@ -147,7 +148,7 @@ class SyncClient:
                 sock.setsockopt(zmq.RCVTIMEO, wait_ms)
                 self._rcvtimeo = wait_ms
             try:
-                frames = sock.recv_multipart(copy=False)
+                frames = recv_frames(sock)
             except zmq.Again:
                 if wait_ms >= int(1000 * self.heartbeat_s) and self.tick():
                     raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats") from None
