@@ -196,6 +196,9 @@ class JobConfig(_Config):
     name: str = "default"
     seed: int = 0
     game: str = "kuhn_poker_v0"
+    game_kwargs: dict[str, int | float | str | bool] = msgspec.field(default_factory=dict)
+    """Keyword arguments of the game's ``env(...)``, e.g. ``{num_players = 4}`` for
+    ``liars_dice_v0`` or ``{max_rounds = 5}`` for ``negotiation_v0``."""
     system_prompt: str = "You are a poker player."
     """The system message of every LLM seat (explicit: SmolLM2 injects its own otherwise)."""
     out_dir: str = "runs"

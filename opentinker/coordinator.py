@@ -18,7 +18,7 @@ from games.kuhn_poker import exploitability
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.config import JobConfig
-from opentinker.episodes import KUHN, strata_episodes, train_episodes
+from opentinker.episodes import KUHN, game_agents, strata_episodes, train_episodes
 from opentinker.evaluation import (
     kuhn_policy_from_logprobs,
     kuhn_policy_sequences,
@@ -56,6 +56,7 @@ class Coordinator:
     ) -> None:
         if cfg.game not in game_names():
             raise ValueError(f"game {cfg.game!r} is not registered; known: {game_names()}")
+        game_agents(cfg.game, cfg.game_kwargs)  # ValueError naming a bad game_kwargs
         policies = {p.name for p in cfg.policies}
         for p in cfg.policies:
             for opp in p.opponents:

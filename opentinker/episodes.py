@@ -61,10 +61,18 @@ def opponent_ref(policy: str, opponent: str) -> PolicyRef:
     return PolicyRef(kind=PolicyKind.ADAPTER, name=opponent)
 
 
+def game_agents(game: str, kwargs: dict | None = None) -> tuple[str, ...]:
+    """The seats of a registered game made with ``kwargs``, in their order; ``ValueError``
+    naming the game when it cannot be made with them."""
+    return _game_agents(game, tuple(sorted((kwargs or {}).items())))
+
+
 @functools.lru_cache(maxsize=None)
-def game_agents(game: str) -> tuple[str, ...]:
-    """The seats of a registered game, in their order."""
-    return tuple(games.make(game).possible_agents)
+def _game_agents(game: str, kwargs: tuple) -> tuple[str, ...]:
+    try:
+        return tuple(games.make(game, **dict(kwargs)).possible_agents)
+    except TypeError as e:  # an argument the factory does not take
+        raise ValueError(f"game_kwargs {dict(kwargs)} for {game}: {e}") from None
 
 
 def eval_starts(game: str) -> list[dict[str, int]]:
@@ -81,7 +89,7 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
     Each group is one start (one reset seed), one seat for the policy, one opponent drawn from
     the policy's mix for every other seat; ``group_size`` episodes differ only in sampling."""
     tc = cfg.train
-    agents = game_agents(cfg.game)
+    agents = game_agents(cfg.game, cfg.game_kwargs)
     rng = np.random.default_rng([cfg.seed & 0xFFFFFFFF, step, 1])
     specs: list[EpisodeSpec] = []
     eid = step * 1_000_000
@@ -100,8 +108,9 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
             for _ in range(tc.group_size):
                 specs.append(
                     EpisodeSpec(
-                        episode_id=eid, group_id=seat_groups[me], game=cfg.game, seed=seed,
-                        seats=seats, seat_groups=seat_groups, train=True,
+                        episode_id=eid, group_id=seat_groups[me], game=cfg.game,
+                        game_kwargs=dict(cfg.game_kwargs), seed=seed, seats=seats,
+                        seat_groups=seat_groups, train=True,
                     )
                 )
                 eid += 1
@@ -112,7 +121,7 @@ def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, fi
     """Evaluation episodes: ``n`` per (start, seat) (Kuhn poker: per deal and seat), the
     policy in that seat and ``opponent`` in every other; the same seeds every time, so
     evaluations before and after training are paired. ``group_id`` is the stratum."""
-    agents = game_agents(cfg.game)
+    agents = game_agents(cfg.game, cfg.game_kwargs)
     specs, eid = [], first_id
     for s, kwargs in enumerate(eval_starts(cfg.game)):
         for i, me in enumerate(agents):
@@ -121,7 +130,8 @@ def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, fi
                 seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=policy) if a == me else opponent for a in agents}
                 specs.append(
                     EpisodeSpec(episode_id=eid, group_id=s * len(agents) + i, game=cfg.game,
-                                game_kwargs=kwargs, seed=seed, seats=seats, train=False)
+                                game_kwargs={**cfg.game_kwargs, **kwargs}, seed=seed, seats=seats,
+                                train=False)
                 )
                 eid += 1
     return specs

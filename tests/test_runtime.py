@@ -122,3 +122,21 @@ def test_every_game_trains_and_evaluates_through_the_runtime(game, tiny_path):
         assert ("eval/main/exploitability" in ev) == (game == "kuhn_poker_v0")
     finally:
         job.shutdown()
+
+
+def test_game_kwargs_reach_every_episode(tiny_path):
+    cfg = _cfg(game="liars_dice_v0", game_kwargs={"num_players": 4},
+               policies=[{"name": "main", "opponents": {"liars_dice_cautious": 1}}])
+    specs = train_episodes(cfg, 1)
+    assert all(s.game_kwargs == {"num_players": 4} and len(s.seats) == 4 for s in specs)
+    job = Job(cfg, tiny_path)
+    try:
+        m = job.coordinator("train_step", 1)
+        assert m["train/main/version"] == 1
+        ev = job.coordinator("evaluate", 1, False, 1)
+        assert ev["eval/main/vs_random/hands"] == 6 * 4  # every one of the 4 seats, 6 blocks each
+    finally:
+        job.shutdown()
+    bad = _cfg(game="liars_dice_v0", game_kwargs={"players": 4})
+    with pytest.raises(ValueError, match="game_kwargs.*players.*liars_dice_v0"):
+        train_episodes(bad, 1)
