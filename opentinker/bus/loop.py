@@ -79,8 +79,16 @@ class SocketReader:
         self._scheduled = False
         self._draining = True
         sock = self.sock
+        if sock.closed:
+            return
         try:
-            for _ in range(DRAIN_BATCH):
+            # The first read is tried blind (the descriptor fired: usually a message is
+            # there); after each message EVENTS says whether another is waiting.
+            try:
+                self.on_frames(recv_frames(sock, NOBLOCK))
+            except zmq.Again:
+                return
+            for _ in range(DRAIN_BATCH - 1):
                 if sock.closed or not sock.getsockopt(EVENTS) & POLLIN:
                     return
                 self.on_frames(recv_frames(sock, NOBLOCK))
