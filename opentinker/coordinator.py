@@ -100,8 +100,9 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- episodes
 
-    async def _run(self, specs: list[EpisodeSpec], step: int, train: bool) -> list[EpisodeSummary]:
-        """Split episodes over the runners (round robin, in id order) and wait for all."""
+    async def _run(self, specs: list[EpisodeSpec], step: int, train: bool, progress: str = "") -> list[EpisodeSummary]:
+        """Split episodes over the runners (round robin, in id order) and wait for all; the
+        runners push their progress to ``progress`` (a PULL endpoint) when it is given."""
         n = len(self.runners)
         learners = {p: pull for p, (_, pull) in self.learner_endpoints.items()} if train else {}
         parts = [specs[i::n] for i in range(n)]
@@ -109,7 +110,7 @@ class Coordinator:
             *(
                 r.request(
                     RunEpisodes(episodes=part, sampling=self.sampling, system_prompt=self.cfg.system_prompt,
-                                learners=learners, step=step),
+                                learners=learners, step=step, progress=progress),
                     self.cfg.runtime.timeout_s,
                 )
                 for r, part in zip(self.runners, parts)
@@ -121,15 +122,16 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- training
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """Play the step's episodes, then train every policy on them; returns metrics."""
-        return self.loop.run(self._train_step(step))
+    def train_step(self, step: int, progress: str = "") -> dict[str, float]:
+        """Play the step's episodes, then train every policy on them; returns metrics.
+        ``progress``: a PULL endpoint for the runners' :class:`Metrics` as episodes end."""
+        return self.loop.run(self._train_step(step, progress))
 
-    async def _train_step(self, step: int) -> dict[str, float]:
+    async def _train_step(self, step: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         before = (await self.scheduler.request(SchedulerStats())).counters
         specs = train_episodes(self.cfg, step)
-        summaries = await self._run(specs, step, train=True)
+        summaries = await self._run(specs, step, train=True, progress=progress)
         t1 = time.perf_counter()
         after = (await self.scheduler.request(SchedulerStats())).counters
         expected = {p.name: 0 for p in self.cfg.policies}
@@ -172,11 +174,11 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- evaluation
 
-    def evaluate(self, step: int, head_to_head: bool, hands_per_stratum: int) -> dict[str, float]:
+    def evaluate(self, step: int, head_to_head: bool, hands_per_stratum: int, progress: str = "") -> dict[str, float]:
         """Every policy against the random opponent and against each scripted policy in its
         opponent mix (stratified over the starts and seats: Kuhn poker's 6 deals), optionally
         head to head against the base model, and (Kuhn poker) its exploitability."""
-        return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum))
+        return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum, progress))
 
     def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> tuple[float, float, float, int]:
         strata: dict[int, list[float]] = {}
@@ -189,7 +191,7 @@ class Coordinator:
         mean, ci = stratified_mean_ci(list(strata.values()))
         return mean, ci, invalid / max(turns, 1), len(specs)
 
-    async def _evaluate(self, step: int, head_to_head: bool, n: int) -> dict[str, float]:
+    async def _evaluate(self, step: int, head_to_head: bool, n: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         out: dict[str, float] = {}
         eid = EVAL_STEP_BASE + step * 1_000_000
@@ -205,7 +207,7 @@ class Coordinator:
                 all_specs.append(strata_episodes(self.cfg, p.name, opp, k, eid))
                 eid += len(all_specs[-1])
             flat = [s for specs in all_specs for s in specs]
-            summaries = await self._run(flat, step, train=False)
+            summaries = await self._run(flat, step, train=False, progress=progress)
             by_id = {s.episode_id: s for s in summaries}
             for (label, _, _), specs in zip(jobs, all_specs):
                 mean, ci, inv, hands = self._score(p.name, specs, [by_id[s.episode_id] for s in specs])

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -21,6 +24,7 @@ from opentinker.render import ChatTokenizer
 from protocols.messages import (
     EpisodesDone,
     Message,
+    Metrics,
     PolicyKind,
     PolicyRef,
     RunEpisodes,
@@ -30,6 +34,7 @@ from protocols.messages import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EnvRunner:
@@ -45,6 +50,7 @@ class EnvRunner:
         self.sample_timeout_s = sample_timeout_s
         self._bind = endpoint
         self._seq = 0
+        self._pushed = 0
         self.endpoint = ""
 
     def start(self) -> str:
@@ -63,7 +69,7 @@ class EnvRunner:
         """Bus counters of this runner: requests served, samples asked, trajectories pushed."""
         out = dict(self.server.counters)
         out.update({f"client/{k}": v for k, v in self.scheduler.counters.items()})
-        out["pushed/Trajectory"] = sum(p.sent for p in self.pushers.values())
+        out["pushed/Trajectory"] = self._pushed
         return out
 
     async def _handle(self, msg: Message) -> Message:
@@ -75,14 +81,39 @@ class EnvRunner:
         for name, ep in msg.learners.items():
             if name not in self.pushers:
                 self.pushers[name] = Pusher(self.loop.ctx, ep)
-        results = await asyncio.gather(*(play_episode(spec, msg, self.tok, self._sample) for spec in msg.episodes))
+        progress = self._progress(msg)
+        results = await asyncio.gather(*(progress(play_episode(spec, msg, self.tok, self._sample)) for spec in msg.episodes))
         sent = 0
         for _, trajectories in results:
             for traj in trajectories:
                 self._seq += 1
                 await self.pushers[traj.policy].send(msgspec.structs.replace(traj, seq=self._seq))
+                self._pushed += 1
                 sent += 1
         return EpisodesDone(summaries=[s for s, _ in results], trajectories_sent=sent)
+
+    def _progress(self, msg: RunEpisodes) -> Callable[[Awaitable[T]], Awaitable[T]]:
+        """Wraps each episode so that its end is pushed to ``msg.progress`` as
+        :class:`Metrics` (every ~5% of the episodes and at the last; dropped if nobody reads)."""
+        n, done = len(msg.episodes), 0
+        every = max(1, n // 20)
+        pusher = None
+        if msg.progress:
+            if msg.progress not in self.pushers:
+                self.pushers[msg.progress] = Pusher(self.loop.ctx, msg.progress)
+            pusher = self.pushers[msg.progress]
+        train = float(any(s.train for s in msg.episodes))
+
+        async def wrap(episode: Awaitable[T]) -> T:
+            nonlocal done
+            result = await episode
+            done += 1
+            if pusher is not None and (done % every == 0 or done == n):
+                pusher.try_send(Metrics(source=self.name, step=msg.step, time=time.time(),
+                                        values={"episodes_done": float(done), "episodes": float(n), "train": train}))
+            return result
+
+        return wrap
 
     async def _sample(self, ref: PolicyRef, prompt: np.ndarray, params: SamplingParams) -> SampleResult:
         adapter = ref.name if ref.kind is PolicyKind.ADAPTER else None

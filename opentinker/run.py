@@ -23,6 +23,7 @@ from rich.progress import (
 
 from opentinker.config import JobConfig, to_toml
 from opentinker.models import resolve_model
+from opentinker.progress import EpisodeFeed
 from opentinker.report import MetricsLog, plot_learning_curves, summary_table
 from opentinker.runtime import Job
 
@@ -86,6 +87,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")
     ev = cfg.eval
     final_n = ev.final_hands_per_stratum or ev.hands_per_stratum
+    feed: EpisodeFeed | None = None
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -93,18 +95,26 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             console=console, redirect_stdout=True, redirect_stderr=True,
         ) as progress:
             task = progress.add_task("eval (untrained)", total=cfg.train.steps, status="")
-            first = job.coordinator("evaluate", 0, True, final_n)
+            episodes = progress.add_task("episodes", total=None, status="")
+
+            def on_episodes(done: int, total: int, train: bool) -> None:
+                progress.update(episodes, completed=done, total=total,
+                                description="  episodes (train)" if train else "  episodes (eval)")
+
+            feed = EpisodeFeed(on_episodes)
+            first = job.coordinator("evaluate", 0, True, final_n, feed.endpoint)
             log.write(0, "eval", first)
             last = first
             progress.update(task, description="train", status=_status(first, policies, "eval"))
             for step in range(1, cfg.train.steps + 1):
-                m = job.coordinator("train_step", step)
+                m = job.coordinator("train_step", step, feed.endpoint)
                 log.write(step, "train", m)
                 progress.update(task, advance=1, status=_status(m, policies, "train"))
                 final = step == cfg.train.steps
                 if final or (ev.every and step % ev.every == 0):
                     progress.update(task, description="eval")
-                    last = job.coordinator("evaluate", step, final, final_n if final else ev.hands_per_stratum)
+                    last = job.coordinator("evaluate", step, final, final_n if final else ev.hands_per_stratum,
+                                           feed.endpoint)
                     log.write(step, "eval", last)
                     progress.update(task, description="train", status=_status(last, policies, "eval"))
         adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
@@ -112,6 +122,8 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
         info = job.info()
     finally:
+        if feed is not None:
+            feed.close()
         job.shutdown()
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png")
     unit = "chips/hand" if cfg.game == "kuhn_poker_v0" else "reward/game"

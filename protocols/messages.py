@@ -323,6 +323,10 @@ class RunEpisodes(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     step: int = 0
     learners: dict[str, str] = {}
     """Trainable policy name -> endpoint of its learner's PULL socket."""
+    progress: str = ""
+    """Endpoint of a PULL socket (the driver's) to which the runner pushes :class:`Metrics`
+    (``episodes_done``, ``episodes``, ``train``) as its episodes end; empty: none. Best
+    effort: a full queue drops them rather than hold up an episode."""
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):

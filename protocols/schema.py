@@ -58,7 +58,7 @@ SERVED_BY: dict[type, str] = {
 
 ONE_WAY: dict[type, str] = {
     m.Trajectory: "env runner -> learner (PUSH/PULL)",
-    m.Metrics: "any component -> whoever draws progress (PUSH/PULL)",
+    m.Metrics: "env runner -> the driver's progress bar (PUSH/PULL, to RunEpisodes.progress)",
 }
 
 ARRAY_REF = {

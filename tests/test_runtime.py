@@ -140,3 +140,23 @@ def test_game_kwargs_reach_every_episode(tiny_path):
     bad = _cfg(game="liars_dice_v0", game_kwargs={"players": 4})
     with pytest.raises(ValueError, match="game_kwargs.*players.*liars_dice_v0"):
         train_episodes(bad, 1)
+
+
+def test_runners_stream_episode_progress_to_the_driver(job):
+    """The driver's EpisodeFeed hears every episode of a step end, summed over both runners."""
+    import time
+
+    from opentinker.progress import EpisodeFeed
+
+    seen: list[tuple[int, int, bool]] = []
+    feed = EpisodeFeed(lambda done, total, train: seen.append((done, total, train)))
+    try:
+        m = job.coordinator("train_step", 7, feed.endpoint)
+        for _ in range(200):  # the last pushes may land just after the reply
+            if seen and seen[-1][0] == m["train/episodes"]:
+                break
+            time.sleep(0.01)
+    finally:
+        feed.close()
+    assert seen[-1] == (m["train/episodes"], m["train/episodes"], True)
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)  # it only moves forward

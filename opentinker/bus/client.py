@@ -352,7 +352,7 @@ class Pusher:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, keys: CurveKeys | None = None,
                  hwm: int = DEFAULT_HWM) -> None:
         self.endpoint = endpoint
-        self.sent = 0
+        self.sent = self.dropped = 0
         self._sock = configure(ctx.socket(zmq.PUSH), hwm=hwm, keys=keys)
         self._sock.connect(endpoint)
 
@@ -362,6 +362,17 @@ class Pusher:
         except TimeoutError:
             raise TimeoutError(f"push to {self.endpoint}: queue full for {timeout:.3g} s") from None
         self.sent += 1
+
+    def try_send(self, msg: Message) -> bool:
+        """Send now or drop (a full queue, no receiver yet): for best-effort messages such as
+        progress, which must never hold up their sender. Returns whether it went."""
+        try:
+            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
 
     def close(self) -> None:
         self._sock.close(linger=0)
