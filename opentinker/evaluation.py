@@ -23,13 +23,16 @@ from opentinker.render import ChatTokenizer, SeatRenderer
 
 
 def stratified_mean_ci(strata: Sequence[Sequence[float]], z: float = 1.96) -> tuple[float, float]:
-    """``(mean, half_width)`` of the equally weighted mean over strata."""
+    """``(mean, half_width)`` of the equally weighted mean over strata; the half width is NaN
+    when a stratum has a single sample (its variance is unknown, not zero)."""
     strata = [np.asarray(s, dtype=np.float64) for s in strata if len(s)]
     if not strata:
         return float("nan"), float("nan")
     H = len(strata)
     mean = float(np.mean([s.mean() for s in strata]))
-    var = sum((s.var(ddof=1) if len(s) > 1 else 0.0) / len(s) for s in strata) / H**2
+    if any(len(s) < 2 for s in strata):
+        return mean, float("nan")
+    var = sum(s.var(ddof=1) / len(s) for s in strata) / H**2
     return mean, z * math.sqrt(var)
 
 

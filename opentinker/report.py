@@ -84,6 +84,8 @@ def summary_table(
         if pct:
             return f"{100 * v:.1f}%"
         if ci and m.get(ci) is not None:
+            if math.isnan(m[ci]):
+                return f"{v:+.3f} (1 per stratum: no CI)"
             return f"{v:+.3f} ± {m[ci]:.3f}"
         return f"{v:.4f}"
 

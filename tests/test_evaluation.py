@@ -12,6 +12,9 @@ def test_stratified_interval_by_hand():
     assert mean == pytest.approx(1.0)
     # var = (s1^2/n1 + s2^2/n2) / H^2 = (2/2 + 0/3) / 4
     assert hw == pytest.approx(1.96 * math.sqrt(0.25))
+    # A stratum with one sample has an unknown variance: no interval rather than a false 0.
+    mean, hw = stratified_mean_ci([[1.0, -1.0], [2.0]])
+    assert mean == pytest.approx(1.0) and math.isnan(hw)
 
 
 def test_policy_from_logprobs_and_uniform_exploitability(chat_tok):
