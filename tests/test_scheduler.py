@@ -14,8 +14,9 @@ from conftest import DEVICE, run
 from opentinker.bus import Client, RemoteError
 from opentinker.render import SeatRenderer
 from protocols.messages import (
-    AdamParams, CreateAdapter, Datum, ErrorCode, ForwardBackward, LogprobsRequest, LoraSpec,
-    OptimStep, SampleRequest, SamplingParams, SaveAdapter, SchedulerStats, StopReason,
+    AdamParams, CreateAdapter, Datum, DropAdapter, ErrorCode, ForwardBackward, LoadAdapter,
+    LogprobsRequest, LoraSpec, OptimStep, SampleRequest, SamplingParams, SaveAdapter,
+    SchedulerStats, SnapshotAdapter, StopReason,
 )
 
 
@@ -209,3 +210,43 @@ def test_a_cancelled_queued_optim_step_never_runs(scheduler, chat_tok):
     stats = run(_with_client(scheduler, body))
     assert stats.counters["cancelled_queued"] == 1 and stats.counters["cancelled"] == 1
     assert "OptimStep" not in stats.counters and scheduler.host.version("gamma") == 0
+
+
+def test_adapter_lifecycle_over_the_bus(scheduler, chat_tok, tmp_path):
+    """snapshot, save, load (retried: applied once), drop, each a bus request; a snapshot
+    refuses training; a dropped adapter is not_found."""
+    prompt = _prompt(chat_tok)
+    seq = np.concatenate([prompt, np.asarray(chat_tok.encode("bet"), np.int32)])
+    datum = Datum(tokens=seq, loss_inputs={
+        "mask": np.r_[np.zeros(len(prompt)), np.ones(len(seq) - len(prompt))].astype(np.float32),
+        "advantages": np.r_[np.zeros(len(prompt)), np.ones(len(seq) - len(prompt))].astype(np.float32),
+        "sampler_logprobs": np.zeros(len(seq), np.float32),
+    })
+
+    async def body(c):
+        await c.request(CreateAdapter(name="life", spec=LoraSpec(rank=4)))
+        await c.request(ForwardBackward(adapter="life", datums=[datum], loss="importance_sampling", normalizer=1.0))
+        await c.request(OptimStep(adapter="life", params=AdamParams(lr=1e-2)))
+        snap = await c.request(SnapshotAdapter(adapter="life", name="life_snap"))
+        saved = await c.request(SaveAdapter(adapter="life", path=str(tmp_path / "life")))
+        rid = c.next_request_id()
+        loaded = await c.request(LoadAdapter(path=str(tmp_path / "life"), name="life_copy"), request_id=rid)
+        again = await c.request(LoadAdapter(path=str(tmp_path / "life"), name="life_copy"), request_id=rid)
+        lps = [(await c.request(LogprobsRequest(adapter=a, sequences=[seq]))).logprobs[0]
+               for a in ("life", "life_snap", "life_copy", None)]
+        with pytest.raises(RemoteError) as frozen:
+            await c.request(ForwardBackward(adapter="life_snap", datums=[datum], loss="importance_sampling", normalizer=1.0))
+        dropped = await c.request(DropAdapter(name="life_snap"))
+        with pytest.raises(RemoteError) as gone:
+            await c.request(LogprobsRequest(adapter="life_snap", sequences=[seq]))
+        stats = await c.request(SchedulerStats())
+        return snap, saved, loaded, again, lps, frozen.value.error, dropped, gone.value.error, stats
+
+    snap, saved, loaded, again, lps, frozen, dropped, gone, stats = run(_with_client(scheduler, body))
+    assert snap.version == saved.version == loaded.version == 1 and again == loaded
+    assert stats.counters["dedup"] == 1  # the retried load was answered, not applied again
+    np.testing.assert_allclose(lps[1], lps[0], atol=1e-6)  # the snapshot is the adapter at version 1
+    np.testing.assert_allclose(lps[2], lps[0], atol=1e-5)  # and so is the saved-then-loaded copy
+    assert np.abs(lps[0] - lps[3]).max() > 1e-3  # trained: not the base model
+    assert frozen.code is ErrorCode.INVALID and "life_snap" in frozen.message
+    assert dropped.version == -1 and gone.code is ErrorCode.NOT_FOUND and "life_snap" in gone.message
