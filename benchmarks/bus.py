@@ -9,6 +9,11 @@ actor in a worker process of its own). Two payloads:
 * ``1MiB``: a ``LogprobsResult`` whose field carries a 1 MiB ``float32`` array (one extra
   zero-copy frame), echoed back (Ray echoes the array itself).
 
+Rows: this bus's ``SyncClient`` and asyncio ``Client``; ``asyncio_floor``, the least any asyncio
+client can do (send the same frames to the same bus server, await a future resolved by an
+``add_reader`` callback; no decoding, ids or timeouts), to show what the event loop itself
+costs; raw pyzmq; Ray.
+
 Latency: sequential request / reply, p50 and p99 of ``--n`` round trips (``--n_large`` for
 1 MiB) after a warm-up. Throughput: the same count with ``--window`` requests in flight;
 MiB/s counts the request's bytes once per round trip (one way). All servers run at once and
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -51,9 +57,9 @@ from opentinker.bus import (
     new_event_loop,
 )
 from protocols.codec import encode
-from protocols.messages import Ack, LogprobsRequest, LogprobsResult, Message
+from protocols.messages import PROTOCOL_VERSION, Ack, Hello, LogprobsRequest, LogprobsResult, Message
 
-KINDS = ("bus_sync", "bus_async", "raw_zmq", "ray")
+KINDS = ("bus_sync", "bus_async", "asyncio_floor", "raw_zmq", "ray")
 PAYLOADS = ("small", "1MiB")
 LARGE_FLOATS = (1 << 20) // 4
 SERVER_LIFE_S = 1800.0
@@ -66,10 +72,10 @@ class Args:
     n_large: int = 200
     warmup: int = 50
     window: int = 32
-    rounds: int = 5
+    rounds: int = 10
     """Each row's requests are split into this many rounds, taken in turn with the other rows."""
     transports: str = "ipc,tcp"
-    kinds: str = "bus_sync,bus_async,raw_zmq,ray"
+    kinds: str = "bus_sync,bus_async,asyncio_floor,raw_zmq,ray"
     timeout: float = 30.0
     json: str = ""
 
@@ -237,6 +243,75 @@ class AsyncBus:
         self.loop.close()
 
 
+class AsyncFloor:
+    """The floor of any asyncio client on this machine: the same frames, sent to the same bus
+    server, and a future per request resolved from an ``add_reader`` callback, in arrival
+    order; no protocol work at all (no decode, no ids, no timeouts)."""
+
+    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
+        self.args = args
+        self.loop = new_event_loop()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="floor"), 1))
+        assert self.sock.poll(int(args.timeout * 1000)), "no Welcome"
+        self.sock.recv_multipart()
+        self.frames = encode(msg, 5)
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._readable)
+
+    def _readable(self) -> None:
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.sock.recv_multipart(copy=False)
+            if self.waiting:
+                self.waiting.popleft().set_result(None)
+
+    async def _one(self) -> None:
+        fut = self.loop.create_future()
+        self.waiting.append(fut)
+        self.sock.send_multipart(self.frames, copy=False)
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.loop.call_soon(self._readable)
+        await fut
+
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, self.args.timeout * 20))
+
+    def latency(self, n: int) -> list[float]:
+        async def go() -> list[float]:
+            lat = []
+            for _ in range(n):
+                t = time.perf_counter()
+                await self._one()
+                lat.append(time.perf_counter() - t)
+            return lat
+
+        return self._run(go())
+
+    def throughput(self, n: int) -> float:
+        async def worker(count: int) -> None:
+            for _ in range(count):
+                await self._one()
+
+        w = max(1, min(self.args.window, n))
+        counts = [n // w + (i < n % w) for i in range(w)]
+
+        async def go() -> float:
+            t = time.perf_counter()
+            await asyncio.gather(*(worker(c) for c in counts))
+            return time.perf_counter() - t
+
+        return self._run(go())
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        self.sock.close(linger=0)
+        self.ctx.term()
+        self.loop.close()
+
+
 class SyncBus:
     """This bus's blocking client."""
 
@@ -389,7 +464,7 @@ def main() -> None:
                 if key not in servers:
                     bind = f"ipc://{os.path.join(tmp, target.__name__)}.sock" if transport == "ipc" else LOOPBACK
                     servers[key] = EchoServer(target, bind, args.timeout * 2)
-                make = {"bus_sync": SyncBus, "bus_async": AsyncBus, "raw_zmq": RawZmq}[kind]
+                make = {"bus_sync": SyncBus, "bus_async": AsyncBus, "asyncio_floor": AsyncFloor, "raw_zmq": RawZmq}[kind]
                 for payload in PAYLOADS:
                     runners[(kind, transport, payload)] = make(servers[key].endpoint, msgs[payload], args)
         if "ray" in kinds:

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KINDS = ("bus_sync", "bus_async", "raw_zmq", "ray")
+KINDS = ("bus_sync", "bus_async", "asyncio_floor", "raw_zmq", "ray")
 TRANSPORTS = ("ipc", "tcp")
 PAYLOADS = ("small", "1MiB")
 
