@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a job (no config: the bundled default job)")
     run.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job (default, tictactoe)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
+                     "(its config.toml, with any --set, e.g. train.steps=100 to train on)")
     sub.add_parser("games", help="list the registered games")
     args = parser.parse_args(argv)
 
@@ -45,19 +47,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from opentinker.config import load_config
-
     from opentinker.learner import check_job
 
     try:
-        cfg = load_config(args.config, _parse_set(args.set))
+        if args.resume and args.config:
+            raise ValueError("--resume continues a run with its own config.toml: give no CONFIG")
+        config = f"{args.resume}/config.toml" if args.resume else args.config
+        cfg = load_config(config, _parse_set(args.set))
         if cfg.offline_job() is None:
             check_job(cfg)
+        if args.resume:
+            from opentinker.checkpoints import latest_checkpoint
+
+            latest_checkpoint(args.resume)  # a clear error before anything starts
     except (ValueError, FileNotFoundError) as e:
         print(f"opentinker: bad config: {e}", file=sys.stderr)
         return 2
+    from pathlib import Path
+
     from opentinker.run import run_job
 
-    run_job(cfg)
+    run_job(cfg, resume=Path(args.resume) if args.resume else None)
     return 0
 
 

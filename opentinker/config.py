@@ -58,6 +58,10 @@ class PolicyConfig(_Config):
 
 class TrainConfig(_Config):
     steps: NonNegInt = 30
+    checkpoint_every: NonNegInt = 10
+    """Write ``checkpoints/step_N/`` (adapters with their optimizer states, learner states,
+    the evaluations so far) every this many steps and after the last; 0: only after the
+    last. ``opentinker run --resume RUN_DIR`` continues from the newest one."""
     groups_per_step: PosInt = 8
     """Groups of episodes per policy per step; a group shares deal, seats and opponent."""
     group_size: PosInt = 4
@@ -137,7 +141,7 @@ class TrainConfig(_Config):
         return {"gamma": self.gamma, "decay": self.ema_decay, "lam": self.lam}
 
 
-SCHEDULE_FIELDS = ("steps", "groups_per_step", "group_size", "record_trajectories")
+SCHEDULE_FIELDS = ("steps", "checkpoint_every", "groups_per_step", "group_size", "record_trajectories")
 """``[train]`` fields that every policy shares (the others a policy may override)."""
 
 

@@ -27,11 +27,13 @@ from opentinker.evaluation import (
 from opentinker.render import ChatTokenizer
 from protocols.messages import (
     CreateAdapter,
+    DropAdapter,
     EpisodesDone,
     EpisodeSpec,
     EpisodeSummary,
     LearnerStep,
     LearnerStepResult,
+    LoadAdapter,
     LogprobsRequest,
     LogprobsResult,
     PolicyKind,
@@ -239,6 +241,20 @@ class Coordinator:
             return out
 
         return self.loop.run(_save())
+
+    def load_adapters(self, folder: str) -> dict[str, int]:
+        """Replace every policy's adapter by the one saved under ``folder/<policy>`` (weights,
+        optimizer state, version); returns the versions. For ``--resume``."""
+        async def _load() -> dict[str, int]:
+            out = {}
+            for p in self.cfg.policies:
+                await self.scheduler.request(DropAdapter(name=p.name), self.cfg.runtime.timeout_s)
+                info = await self.scheduler.request(LoadAdapter(path=f"{folder}/{p.name}", name=p.name),
+                                                    self.cfg.runtime.timeout_s)
+                out[p.name] = info.version
+            return out
+
+        return self.loop.run(_load())
 
     def scheduler_stats(self) -> dict[str, Any]:
         async def _stats() -> Any:

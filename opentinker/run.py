@@ -21,6 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from opentinker.checkpoints import latest_checkpoint, truncate_metrics, write_checkpoint
 from opentinker.config import JobConfig, to_toml
 from opentinker.models import resolve_model
 from opentinker.progress import EpisodeFeed
@@ -65,17 +66,27 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
     return out
 
 
-def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None) -> RunResult:
+def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None,
+            resume: Path | None = None) -> RunResult:
+    """Run a job into ``run_dir`` (default ``runs/<run name>``); with ``resume``, continue the
+    run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``)."""
     if cfg.offline_job() is None:
         from opentinker.learner import check_job
 
         check_job(cfg)  # before any actor starts
     console = console or Console()
     t_start = time.perf_counter()
-    run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
-    run_dir.mkdir(parents=True, exist_ok=False)
+    ckpt = None
+    if resume is not None:
+        run_dir = Path(resume)
+        ckpt = latest_checkpoint(run_dir)
+        log = MetricsLog(run_dir / "metrics.jsonl")
+        log.rows = truncate_metrics(log.path, ckpt.step)
+    else:
+        run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
+        run_dir.mkdir(parents=True, exist_ok=False)
+        log = MetricsLog(run_dir / "metrics.jsonl")
     (run_dir / "config.toml").write_bytes(to_toml(cfg))
-    log = MetricsLog(run_dir / "metrics.jsonl")
     policies = [p.name for p in cfg.policies]
     console.print(f"[bold]opentinker[/] run [cyan]{run_dir}[/]  model={cfg.model.base}  backend={cfg.runtime.backend}")
     with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
@@ -85,6 +96,16 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
         job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")
+    start = 1
+    if ckpt is not None:
+        try:
+            job.coordinator("load_adapters", str(ckpt.adapters.resolve()))
+            job.load_learner_states(read_learner_states(ckpt.adapters, policies))
+        except BaseException:
+            job.shutdown()
+            raise
+        start = ckpt.step + 1
+        console.print(f"resumed from {ckpt.folder} (step {ckpt.step})")
     ev = cfg.eval
     final_n = ev.final_hands_per_stratum or ev.hands_per_stratum
     feed: EpisodeFeed | None = None
@@ -94,7 +115,8 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
             console=console, redirect_stdout=True, redirect_stderr=True,
         ) as progress:
-            task = progress.add_task("eval (untrained)", total=cfg.train.steps, status="")
+            task = progress.add_task("eval (untrained)" if ckpt is None else "train", total=cfg.train.steps,
+                                     completed=start - 1, status="")
             episodes = progress.add_task("episodes", total=None, status="")
 
             def on_episodes(done: int, total: int, train: bool) -> None:
@@ -102,11 +124,14 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                                 description="  episodes (train)" if train else "  episodes (eval)")
 
             feed = EpisodeFeed(on_episodes)
-            first = job.coordinator("evaluate", 0, True, final_n, feed.endpoint)
-            log.write(0, "eval", first)
-            last = first
-            progress.update(task, description="train", status=_status(first, policies, "eval"))
-            for step in range(1, cfg.train.steps + 1):
+            if ckpt is None:
+                first = job.coordinator("evaluate", 0, True, final_n, feed.endpoint)
+                log.write(0, "eval", first)
+                last = first
+            else:
+                first, last = ckpt.first_eval, ckpt.last_eval
+            progress.update(task, description="train", status=_status(last, policies, "eval"))
+            for step in range(start, cfg.train.steps + 1):
                 m = job.coordinator("train_step", step, feed.endpoint)
                 log.write(step, "train", m)
                 progress.update(task, advance=1, status=_status(m, policies, "train"))
@@ -117,6 +142,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                                            feed.endpoint)
                     log.write(step, "eval", last)
                     progress.update(task, description="train", status=_status(last, policies, "eval"))
+                if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                    write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
+                                     lambda paths: save_learner_states(job.learner_states(), paths), first, last)
         adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
         save_learner_states(job.learner_states(), adapters)
         (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
