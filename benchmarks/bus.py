@@ -480,7 +480,10 @@ def main() -> None:
         order = list(runners)
         for r in range(args.rounds):
             for key in order[r % len(order):] + order[: r % len(order)]:
-                n = max(1, counts[key[2]] // args.rounds)
+                total = counts[key[2]]  # split exactly over the rounds
+                n = total // args.rounds + (r < total % args.rounds)
+                if n == 0:
+                    continue
                 lat[key] += runners[key].latency(n)
                 tp_s[key] += runners[key].throughput(n)
                 done[key] += n
