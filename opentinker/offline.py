@@ -71,6 +71,17 @@ def training_units(cfg: JobConfig) -> tuple[list[list[Datum]], int]:
     return units, len(trajectories)
 
 
+def renumber_pairs(datums: Sequence[Datum]) -> list[Datum]:
+    """Datums of consecutive pairs (chosen, rejected) with ``pair_id`` set to the pair's
+    position in this batch, so a pair that occurs twice counts twice."""
+    out = []
+    for k, d in enumerate(datums):
+        mask = np.asarray(d.loss_inputs["mask"], np.float32)
+        inputs = {**d.loss_inputs, "pair_id": (mask * np.float32(k // 2)).astype(np.float32)}
+        out.append(Datum(tokens=d.tokens, loss_inputs=inputs))
+    return out
+
+
 def batches(n_units: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
     """``steps`` batches of unit indices: epochs of seeded permutations, read in order."""
     rng = np.random.default_rng([seed & 0xFFFFFFFF, 17])
@@ -138,6 +149,8 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
             first = evaluate(0)
             for step, index in enumerate(batches(len(units), oc.batch_size, oc.steps, cfg.seed), 1):
                 batch = [d for i in index for d in units[i]]
+                if oc.kind != "sft":  # a unit drawn twice (across an epoch) is two pairs, not one
+                    batch = renumber_pairs(batch)
                 normalizer = float(len(index) if oc.kind != "sft" else loss_token_count(batch))
                 fb = client.request(ForwardBackward(adapter=name, datums=batch, loss=oc.kind,
                                                     loss_config=loss_config, normalizer=normalizer), timeout)

@@ -173,7 +173,9 @@ def selected_hidden(
                       row_index, taken)
 
     # Level 1: the common prefix; level 2: contexts up to the token before the first loss token.
-    P = _lcp(useqs) if share and U > 1 else 0
+    # The prefix stops one token short of the shortest sequence: a sequence that is a prefix
+    # of all the others must keep a non-empty tail of its own.
+    P = min(_lcp(useqs), min(len(s) for s in useqs) - 1) if share and U > 1 else 0
     split = [max(P, int(p.min()) - 1) if len(p) else len(s) for s, p in zip(useqs, upos)]
     if share:
         creps, cinv = _unique([s[P:c].tobytes() for s, c in zip(useqs, split)])

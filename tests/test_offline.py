@@ -149,3 +149,29 @@ def _empty_pairs(tmp_path) -> str:
     path = tmp_path / "same.jsonl"
     trajectory_log.append(path, [_traj(0, 0, 1.0, [5]), _traj(1, 0, 1.0, [6])], "kuhn_poker_v0")
     return str(path)
+
+
+def test_a_pair_drawn_twice_in_one_batch_counts_as_two_pairs() -> None:
+    """A batch can hold a pair twice (batches run across epochs); renumbered, its DPO loss is
+    twice the pair's, where one shared pair_id would have merged them into a pair with twice
+    the margin."""
+    import torch
+
+    from learners import LOSSES
+    from opentinker.offline import renumber_pairs
+
+    pair = pair_datums(preference_pairs([_traj(1, 0, 1.0, [11]), _traj(0, 0, -1.0, [10])]), first_id=4)
+    one, twice = pair, renumber_pairs([*pair, *pair])
+    assert [d.loss_inputs["pair_id"].tolist() for d in twice] == [[0, 0, 0]] * 2 + [[0, 0, 1]] * 2
+
+    def loss(datums):
+        inputs = {k: torch.as_tensor(np.concatenate([d.loss_inputs[k] for d in datums]))
+                  for k in datums[0].loss_inputs}
+        inputs["ref_logprobs"] = torch.zeros_like(inputs["mask"])
+        keep = inputs["mask"] > 0
+        logp = torch.where(inputs["pair_sign"] > 0, -1.0, -3.0)  # margin h = 2
+        return LOSSES["dpo"].fn(logp[keep], {k: v[keep] for k, v in inputs.items()}, {"beta": 0.1}).loss_sum
+
+    single = float(loss(one))
+    assert single == pytest.approx(-np.log(1 / (1 + np.exp(-0.2))), rel=1e-6)
+    assert float(loss(twice)) == pytest.approx(2 * single, rel=1e-6)

@@ -250,3 +250,27 @@ def test_adapter_lifecycle_over_the_bus(scheduler, chat_tok, tmp_path):
     assert np.abs(lps[0] - lps[3]).max() > 1e-3  # trained: not the base model
     assert frozen.code is ErrorCode.INVALID and "life_snap" in frozen.message
     assert dropped.version == -1 and gone.code is ErrorCode.NOT_FOUND and "life_snap" in gone.message
+
+
+def test_a_sequence_that_prefixes_all_others_scores_as_if_alone(tiny_path):
+    """Shared-prefix forwards keep every sequence's tail non-empty: [A, A + more] (e.g. a DPO
+    pair where one hand ended a turn earlier) gives each row what it gets alone."""
+    from opentinker.model_host import ModelHost
+
+    host = ModelHost(tiny_path, threads=1, device=DEVICE)
+    host.create_adapter("p", LoraSpec(rank=4, seed=1, value_head=True))
+    rng = np.random.default_rng(0)
+    a = rng.integers(10, 2000, 8).astype(np.int32)
+    b = np.concatenate([a, rng.integers(10, 2000, 6).astype(np.int32)])
+    together = host.logprobs("p", [a, b])
+    alone = [host.logprobs("p", [s])[0] for s in (a, b)]
+    for x, y in zip(together, alone):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    vt = host.values("p", [a, b])
+    for x, s in zip(vt, (a, b)):
+        np.testing.assert_allclose(x, host.values("p", [s])[0], atol=1e-5)
+    mask = [np.r_[np.zeros(5), np.ones(len(s) - 5)].astype(np.float32) for s in (a, b)]
+    datums = [Datum(tokens=s, loss_inputs={"mask": m, "advantages": m, "sampler_logprobs": -m})
+              for s, m in zip((a, b), mask)]
+    loss, _ = host.forward_backward("p", datums, "ppo", {}, 10.0)
+    assert np.isfinite(loss)
