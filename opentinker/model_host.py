@@ -262,13 +262,14 @@ class ModelHost:
 
     def _logp_at(
         self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True,
-        entropy: bool = False, entropy_grad: bool = False,
+        entropy: bool = False, entropy_grad: bool = False, temperature: float = 1.0,
     ) -> Selected:
         """Log-probs (and optionally entropies) at the masked positions of ``seqs`` with the
-        active adapter (see :func:`opentinker.shared_forward.selected_logprobs`)."""
+        active adapter, of ``softmax(logits / temperature)`` (see
+        :func:`opentinker.shared_forward.selected_logprobs`)."""
         inner = self._inner()
-        return selected_logprobs(inner.model, inner.lm_head, seqs, masks, self.pad_id, self.device, share,
-                                 entropy=entropy, entropy_grad=entropy_grad)
+        return selected_logprobs(inner.model, _scaled(inner.lm_head, temperature), seqs, masks, self.pad_id,
+                                 self.device, share, entropy=entropy, entropy_grad=entropy_grad)
 
     def _hidden_at(self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> Hidden:
         """Final hidden states before the masked positions, with the active adapter."""
@@ -377,6 +378,10 @@ class ModelHost:
         if spec.kind is LossKind.PENALTY:
             raise ValueError(f"loss {loss!r} ({spec.kind.value}) cannot be the main loss of "
                              "forward_backward (a penalty is added to another loss through loss_config)")
+        loss_config = dict(loss_config)
+        temperature = float(loss_config.pop("temperature", 1.0))
+        if not temperature > 0:
+            raise ValueError(f"loss_config temperature must be > 0, got {temperature}")
         config, terms = split_terms(loss_config)
         if loss in terms:
             raise ValueError(f"loss_config names the main loss {loss!r} as a term")
@@ -397,7 +402,7 @@ class ModelHost:
         want_entropy = bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given
         acc = MetricSums()
         seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
-        lm_head = self._inner().lm_head
+        lm_head = _scaled(self._inner().lm_head, temperature)
         for part in chunks(datums, chunk):
             seqs = [d.tokens for d in part]
             masks = [np.asarray(d.loss_inputs["mask"]) if on_logp else np.zeros(len(d.tokens)) for d in part]
@@ -406,7 +411,7 @@ class ModelHost:
             ref_N = None
             if want_ref:
                 with torch.no_grad(), self._select(None):
-                    ref_N = self._logp_at(seqs, masks, self.share_prefix).logp_N
+                    ref_N = self._logp_at(seqs, masks, self.share_prefix, temperature=temperature).logp_N
             with self._select(adapter), self._grad(state):
                 hidden = self._hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
                 if len(hidden.tokens_U) == 0:
@@ -506,3 +511,11 @@ class ModelHost:
             raise
         state.version = meta.version
         return state.version
+
+
+def _scaled(lm_head: torch.nn.Module, temperature: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``lm_head``, or ``logits / temperature`` when the sampler drew at another temperature
+    (its log-probs are of ``softmax(logits / T)``: the trainer must score the same policy)."""
+    if temperature == 1.0:
+        return lm_head
+    return lambda h: lm_head(h) / temperature

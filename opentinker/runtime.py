@@ -74,7 +74,9 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
         "advantage": tc.advantage,
         "advantage_config": tc.advantage_config(),
         "loss": tc.loss,
-        "loss_config": tc.loss_config(),
+        # The trainer scores replies at the temperature they were sampled at (DESIGN §6).
+        "loss_config": {**tc.loss_config(),
+                        **({"temperature": cfg.sampling.temperature} if cfg.sampling.temperature != 1.0 else {})},
         "adam": msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
         "game": cfg.game,
         "record_path": record,

@@ -274,3 +274,29 @@ def test_a_sequence_that_prefixes_all_others_scores_as_if_alone(tiny_path):
               for s, m in zip((a, b), mask)]
     loss, _ = host.forward_backward("p", datums, "ppo", {}, 10.0)
     assert np.isfinite(loss)
+
+
+def test_the_trainer_scores_at_the_sampling_temperature(tiny_path, chat_tok):
+    """Replies sampled at T = 0.5 carry log-probs of softmax(logits / 0.5); forward_backward
+    with loss_config temperature 0.5 scores the same distribution (sampler = trainer), while
+    scoring at T = 1 would put every on-policy ratio away from 1."""
+    from opentinker.model_host import ModelHost
+
+    host = ModelHost(tiny_path, threads=1, device=DEVICE)
+    host.create_adapter("t", LoraSpec(rank=4))
+    prompt = _prompt(chat_tok)
+    params = SamplingParams(temperature=0.5, max_tokens=6, seed=3)
+    rows = host.sample(["t"] * 4, [prompt] * 4, [params] * 4, [3, 4, 5, 6])
+    datums = []
+    for r in rows:
+        seq = np.concatenate([prompt, r.tokens]).astype(np.int32)
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(r.tokens))].astype(np.float32)
+        datums.append(Datum(tokens=seq, loss_inputs={
+            "mask": mask, "advantages": mask,
+            "sampler_logprobs": np.r_[np.zeros(len(prompt)), r.logprobs].astype(np.float32)}))
+    _, at_t = host.forward_backward("t", datums, "ppo", {"temperature": 0.5}, 24.0)
+    _, at_1 = host.forward_backward("t", datums, "ppo", {}, 24.0)
+    assert at_t["logp_diff_max"] < 1e-4 and at_t["clip_frac"] == 0.0
+    assert at_1["logp_diff_mean"] > 0.1
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        host.forward_backward("t", datums, "ppo", {"temperature": 0.0}, 24.0)
