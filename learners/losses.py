@@ -414,8 +414,15 @@ def kl_k3(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
           config: Mapping[str, float]) -> LossOutput:
     """KL penalty ``loss = coef * sum_t [exp(ref_t - logp_t) - (ref_t - logp_t) - 1]``: the k3
     estimator of Schulman 2020, "Approximating KL Divergence" (unbiased, never negative; the
-    KL term of GRPO, Shao et al. 2024, "DeepSeekMath", eq. 4); see :func:`_kl_loss`."""
-    return _kl_loss("kl_k3", lambda x: torch.exp(-x) + x - 1.0, logp_N, inputs, config)
+    KL term of GRPO, Shao et al. 2024, "DeepSeekMath", eq. 4); see :func:`_kl_loss`. The log
+    ratio is clamped to ``[-K3_CLAMP, K3_CLAMP]`` inside the exponential, so a token far off
+    the reference gives a large finite penalty, not ``inf`` (a clamped token has no gradient
+    through the exponential, as in verl)."""
+    return _kl_loss("kl_k3", lambda x: torch.exp(-x.clamp(-K3_CLAMP, K3_CLAMP)) + x - 1.0, logp_N, inputs, config)
+
+
+K3_CLAMP = 20.0
+"""Bound on ``|logp - ref|`` inside k3's exponential (``exp(20)`` ~ 5e8 per token)."""
 
 
 @register_loss("sft", LossKind.SUPERVISED, frozenset())

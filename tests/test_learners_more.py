@@ -488,3 +488,21 @@ def test_aggregation_micro_batch_split_invariance(how: str) -> None:
     # Gradient against the analytic derivative: d/dx of w^2 x^2 is 2 w^2 x, over the weight.
     if how == "token_sum":
         torch.testing.assert_close(whole.grad, 2 * weights**2 * base / 12.0)
+
+
+def test_kl_k3_stays_finite_far_off_the_reference():
+    """logp - ref = -94 would overflow exp; the clamp keeps the penalty large and finite and
+    leaves ordinary tokens exact."""
+    import torch
+
+    from learners import LOSSES
+    from learners.losses import K3_CLAMP
+
+    logp = torch.tensor([-95.0, -1.2], requires_grad=True)
+    out = LOSSES["kl_k3"].fn(logp, {"ref_logprobs": torch.tensor([-1.0, -1.0])}, {"coef": 1.0})
+    assert torch.isfinite(out.loss_sum)
+    near = torch.tensor(0.2)
+    exact = (torch.exp(near) - near - 1.0) + (torch.exp(torch.tensor(K3_CLAMP)) - 94.0 - 1.0)
+    assert float(out.loss_sum) == pytest.approx(float(exact), rel=1e-5)
+    out.loss_sum.backward()
+    assert torch.isfinite(logp.grad).all()
