@@ -220,7 +220,8 @@ class ForwardBackward(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     loss_config: dict[str, float] = {}
     """The loss's settings (e.g. ``clip_low``, ``value_clip``); a key naming a penalty loss
     (``kl_k1``, ``kl_k2``, ``kl_k3``, ``entropy``) or ``value`` (the critic's loss, for an
-    adapter with a value head) adds that term with this coefficient."""
+    adapter with a value head) adds that term with this coefficient; ``temperature`` (default
+    1) scores tokens under ``softmax(logits / temperature)``, the sampler's distribution."""
     normalizer: float = 1.0
     value_normalizer: float = 0.0
     """Divides the value term (0: ``normalizer``); e.g. the step's number of value positions,
