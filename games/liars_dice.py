@@ -328,6 +328,8 @@ class raw_env(TextAECEnv):
         challenge = f"\"liar\" to challenge {bidder}'s bid of {bid_text(last)}"
         if len(self._bids) >= self.max_bids:
             return f"No more bids are allowed: reply {challenge}."
+        if self.legal_moves() == [LIAR]:  # the top bid (every die, the highest face) stands
+            return f"No higher bid is possible: reply {challenge}."
         return (
             "Reply with a higher bid (more dice, or as many of a higher face), such as "
             f'"{example}", or with {challenge}.'

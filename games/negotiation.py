@@ -181,6 +181,8 @@ class raw_env(DialogueEnv):
             if "pool" in options
             else pools[self.np_random.integers(len(pools))]
         )
+        if pool not in pools:
+            raise ValueError(f"pool {options.get('pool')!r} breaks the rules: 1 to 4 of each item, 5 to 7 in all")
         pairs = _value_pairs(pool)
         if "values" in options:
             pair = tuple(tuple(options["values"][a][i] for i in ITEMS) for a in AGENTS)

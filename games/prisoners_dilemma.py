@@ -176,7 +176,8 @@ class PrisonersDilemma(ParallelEnv[str, dict[str, str], str]):
             judged = parse_move(reply)
             bad = judged is None
         else:
-            judged = printable(reply if isinstance(reply, str) else "", MAX_MESSAGE)
+            # One line (whitespace runs collapsed): a message cannot forge lines of the prompt.
+            judged = printable(" ".join(reply.split()) if isinstance(reply, str) else "", MAX_MESSAGE)
             bad = not isinstance(reply, str) or len(reply) > MAX_MESSAGE
         self.invalid_counts[agent] += int(bad)
         self._staged[agent] = (reply, judged, bad)
@@ -263,6 +264,7 @@ class PrisonersDilemma(ParallelEnv[str, dict[str, str], str]):
                 info["score"] = scores[agent]
                 info["opponent_score"] = scores[other]
                 info["last_action"] = MOVE_WORDS.get(last, "invalid")
+                info["reason"] = "rounds"
             infos[agent] = info
         return infos
 

@@ -479,7 +479,7 @@ def test_prisoners_dilemma_texts_and_infos() -> None:
     )
     assert infos[B] | {} == {
         "invalid": 0, "round": 2, "phase": "end", "infostate": "end:DC,CD", "legal_moves": [],
-        "score": 5, "opponent_score": 5, "last_action": "cooperate",
+        "score": 5, "opponent_score": 5, "last_action": "cooperate", "reason": "rounds",
     }  # fmt: skip
     with pytest.raises(RuntimeError, match="after the game ended"):
         env.step({})
