@@ -417,3 +417,72 @@ def test_request_timeouts_share_one_timer_and_finished_requests_are_dropped():
         ctx.destroy(0)
 
     run(main())
+
+
+def test_a_cancel_read_with_its_request_reaches_the_handler():
+    """Request and Cancel arrive in one drain (the client timed out while the server was
+    busy): the handler is cancelled before its task's first step and the slot is freed; a
+    retry arriving while its first attempt still waits is answered once, applied once."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        gate = Gate()
+        server = Server(gate, heartbeat_s=None, max_inflight=2)
+        ep = await server.start(ctx)
+        raw = zmq.Context.shadow(ctx.underlying).socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(ep)
+        raw.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="raw"), 1))
+        await until(lambda: server.counters["handshakes"] == 1, "the handshake")
+        from protocols.messages import Cancel
+        raw.send_multipart(encode(step("gone"), 7))  # both queued before the server reads either
+        raw.send_multipart(encode(Cancel(request_id=7), 8))
+        await until(lambda: gate.cancelled == 1, "the handler to be cancelled")
+        await until(lambda: server._running == 0, "the slot to be freed")
+        assert server.peers == {"raw": 0} and gate.applied == []
+        # A retry that arrives while the first is still waiting is answered by the first.
+        raw.send_multipart(encode(step("y"), 20))
+        raw.send_multipart(encode(step("y"), 20))
+        await until(lambda: server.counters["dedup"] == 1, "the retry to be recognised")
+        gate.release.set()
+        await until(lambda: gate.applied == ["y"], "the request to be applied")
+        replies = []
+        for _ in range(100):
+            while raw.poll(0):
+                replies.append(decode(raw.recv_multipart()))
+            if any(r == 20 for r, _ in replies):
+                break
+            await asyncio.sleep(0.01)
+        assert [type(m).__name__ for r, m in replies if r == 20] == ["OptimStepResult"]
+        assert gate.applied == ["y"] and server._running == 0
+        raw.close(0)
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())
+
+
+def test_try_send_drops_when_nobody_reads_and_close_fails_pending_requests():
+    async def main():
+        from opentinker.bus import Pusher
+
+        ctx = zmq.asyncio.Context()
+        pusher = Pusher(ctx, "tcp://127.0.0.1:9", hwm=2)  # nothing listens there
+        sent = [pusher.try_send(step()) for _ in range(6)]
+        assert sent.count(True) <= 2 and pusher.dropped >= 4 and not sent[-1]
+        pusher.close()
+        gate = Gate()
+        server = Server(gate, heartbeat_s=None)
+        client = Client(ctx, await server.start(ctx), heartbeat_s=None, max_inflight=1)
+        flying = asyncio.ensure_future(client.request(step("a"), 60))
+        waiting = asyncio.ensure_future(client.request(step("b"), 60))
+        await until(lambda: gate.running == 1, "the first request to start")
+        client.close()
+        for task in (flying, waiting):
+            with pytest.raises(ConnectionError, match="closed"):
+                await task
+        with pytest.raises(ConnectionError, match="closed"):
+            await client.request(step("c"), 1)
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())

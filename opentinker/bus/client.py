@@ -39,7 +39,7 @@ from opentinker.bus.common import (
     configure,
     plain_context,
 )
-from opentinker.bus.loop import SocketReader, new_event_loop
+from opentinker.bus.loop import NOBLOCK, SocketReader, new_event_loop, send_frames
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -148,6 +148,8 @@ class Client:
             PeerLost: the server went silent for 3 heartbeats.
             ProtocolMismatch: the server speaks another protocol version.
         """
+        if self._sock.closed:
+            raise ConnectionError(f"{self.name}: the client is closed")
         rid = next_request_id() if request_id is None else request_id
         for attempt in range(2):
             if self.welcome is None:
@@ -159,8 +161,7 @@ class Client:
                 reply = await self._roundtrip(msg, rid, timeout)
             finally:
                 self._inflight -= 1
-                if self._slot_waiters:
-                    self._slot_waiters.popleft().set_result(None)
+                self._pass_slot()
             if isinstance(reply, Error) and reply.code is ErrorCode.NO_HANDSHAKE and attempt == 0:
                 self.welcome = None  # the server restarted or dropped us: say Hello again, retry
                 continue
@@ -179,9 +180,17 @@ class Client:
             except asyncio.CancelledError:
                 if waiter in self._slot_waiters:
                     self._slot_waiters.remove(waiter)
-                elif self._slot_waiters:  # pass the slot it was given on
-                    self._slot_waiters.popleft().set_result(None)
+                else:  # it had been given the slot: pass it on
+                    self._pass_slot()
                 raise
+
+    def _pass_slot(self) -> None:
+        """Wake the first slot waiter still waiting (one cancelled meanwhile is skipped)."""
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _roundtrip(self, msg: Message, rid: int, timeout: float) -> Message:
         loop = asyncio.get_running_loop()
@@ -282,11 +291,14 @@ class Client:
             self.counters[f"error/{what}_not_sent"] += 1
 
     def close(self) -> None:
+        """Close the socket; every request still pending or waiting for a slot fails with
+        ``ConnectionError`` (their callers are not cancelled)."""
         if self._beater is not None:
             self._beater.cancel()
-        for fut in self._pending.values():
+        for fut in [*self._pending.values(), *self._slot_waiters]:
             if not fut.done():
-                fut.cancel()
+                fut.set_exception(ConnectionError(f"{self.name}: the client was closed"))
+        self._slot_waiters.clear()
         if self._io is not None:
             self._io.close()
         else:
@@ -355,6 +367,7 @@ class Pusher:
         self.sent = self.dropped = 0
         self._sock = configure(ctx.socket(zmq.PUSH), hwm=hwm, keys=keys)
         self._sock.connect(endpoint)
+        self._plain = zmq.Socket.shadow(self._sock.underlying)
 
     async def send(self, msg: Message, timeout: float = 600.0) -> None:
         try:
@@ -366,8 +379,8 @@ class Pusher:
     def try_send(self, msg: Message) -> bool:
         """Send now or drop (a full queue, no receiver yet): for best-effort messages such as
         progress, which must never hold up their sender. Returns whether it went."""
-        try:
-            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+        try:  # through a blocking view of the socket: zmq.asyncio would queue, not raise
+            send_frames(self._plain, encode(msg), NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             return False

@@ -11,7 +11,8 @@ answered inside the same callback, with no task at all.
 from __future__ import annotations
 
 import asyncio
-import types
+import collections.abc
+import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
@@ -111,37 +112,55 @@ class SocketReader:
             self.sock.close(linger=0)
 
 
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, Any], pending: Any) -> Generator[Any, Any, Any]:
-    """Delegate to a coroutine that already ran up to its first wait on ``pending``."""
-    while True:
-        try:
-            value = yield pending
-        except BaseException as exc:  # noqa: BLE001 - cancellation and close go to the coroutine
-            try:
-                pending = coro.throw(exc)
-            except StopIteration as stop:
-                return stop.value
-        else:
-            try:
-                pending = coro.send(value)
-            except StopIteration as stop:
-                return stop.value
+class _Resume(collections.abc.Coroutine):
+    """The rest of a coroutine that already ran up to its first wait on ``pending``, as a
+    coroutine a task can run: its first step hands the task that wait, and a cancellation
+    (or any exception) thrown in, even before that first step, goes into the coroutine, so
+    its handler sees it exactly as it would in a task of its own."""
 
+    __slots__ = ("coro", "first", "pending")
 
-async def _finish(coro: Coroutine[Any, Any, Any], pending: Any) -> Any:
-    return await _resume(coro, pending)
+    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
+        self.coro, self.pending, self.first = coro, pending, True
+
+    def send(self, value: Any) -> Any:
+        if self.first:
+            self.first = False
+            pending, self.pending = self.pending, None
+            return pending
+        return self.coro.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        self.first, self.pending = False, None
+        return self.coro.throw(*exc)
+
+    def close(self) -> None:
+        self.coro.close()
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return self  # type: ignore[return-value]
+
+    def __next__(self) -> Any:
+        return self.send(None)
 
 
 def run_eager(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -> asyncio.Task | None:
     """Run ``coro`` now, up to its first wait; None when it finished without waiting, else the
-    task that carries on from there (and can be cancelled like any task).
+    task that carries on from there (and can be cancelled like any task, also before it has
+    taken a step).
 
-    Until its first wait the coroutine runs in the caller's context, not in a task of its
-    own (``asyncio.current_task()`` is the caller's), as with Python 3.12's eager tasks.
+    On Python 3.12+ this is an eager task (the coroutine runs in its own task from the start,
+    so ``asyncio.timeout`` and ``wait_for`` work in its first part); on 3.11 the first part
+    runs in the caller's context (no current task) and the rest in a task.
     """
+    if sys.version_info >= (3, 12):
+        task = asyncio.Task(coro, loop=loop, eager_start=True)
+        if task.done():
+            task.result()  # re-raise what the coroutine raised, as the 3.11 path does
+            return None
+        return task
     try:
         pending = coro.send(None)
     except StopIteration:
         return None
-    return loop.create_task(_finish(coro, pending))
+    return loop.create_task(_Resume(coro, pending))

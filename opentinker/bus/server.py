@@ -202,6 +202,9 @@ class Server:
         peer = self._peers.get(identity)
         if peer is not None:
             peer.beats.missed = 0  # heard from it
+            if rid in peer.inflight:  # a retry of a request still running: its reply answers both
+                self.counters["dedup"] += 1
+                return
             if type(msg) not in _SESSION and self._running < self.max_inflight:  # the hot path
                 self._running += 1
                 task = run_eager(self._request(identity, peer, rid, msg), self._loop)

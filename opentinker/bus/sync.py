@@ -88,7 +88,10 @@ class SyncClient:
     def connect(self, timeout: float = 30.0) -> Welcome:
         """Say ``Hello``; raises :class:`ProtocolMismatch` when the versions differ."""
         rid = self._send(Hello(version=PROTOCOL_VERSION, peer=self.name), next_request_id())
-        reply = self._wait(rid, timeout)
+        try:
+            reply = self._wait(rid, timeout)
+        finally:
+            self._outstanding.pop(rid, None)
         if isinstance(reply, Error):
             if reply.code is ErrorCode.BAD_VERSION:
                 raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: {reply.message}")
