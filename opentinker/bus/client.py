@@ -33,11 +33,12 @@ from opentinker.bus.common import (
     Counters,
     CurveKeys,
     PeerLost,
-    ProtocolMismatch,
     RemoteError,
     check_bind,
+    check_welcome,
     configure,
     plain_context,
+    read_reply,
 )
 from opentinker.bus.loop import NOBLOCK, SocketReader, new_event_loop, send_frames
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
@@ -123,12 +124,7 @@ class Client:
     async def _hello(self, timeout: float) -> Welcome:
         self._start()
         reply = await self._roundtrip(Hello(version=PROTOCOL_VERSION, peer=self.name), next_request_id(), timeout)
-        if isinstance(reply, Error):
-            if reply.code is ErrorCode.BAD_VERSION:
-                raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: {reply.message}")
-            raise RemoteError(reply, f"{self.name} -> {self.endpoint} (Hello)")
-        if not isinstance(reply, Welcome):
-            raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: answered Hello with {type(reply).__name__}")
+        reply = check_welcome(reply, f"{self.name} -> {self.endpoint}")
         self.welcome = reply
         self.beats.heard()
         if self.heartbeat_s and self._beater is None:
@@ -243,16 +239,8 @@ class Client:
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.beats.heard()
-        try:
-            rid, reply = decode([f.buffer for f in frames], self.max_bytes)
-        except DecodeError as e:
-            self.counters[f"error/{e.code.value}"] += 1
-            fut = self._pending.get(e.request_id) if e.request_id is not None else None
-            if fut is not None and not fut.done():
-                fut.set_result(Error(code=e.code, message=str(e)))
-            return
-        self.counters[f"recv/{type(reply).__name__}"] += 1
-        fut = self._pending.get(rid)
+        rid, reply = read_reply(frames, self.max_bytes, self.counters)
+        fut = self._pending.get(rid) if rid is not None else None
         if fut is not None and not fut.done():
             fut.set_result(reply)
 

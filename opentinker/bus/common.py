@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocols.codec import DEFAULT_MAX_BYTES
-from protocols.messages import Error
+from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode
+from protocols.messages import Error, ErrorCode, Message, Welcome
 
 LOOPBACK = "tcp://127.0.0.1:*"
 DEFAULT_HEARTBEAT_S = 3.0
@@ -161,3 +161,26 @@ class BeatCounter:
         """One interval passed; True when the peer is now lost."""
         self.missed += 1
         return self.missed >= self.limit
+
+
+def read_reply(frames: list[zmq.Frame], max_bytes: int, counters: Counters) -> tuple[int | None, Message]:
+    """``(request_id, reply)`` of a frame a client received, counted; an undecodable one is
+    an ``Error`` for its request id when the header could be read (else ``None``)."""
+    try:
+        rid, reply = decode([f.buffer for f in frames], max_bytes)
+    except DecodeError as e:
+        counters[f"error/{e.code.value}"] += 1
+        return e.request_id, Error(code=e.code, message=str(e))
+    counters[f"recv/{type(reply).__name__}"] += 1
+    return rid, reply
+
+
+def check_welcome(reply: Message, where: str) -> Welcome:
+    """The server's answer to ``Hello``, or the error a client raises for it."""
+    if isinstance(reply, Error):
+        if reply.code is ErrorCode.BAD_VERSION:
+            raise ProtocolMismatch(f"{where}: {reply.message}")
+        raise RemoteError(reply, f"{where} (Hello)")
+    if not isinstance(reply, Welcome):
+        raise ProtocolMismatch(f"{where}: answered Hello with {type(reply).__name__}")
+    return reply

@@ -22,12 +22,13 @@ from opentinker.bus.common import (
     Counters,
     CurveKeys,
     PeerLost,
-    ProtocolMismatch,
     RemoteError,
+    check_welcome,
     configure,
+    read_reply,
 )
 from opentinker.bus.loop import recv_frames, send_frames
-from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.codec import DEFAULT_MAX_BYTES, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -92,13 +93,7 @@ class SyncClient:
             reply = self._wait(rid, timeout)
         finally:
             self._outstanding.pop(rid, None)
-        if isinstance(reply, Error):
-            if reply.code is ErrorCode.BAD_VERSION:
-                raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: {reply.message}")
-            raise RemoteError(reply, f"{self.name} -> {self.endpoint} (Hello)")
-        if not isinstance(reply, Welcome):
-            raise ProtocolMismatch(f"{self.name} -> {self.endpoint}: answered Hello with {type(reply).__name__}")
-        self.welcome = reply
+        self.welcome = reply = check_welcome(reply, f"{self.name} -> {self.endpoint}")
         return reply
 
     def submit(self, msg: Message, request_id: int | None = None) -> int:
@@ -162,14 +157,7 @@ class SyncClient:
     def _take(self, frames: list[zmq.Frame]) -> None:
         """Keep a reply to a request still outstanding; count everything."""
         self.beats.heard()
-        try:
-            rid, reply = decode([f.buffer for f in frames], self.max_bytes)
-        except DecodeError as e:
-            self.counters[f"error/{e.code.value}"] += 1
-            if e.request_id in self._outstanding:
-                self._replies[e.request_id] = Error(code=e.code, message=str(e))
-            return
-        self.counters[f"recv/{type(reply).__name__}"] += 1
+        rid, reply = read_reply(frames, self.max_bytes, self.counters)
         if rid in self._outstanding:
             self._replies[rid] = reply
 
