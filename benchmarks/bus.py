@@ -57,7 +57,14 @@ from opentinker.bus import (
     new_event_loop,
 )
 from protocols.codec import encode
-from protocols.messages import PROTOCOL_VERSION, Ack, Hello, LogprobsRequest, LogprobsResult, Message
+from protocols.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Hello,
+    LogprobsRequest,
+    LogprobsResult,
+    Message,
+)
 
 KINDS = ("bus_sync", "bus_async", "asyncio_floor", "raw_zmq", "ray")
 PAYLOADS = ("small", "1MiB")
@@ -208,15 +215,19 @@ class AsyncBus:
 
     async def _warmup(self) -> None:
         for _ in range(self.args.warmup):
-            reply = await self.client.request(self.msg, timeout=self.args.timeout)
+            reply = await self._one()
         check_echo(self.msg, reply)
+
+    async def _one(self) -> Any:
+        """One round trip."""
+        return await self.client.request(self.msg, timeout=self.args.timeout)
 
     def latency(self, n: int) -> list[float]:
         async def go() -> list[float]:
             lat = []
             for _ in range(n):
                 t = time.perf_counter()
-                await self.client.request(self.msg, timeout=self.args.timeout)
+                await self._one()
                 lat.append(time.perf_counter() - t)
             return lat
 
@@ -225,7 +236,7 @@ class AsyncBus:
     def throughput(self, n: int) -> float:
         async def worker(count: int) -> None:
             for _ in range(count):
-                await self.client.request(self.msg, timeout=self.args.timeout)
+                await self._one()
 
         w = max(1, min(self.args.window, n))
         counts = [n // w + (i < n % w) for i in range(w)]
@@ -243,13 +254,14 @@ class AsyncBus:
         self.loop.close()
 
 
-class AsyncFloor:
+class AsyncFloor(AsyncBus):
     """The floor of any asyncio client on this machine: the same frames, sent to the same bus
     server, and a future per request resolved from an ``add_reader`` callback, in arrival
-    order; no protocol work at all (no decode, no ids, no timeouts)."""
+    order; no protocol work at all (no decode, no ids, no timeouts). Latency and throughput
+    are measured as for :class:`AsyncBus`."""
 
     def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
-        self.args = args
+        self.msg, self.args = msg, args
         self.loop = new_event_loop()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -275,35 +287,6 @@ class AsyncFloor:
         if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.loop.call_soon(self._readable)
         await fut
-
-    def _run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, self.args.timeout * 20))
-
-    def latency(self, n: int) -> list[float]:
-        async def go() -> list[float]:
-            lat = []
-            for _ in range(n):
-                t = time.perf_counter()
-                await self._one()
-                lat.append(time.perf_counter() - t)
-            return lat
-
-        return self._run(go())
-
-    def throughput(self, n: int) -> float:
-        async def worker(count: int) -> None:
-            for _ in range(count):
-                await self._one()
-
-        w = max(1, min(self.args.window, n))
-        counts = [n // w + (i < n % w) for i in range(w)]
-
-        async def go() -> float:
-            t = time.perf_counter()
-            await asyncio.gather(*(worker(c) for c in counts))
-            return time.perf_counter() - t
-
-        return self._run(go())
 
     def close(self) -> None:
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
