@@ -9,10 +9,11 @@ actor in a worker process of its own). Two payloads:
 * ``1MiB``: a ``LogprobsResult`` whose field carries a 1 MiB ``float32`` array (one extra
   zero-copy frame), echoed back (Ray echoes the array itself).
 
-Rows: this bus's ``SyncClient`` and asyncio ``Client``; ``asyncio_floor``, the least any asyncio
-client can do (send the same frames to the same bus server, await a future resolved by an
-``add_reader`` callback; no decoding, ids or timeouts), to show what the event loop itself
-costs; raw pyzmq; Ray.
+Rows: this bus's ``SyncClient``; its asyncio ``Client`` as configured by default (it polls the
+socket at each loop turn for up to ``spin_s`` after a send) and with ``spin_s=0``
+(``bus_async_park``: it waits on the socket's descriptor at once, so each reply costs an event
+loop wake-up); raw pyzmq; Ray. "CPU µs" is the client process's CPU time (all its threads) per
+round trip in the latency loop, the price of polling.
 
 Latency: sequential request / reply, p50 and p99 of ``--n`` round trips (``--n_large`` for
 1 MiB) after a warm-up. Throughput: the same count with ``--window`` requests in flight;
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import multiprocessing as mp
 import os
@@ -49,6 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opentinker.bus import (
+    DEFAULT_SPIN_S,
     LOOPBACK,
     Client,
     LoopThread,
@@ -58,15 +59,13 @@ from opentinker.bus import (
 )
 from protocols.codec import encode
 from protocols.messages import (
-    PROTOCOL_VERSION,
     Ack,
-    Hello,
     LogprobsRequest,
     LogprobsResult,
     Message,
 )
 
-KINDS = ("bus_sync", "bus_async", "asyncio_floor", "raw_zmq", "ray")
+KINDS = ("bus_sync", "bus_async", "bus_async_park", "raw_zmq", "ray")
 PAYLOADS = ("small", "1MiB")
 LARGE_FLOATS = (1 << 20) // 4
 SERVER_LIFE_S = 1800.0
@@ -82,7 +81,7 @@ class Args:
     rounds: int = 10
     """Each row's requests are split into this many rounds, taken in turn with the other rows."""
     transports: str = "ipc,tcp"
-    kinds: str = "bus_sync,bus_async,asyncio_floor,raw_zmq,ray"
+    kinds: str = "bus_sync,bus_async,bus_async_park,raw_zmq,ray"
     timeout: float = 30.0
     json: str = ""
 
@@ -188,26 +187,32 @@ class EchoServer:
 # Clients
 
 
-def summary(lat_s: list[float], n_tp: int, tp_s: float, nbytes: int) -> dict[str, float]:
+def summary(lat_s: list[float], cpu_s: float, n_tp: int, tp_s: float, nbytes: int) -> dict[str, float]:
+    """One row: latency percentiles of ``lat_s``, client CPU per round trip (``cpu_s`` over the
+    latency loop), throughput of ``n_tp`` round trips in ``tp_s``."""
     lat_us = np.asarray(lat_s) * 1e6
     return {
         "n": len(lat_s),
         "bytes": nbytes,
         "p50_us": float(np.percentile(lat_us, 50)),
         "p99_us": float(np.percentile(lat_us, 99)),
+        "cpu_us": cpu_s / len(lat_s) * 1e6,
         "msgs_per_s": n_tp / tp_s,
         "mib_per_s": n_tp * nbytes / tp_s / (1 << 20),
     }
 
 
 class AsyncBus:
-    """This bus's asyncio client, on an event loop of its own."""
+    """This bus's asyncio client (default settings: it polls for a reply for up to
+    ``spin_s`` after a send), on an event loop of its own."""
+
+    spin_s = DEFAULT_SPIN_S
 
     def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
         self.msg, self.args = msg, args
         self.loop = new_event_loop()  # what the runtime's loops are (uvloop where installed)
         self.ctx = zmq.asyncio.Context()
-        self.client = Client(self.ctx, endpoint, name="bench")
+        self.client = Client(self.ctx, endpoint, name="bench", spin_s=self.spin_s)
         self._run(self._warmup())
 
     def _run(self, coro: Any) -> Any:
@@ -250,49 +255,16 @@ class AsyncBus:
 
     def close(self) -> None:
         self.client.close()
+        self._run(asyncio.sleep(0))  # let the cancelled heartbeat task finish
         self.ctx.destroy(linger=0)
         self.loop.close()
 
 
-class AsyncFloor(AsyncBus):
-    """The floor of any asyncio client on this machine: the same frames, sent to the same bus
-    server, and a future per request resolved from an ``add_reader`` callback, in arrival
-    order; no protocol work at all (no decode, no ids, no timeouts). Latency and throughput
-    are measured as for :class:`AsyncBus`."""
+class AsyncBusPark(AsyncBus):
+    """This bus's asyncio client with ``spin_s=0``: it parks on the socket's descriptor right
+    after each send, so every reply costs an event-loop wake-up (less CPU, more latency)."""
 
-    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
-        self.msg, self.args = msg, args
-        self.loop = new_event_loop()
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sock.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="floor"), 1))
-        assert self.sock.poll(int(args.timeout * 1000)), "no Welcome"
-        self.sock.recv_multipart()
-        self.frames = encode(msg, 5)
-        self.waiting: collections.deque[asyncio.Future] = collections.deque()
-        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._readable)
-
-    def _readable(self) -> None:
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.sock.recv_multipart(copy=False)
-            if self.waiting:
-                self.waiting.popleft().set_result(None)
-
-    async def _one(self) -> None:
-        fut = self.loop.create_future()
-        self.waiting.append(fut)
-        self.sock.send_multipart(self.frames, copy=False)
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.loop.call_soon(self._readable)
-        await fut
-
-    def close(self) -> None:
-        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
-        self.sock.close(linger=0)
-        self.ctx.term()
-        self.loop.close()
+    spin_s = 0.0
 
 
 class SyncBus:
@@ -447,7 +419,7 @@ def main() -> None:
                 if key not in servers:
                     bind = f"ipc://{os.path.join(tmp, target.__name__)}.sock" if transport == "ipc" else LOOPBACK
                     servers[key] = EchoServer(target, bind, args.timeout * 2)
-                make = {"bus_sync": SyncBus, "bus_async": AsyncBus, "asyncio_floor": AsyncFloor, "raw_zmq": RawZmq}[kind]
+                make = {"bus_sync": SyncBus, "bus_async": AsyncBus, "bus_async_park": AsyncBusPark, "raw_zmq": RawZmq}[kind]
                 for payload in PAYLOADS:
                     runners[(kind, transport, payload)] = make(servers[key].endpoint, msgs[payload], args)
         if "ray" in kinds:
@@ -459,6 +431,7 @@ def main() -> None:
             runners[("ray", "ray", "1MiB")] = RayEcho(msgs["1MiB"].logprobs[0], args)
         lat: dict[tuple[str, str, str], list[float]] = {k: [] for k in runners}
         tp_s: dict[tuple[str, str, str], float] = {k: 0.0 for k in runners}
+        cpu_s: dict[tuple[str, str, str], float] = {k: 0.0 for k in runners}
         done: dict[tuple[str, str, str], int] = {k: 0 for k in runners}
         order = list(runners)
         for r in range(args.rounds):
@@ -467,7 +440,9 @@ def main() -> None:
                 n = total // args.rounds + (r < total % args.rounds)
                 if n == 0:
                     continue
+                cpu = time.process_time()
                 lat[key] += runners[key].latency(n)
+                cpu_s[key] += time.process_time() - cpu
                 tp_s[key] += runners[key].throughput(n)
                 done[key] += n
         nbytes = {p: frame_bytes(encode(m, 1)) for p, m in msgs.items()}
@@ -477,7 +452,7 @@ def main() -> None:
             kind, transport, payload = key
             nb = nbytes_ray[payload] if kind == "ray" else nbytes[payload]
             rows.append({"kind": kind, "transport": transport, "payload": payload,
-                         **summary(lat[key], done[key], tp_s[key], nb)})
+                         **summary(lat[key], cpu_s[key], done[key], tp_s[key], nb)})
     finally:
         for runner in runners.values():
             runner.close()
@@ -503,7 +478,7 @@ def main() -> None:
     table = Table(title=f"bus round trips (servers in other processes; {args.n} small / {args.n_large} x 1 MiB "
                         f"in {args.rounds} interleaved rounds, window {args.window}; MiB/s one way; "
                         "ray vs raw over tcp)")
-    cols = ("kind", "transport", "payload", "p50 µs", "p99 µs", "msgs/s", "MiB/s",
+    cols = ("kind", "transport", "payload", "p50 µs", "p99 µs", "CPU µs", "msgs/s", "MiB/s",
             "p50 vs raw", "throughput: raw / this", "Ray p50 / this")
     for col in cols:
         table.add_column(col, justify="left" if col in ("kind", "transport", "payload") else "right")
@@ -513,7 +488,7 @@ def main() -> None:
 
     for r in rows:
         table.add_row(r["kind"], r["transport"], r["payload"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
-                      f"{r['msgs_per_s']:.0f}", f"{r['mib_per_s']:.1f}", x(r["vs_raw_zmq"]),
+                      f"{r['cpu_us']:.0f}", f"{r['msgs_per_s']:.0f}", f"{r['mib_per_s']:.1f}", x(r["vs_raw_zmq"]),
                       x(r["throughput_vs_raw_zmq"]), x(r["ray_p50_over_this"]))
     console = Console()
     if not console.is_terminal:

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KINDS = ("bus_sync", "bus_async", "asyncio_floor", "raw_zmq", "ray")
+KINDS = ("bus_sync", "bus_async", "bus_async_park", "raw_zmq", "ray")
 TRANSPORTS = ("ipc", "tcp")
 PAYLOADS = ("small", "1MiB")
 
@@ -31,7 +31,7 @@ def test_bus_benchmark(tmp_path):
     assert set(got) == want and len(rows) == len(want)
     for key, r in got.items():
         assert r["n"] == (50 if key[2] == "small" else 5), key
-        for field in ("bytes", "p50_us", "p99_us", "msgs_per_s", "mib_per_s", "vs_raw_zmq", "throughput_vs_raw_zmq", "ray_p50_over_this"):
+        for field in ("bytes", "p50_us", "p99_us", "cpu_us", "msgs_per_s", "mib_per_s", "vs_raw_zmq", "throughput_vs_raw_zmq", "ray_p50_over_this"):
             assert r[field] is not None and r[field] > 0, (key, field, r[field])
         assert r["p99_us"] >= r["p50_us"], key
     assert all(r["vs_raw_zmq"] == 1.0 for (k, _, _), r in got.items() if k == "raw_zmq")

@@ -486,3 +486,93 @@ def test_try_send_drops_when_nobody_reads_and_close_fails_pending_requests():
         ctx.destroy(0)
 
     run(main())
+
+
+def test_a_client_polls_for_fast_replies_and_keeps_its_loop_serving():
+    """With ``spin_s`` the client reads a reply by polling at each loop turn: here its socket's
+    descriptor is not watched at all, so nothing else could read the reply. Other tasks run
+    meanwhile, and the polling ends with the last pending request. With ``spin_s=0`` the same
+    reply is never read (the request times out)."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        gate = Gate()
+        server = Server(gate, heartbeat_s=None)
+        ep = await server.start(ctx)
+        client = Client(ctx, ep, heartbeat_s=None, spin_s=30.0)
+        await client.connect(5)
+        client._io.loop.remove_reader(client._io._fd)  # only the polling can read replies now
+        spins = client.counters["spins"]
+        task = asyncio.ensure_future(client.request(step("a"), 10))
+        await until(lambda: gate.running == 1, "the request to start")
+        turns = 0
+        for _ in range(100):  # the loop keeps serving other tasks while the client polls
+            await asyncio.sleep(0)
+            turns += 1
+        assert turns == 100 and not task.done() and client._spinning
+        gate.release.set()
+        assert await task == OptimStepResult(version=1, grad_norm=0.0)
+        await until(lambda: not client._spinning, "the polling to stop")
+        assert client.counters["spins"] == spins + 1 and client.counters["recv/OptimStepResult"] == 1
+
+        park = Client(ctx, ep, heartbeat_s=None, spin_s=0.0)
+        await park.connect(5)
+        park._io.loop.remove_reader(park._io._fd)
+        with pytest.raises(TimeoutError, match="no reply"):
+            await park.request(step("b"), 0.3)
+        assert park.counters["spins"] == 0 and park.counters["recv/OptimStepResult"] == 0
+        for c in (client, park):
+            c.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())
+
+
+def test_a_client_does_not_poll_for_message_types_slower_than_spin_s():
+    """Each message type's round trips are averaged; once the average is above ``spin_s`` the
+    client waits on the descriptor at once (slow requests cost no CPU while they wait)."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        gate = Gate()
+        gate.release.set()
+        server = Server(gate, heartbeat_s=None)
+        client = Client(ctx, await server.start(ctx), heartbeat_s=None, spin_s=1e-9)
+        for i in range(5):
+            assert (await client.request(step(f"q{i}"), 10)).version == i + 1
+        # Polled once for Hello and once for the first OptimStep, then never again.
+        assert client.counters["spins"] == 2
+        assert client.polling.rtt[OptimStep] > 1e-9 and client.polling.rtt[Hello] > 1e-9
+        for bad in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="spin_s"):
+                Client(ctx, "inproc://x", spin_s=bad)
+        client.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())
+
+
+def test_sync_client_polls_for_fast_replies_only():
+    """The blocking client polls (never blocks) for a type whose replies come fast, and stops
+    polling for a type whose average round trip is above ``spin_s``; both get every reply."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        gate = Gate()
+        gate.release.set()
+        server = Server(gate, heartbeat_s=None)
+        ep = await server.start(ctx)
+
+        def sync_part():
+            with SyncClient(ep, name="fast", spin_s=30.0) as fast, SyncClient(ep, name="slow", spin_s=1e-9) as slow:
+                got = [fast.request(step(f"f{i}"), timeout=10).version for i in range(3)]
+                assert fast.counters["spins"] == 4  # Hello and each OptimStep
+                got += [slow.request(step(f"s{i}"), timeout=10).version for i in range(3)]
+                assert slow.counters["spins"] == 2  # Hello and the first OptimStep only
+                assert slow.polling.rtt[OptimStep] > 1e-9 and not slow._sent_at and not fast._sent_at
+                return got
+
+        assert sorted(await asyncio.to_thread(sync_part)) == list(range(1, 7))
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())

@@ -19,6 +19,7 @@ The protocol itself is in ``protocols/`` and ``docs/protocol.md``.
 from opentinker.bus.client import Client, LoopThread, Puller, Pusher, next_request_id
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
+    DEFAULT_SPIN_S,
     LOOPBACK,
     MISSED_BEATS,
     BeatCounter,
@@ -27,6 +28,7 @@ from opentinker.bus.common import (
     PeerLost,
     ProtocolMismatch,
     RemoteError,
+    ReplyPolling,
     check_bind,
     is_loopback,
 )
@@ -36,6 +38,7 @@ from opentinker.bus.sync import SyncClient
 
 __all__ = [
     "DEFAULT_HEARTBEAT_S",
+    "DEFAULT_SPIN_S",
     "LOOPBACK",
     "MISSED_BEATS",
     "BeatCounter",
@@ -49,6 +52,7 @@ __all__ = [
     "Puller",
     "Pusher",
     "RemoteError",
+    "ReplyPolling",
     "Server",
     "SyncClient",
     "check_bind",

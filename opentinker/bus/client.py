@@ -8,6 +8,13 @@ counts as a sign of life; after 3 intervals with none, every pending request fai
 :class:`~opentinker.bus.common.PeerLost`. A request that times out or whose caller is
 cancelled is cancelled on the server too (``Cancel``). At most ``max_inflight`` requests are
 in flight; further callers wait for a slot (backpressure).
+
+Waiting for a reply: right after a send the client polls its socket at every turn of the event
+loop for up to ``spin_s`` (other tasks and sockets are served between polls), and only then
+waits on the socket's descriptor. A reply that comes within that window is read without the
+wake-up from the descriptor, for some more CPU; message types whose round trips average more
+than ``spin_s`` (sampling, a training step) are not polled for
+(:class:`~opentinker.bus.common.ReplyPolling`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -28,19 +36,29 @@ import zmq.asyncio
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
+    DEFAULT_SPIN_S,
     LOOPBACK,
     BeatCounter,
     Counters,
     CurveKeys,
     PeerLost,
     RemoteError,
+    ReplyPolling,
     check_bind,
     check_welcome,
     configure,
     plain_context,
     read_reply,
+    yield_cpu,
 )
-from opentinker.bus.loop import NOBLOCK, SocketReader, new_event_loop, send_frames
+from opentinker.bus.loop import (
+    EVENTS,
+    NOBLOCK,
+    POLLIN,
+    SocketReader,
+    new_event_loop,
+    send_frames,
+)
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -55,6 +73,7 @@ from protocols.messages import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
 
 _ids = itertools.count(1)
 _BASE = int.from_bytes(os.urandom(3), "little") << 32
@@ -74,6 +93,8 @@ class Client:
         keys: CURVE keys of this client (``CurveKeys.client_of(server_keys)``).
         heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
         max_inflight: requests in flight at once; more callers wait.
+        spin_s: after each send, poll the socket at every loop turn for up to this long before
+            waiting on its descriptor (0: never; see :class:`~opentinker.bus.common.ReplyPolling`).
     """
 
     def __init__(
@@ -87,7 +108,9 @@ class Client:
         max_inflight: int = 1024,
         max_bytes: int = DEFAULT_MAX_BYTES,
         hwm: int = DEFAULT_HWM,
+        spin_s: float = DEFAULT_SPIN_S,
     ) -> None:
+        self.polling = ReplyPolling(spin_s)
         self.endpoint = endpoint
         self.name = name
         self.heartbeat_s = heartbeat_s
@@ -105,6 +128,8 @@ class Client:
         self._inflight = 0
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._max_inflight = max_inflight
+        self._spin_until = 0.0
+        self._spinning = False
 
     def next_request_id(self) -> int:
         return next_request_id()
@@ -202,7 +227,15 @@ class Client:
                 self._io.send(frames)  # type: ignore[union-attr]
             except zmq.Again:
                 await self._send_when_room(frames, fut)
-            return await fut
+            polling = self.polling
+            if not polling.spin_s:
+                return await fut
+            kind, sent = type(msg), time.perf_counter()
+            if polling.worth_it(kind):
+                self._spin(sent + polling.spin_s)
+            reply = await fut
+            polling.record(kind, time.perf_counter() - sent)
+            return reply
         except _Expired:
             self._cancel_remote(rid)
             raise TimeoutError(
@@ -230,6 +263,25 @@ class Client:
                 self.counters["send_waits"] += 1
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
+
+    def _spin(self, until: float | None = None) -> None:
+        """Poll the socket now and again at the next loop turn, while requests are pending and
+        until ``until`` (``time.perf_counter``) or the latest ``until`` given since."""
+        if until is not None:
+            self._spin_until = max(self._spin_until, until)
+            if self._spinning:
+                return
+            self.counters["spins"] += 1
+            self._spinning = True
+        if (self._io is None or self._sock.closed or not self._pending
+                or time.perf_counter() > self._spin_until):
+            self._spinning = False
+            return
+        if self._sock.getsockopt(EVENTS) & POLLIN:
+            self._io.drain()
+        else:
+            yield_cpu()  # let the threads that carry the reply (ZeroMQ's I/O thread) run first
+        self._io.loop.call_soon(self._spin)
 
     def _cancel_remote(self, rid: int) -> None:
         if self._sock.closed:

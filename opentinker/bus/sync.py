@@ -4,7 +4,9 @@
 made, many requests in flight (:meth:`SyncClient.submit` then :meth:`SyncClient.result`),
 per-request timeouts that cancel the request on the server, and heartbeats while it waits:
 three intervals with no frame from the server raise
-:class:`~opentinker.bus.common.PeerLost`. Not thread-safe (a ZeroMQ socket is not): use
+:class:`~opentinker.bus.common.PeerLost`. Like the asyncio client it polls for a fast reply
+for up to ``spin_s`` before it blocks on the socket
+(:class:`~opentinker.bus.common.ReplyPolling`). Not thread-safe (a ZeroMQ socket is not): use
 one per thread.
 """
 
@@ -18,16 +20,19 @@ from opentinker.bus.client import next_request_id
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
+    DEFAULT_SPIN_S,
     BeatCounter,
     Counters,
     CurveKeys,
     PeerLost,
     RemoteError,
+    ReplyPolling,
     check_welcome,
     configure,
     read_reply,
+    yield_cpu,
 )
-from opentinker.bus.loop import recv_frames, send_frames
+from opentinker.bus.loop import NOBLOCK, recv_frames, send_frames
 from protocols.codec import DEFAULT_MAX_BYTES, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
@@ -51,6 +56,7 @@ class SyncClient:
         heartbeat_s: while waiting, a ``Heartbeat`` goes out every this many seconds without
             a frame, and the server is lost after 3 of them.
         connect_timeout: seconds to wait for the ``Welcome``.
+        spin_s: poll for a reply for up to this long before blocking on the socket (0: never).
     """
 
     def __init__(
@@ -64,7 +70,9 @@ class SyncClient:
         max_bytes: int = DEFAULT_MAX_BYTES,
         hwm: int = DEFAULT_HWM,
         connect_timeout: float = 30.0,
+        spin_s: float = DEFAULT_SPIN_S,
     ) -> None:
+        self.polling = ReplyPolling(spin_s)
         self.endpoint = endpoint
         self.name = name
         self.heartbeat_s = heartbeat_s
@@ -79,6 +87,8 @@ class SyncClient:
         self._outstanding: dict[int, Message] = {}
         """Request id -> the request, until its reply is taken (resent after a re-Hello)."""
         self._replies: dict[int, Message] = {}
+        self._sent_at: dict[int, float] = {}
+        """Request id -> when it was last sent (``time.perf_counter``), until its reply."""
         self.welcome: Welcome | None = None
         try:
             self.connect(connect_timeout)
@@ -128,6 +138,7 @@ class SyncClient:
         self._outstanding[rid] = msg
         self.counters[f"sent/{type(msg).__name__}"] += 1
         send_frames(self._sock, encode(msg, rid))
+        self._sent_at[rid] = time.perf_counter()
         return rid
 
     def _wait(self, rid: int, timeout: float) -> Message:
@@ -135,10 +146,14 @@ class SyncClient:
         heartbeat tick."""
         deadline = time.monotonic() + timeout
         sock = self._sock
+        msg = self._outstanding.get(rid)
+        if rid not in self._replies and msg is not None and self.polling.worth_it(type(msg)):
+            self._poll(rid, min(deadline, time.monotonic() + self.polling.spin_s))
         while rid not in self._replies:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._outstanding.pop(rid, None)
+                self._sent_at.pop(rid, None)
                 self._cancel_remote(rid)
                 raise TimeoutError(f"{self.name}: no reply to request {rid} from {self.endpoint} in {timeout:.3g} s")
             wait_ms = max(1, int(1000 * min(left, self.heartbeat_s)))
@@ -154,12 +169,27 @@ class SyncClient:
             self._take(frames)
         return self._replies.pop(rid)
 
+    def _poll(self, rid: int, until: float) -> None:
+        """Read without blocking until ``rid``'s reply is in or ``until`` (``time.monotonic``)."""
+        self.counters["spins"] += 1
+        sock = self._sock
+        while rid not in self._replies and time.monotonic() < until:
+            try:
+                frames = recv_frames(sock, NOBLOCK)
+            except zmq.Again:
+                yield_cpu()
+                continue
+            self._take(frames)
+
     def _take(self, frames: list[zmq.Frame]) -> None:
         """Keep a reply to a request still outstanding; count everything."""
         self.beats.heard()
         rid, reply = read_reply(frames, self.max_bytes, self.counters)
+        sent = self._sent_at.pop(rid, None) if rid is not None else None
         if rid in self._outstanding:
             self._replies[rid] = reply
+            if sent is not None:
+                self.polling.record(type(self._outstanding[rid]), time.perf_counter() - sent)
 
     def tick(self) -> bool:
         """One heartbeat interval passed with no frame: send a ``Heartbeat``; True (and the
