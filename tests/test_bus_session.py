@@ -257,6 +257,9 @@ def test_sync_client_notices_a_dead_server():
         with pytest.raises(PeerLost):
             await asyncio.to_thread(c.result, rid, 30)
         assert c.counters["sent/Heartbeat"] == 2 and c.counters["peer_lost"] == 1
+        with pytest.raises(PeerLost):  # saying Hello again to the dead server
+            await asyncio.to_thread(c.connect, 30)
+        assert c._outstanding == {rid: step()} and set(c._sent_at) == {rid}  # nothing kept of the Hello
         c.close()
         ctx.destroy(0)
 
@@ -565,13 +568,59 @@ def test_sync_client_polls_for_fast_replies_only():
         def sync_part():
             with SyncClient(ep, name="fast", spin_s=30.0) as fast, SyncClient(ep, name="slow", spin_s=1e-9) as slow:
                 got = [fast.request(step(f"f{i}"), timeout=10).version for i in range(3)]
-                assert fast.counters["spins"] == 4  # Hello and each OptimStep
+                assert fast.counters["spins"] == 4 and fast.counters["polled"] == 4  # Hello, each OptimStep
                 got += [slow.request(step(f"s{i}"), timeout=10).version for i in range(3)]
                 assert slow.counters["spins"] == 2  # Hello and the first OptimStep only
                 assert slow.polling.rtt[OptimStep] > 1e-9 and not slow._sent_at and not fast._sent_at
                 return got
 
         assert sorted(await asyncio.to_thread(sync_part)) == list(range(1, 7))
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())
+
+
+def test_polling_stops_with_the_last_polled_for_reply():
+    """A slow request (not polled for) still pending does not keep the asyncio client polling
+    after a fast reply; the blocking client counts a reply's wait from when its caller began
+    waiting, not from the send (a result taken late was not waited for)."""
+    release = asyncio.Event()
+
+    async def handler(msg):
+        if isinstance(msg, OptimStep):
+            await release.wait()
+            return OptimStepResult(version=1, grad_norm=0.0)
+        return Ack()
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server = Server(handler, heartbeat_s=None)
+        ep = await server.start(ctx)
+        client = Client(ctx, ep, heartbeat_s=None, spin_s=30.0)
+        await client.connect(5)
+        client.polling.rtt[OptimStep] = 60.0  # known to be slow: not polled for
+        slow = asyncio.ensure_future(client.request(step(), 60))
+        await until(lambda: server._running == 1, "the slow request to start")
+        assert not client._spinning and client._polled == 0
+        assert isinstance(await client.request(LogprobsResult(logprobs=[], adapter_version=0), 10), Ack)
+        await until(lambda: not client._spinning, "the polling to stop after the fast reply")
+        assert client._polled == 0 and not slow.done()
+        release.set()
+        assert (await slow).version == 1
+
+        def sync_part():
+            with SyncClient(ep, name="late", spin_s=30.0) as c:
+                rid = c.submit(LogprobsResult(logprobs=[], adapter_version=0))
+                time.sleep(0.05)  # the reply arrives meanwhile
+                t = time.perf_counter()
+                assert isinstance(c.result(rid, 10), Ack)
+                took = time.perf_counter() - t
+                return c.polling.rtt[LogprobsResult], took
+
+        waited, took = await asyncio.to_thread(sync_part)
+        assert waited <= took  # only the time result() waited, not the 50 ms before it
+        client.close()
         await server.stop()
         ctx.destroy(0)
 

@@ -9,11 +9,11 @@ counts as a sign of life; after 3 intervals with none, every pending request fai
 cancelled is cancelled on the server too (``Cancel``). At most ``max_inflight`` requests are
 in flight; further callers wait for a slot (backpressure).
 
-Waiting for a reply: right after a send the client polls its socket at every turn of the event
-loop for up to ``spin_s`` (other tasks and sockets are served between polls), and only then
-waits on the socket's descriptor. A reply that comes within that window is read without the
-wake-up from the descriptor, for some more CPU; message types whose round trips average more
-than ``spin_s`` (sampling, a training step) are not polled for
+Waiting for a reply: after a send the client also polls its socket at every turn of the event
+loop, for up to ``spin_s`` (other tasks and sockets are served between polls; the
+descriptor stays watched throughout). A reply that comes within that window is read without
+the wake-up from the descriptor, for some more CPU; once a message type's round trips
+average more than ``spin_s`` (sampling, a training step), its requests are not polled for
 (:class:`~opentinker.bus.common.ReplyPolling`).
 """
 
@@ -130,6 +130,8 @@ class Client:
         self._max_inflight = max_inflight
         self._spin_until = 0.0
         self._spinning = False
+        self._polled = 0
+        """Requests pending whose replies are polled for."""
 
     def next_request_id(self) -> int:
         return next_request_id()
@@ -231,9 +233,15 @@ class Client:
             if not polling.spin_s:
                 return await fut
             kind, sent = type(msg), time.perf_counter()
-            if polling.worth_it(kind):
-                self._spin(sent + polling.spin_s)
-            reply = await fut
+            if not polling.worth_it(kind):
+                reply = await fut
+            else:
+                self._polled += 1
+                try:
+                    self._poll_for_reply(sent + polling.spin_s)
+                    reply = await fut
+                finally:
+                    self._polled -= 1
             polling.record(kind, time.perf_counter() - sent)
             return reply
         except _Expired:
@@ -264,24 +272,28 @@ class Client:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
-    def _spin(self, until: float | None = None) -> None:
-        """Poll the socket now and again at the next loop turn, while requests are pending and
-        until ``until`` (``time.perf_counter``) or the latest ``until`` given since."""
-        if until is not None:
-            self._spin_until = max(self._spin_until, until)
-            if self._spinning:
-                return
-            self.counters["spins"] += 1
+    def _poll_for_reply(self, until: float) -> None:
+        """Poll the socket from the next loop turn on, until ``until`` (``time.perf_counter``;
+        a later request extends it) or no polled-for request is pending."""
+        self._spin_until = max(self._spin_until, until)
+        if not self._spinning:
             self._spinning = True
-        if (self._io is None or self._sock.closed or not self._pending
-                or time.perf_counter() > self._spin_until):
-            self._spinning = False
+            self.counters["spins"] += 1
+            self._io.loop.call_soon(self._spin)  # type: ignore[union-attr]
+
+    def _spin(self) -> None:
+        """One poll; schedules the next one (should anything raise, polling just stops, and
+        the next polled-for request starts it again)."""
+        self._spinning = False
+        io = self._io
+        if io is None or self._sock.closed or not self._polled or time.perf_counter() > self._spin_until:
             return
         if self._sock.getsockopt(EVENTS) & POLLIN:
-            self._io.drain()
+            io.drain()
         else:
             yield_cpu()  # let the threads that carry the reply (ZeroMQ's I/O thread) run first
-        self._io.loop.call_soon(self._spin)
+        io.loop.call_soon(self._spin)
+        self._spinning = True
 
     def _cancel_remote(self, rid: int) -> None:
         if self._sock.closed:

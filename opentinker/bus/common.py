@@ -199,10 +199,11 @@ class ReplyPolling:
 
     Waking a thread that waits on a descriptor costs tens of microseconds (much more on a
     virtual machine whose idle CPUs halt); a reply that comes within ``spin_s`` of its request
-    is read sooner by polling the socket, for at most ``spin_s`` of CPU. Polling pays only for
-    fast requests, so round trips are averaged per message type (weight ``ema`` for the
-    newest) and a type whose average is above ``spin_s`` (sampling, a training step) is not
-    polled for. ``spin_s=0`` never polls.
+    is read sooner by polling the socket, for at most ``spin_s`` of CPU per request. Polling
+    pays only for fast requests, so waits are averaged per message type (weight ``ema`` for
+    the newest; every reply counts, so a type that turns fast is polled for again) and a type
+    whose average is above ``spin_s`` (sampling, a training step) is not polled for; the
+    first request of a type is. ``spin_s=0`` never polls.
     """
 
     def __init__(self, spin_s: float = DEFAULT_SPIN_S, ema: float = 0.2) -> None:

@@ -89,6 +89,9 @@ class SyncClient:
         self._replies: dict[int, Message] = {}
         self._sent_at: dict[int, float] = {}
         """Request id -> when it was last sent (``time.perf_counter``), until its reply."""
+        self._waiting_since = 0.0
+        """When the current :meth:`_wait` began: a reply's wait counts from its send or from
+        then, whichever is later (a caller that takes its result late did not wait for it)."""
         self.welcome: Welcome | None = None
         try:
             self.connect(connect_timeout)
@@ -103,6 +106,7 @@ class SyncClient:
             reply = self._wait(rid, timeout)
         finally:
             self._outstanding.pop(rid, None)
+            self._sent_at.pop(rid, None)
         self.welcome = reply = check_welcome(reply, f"{self.name} -> {self.endpoint}")
         return reply
 
@@ -145,6 +149,7 @@ class SyncClient:
         """Block on the socket until ``rid``'s reply; each ``heartbeat_s`` with no frame is a
         heartbeat tick."""
         deadline = time.monotonic() + timeout
+        self._waiting_since = time.perf_counter()
         sock = self._sock
         msg = self._outstanding.get(rid)
         if rid not in self._replies and msg is not None and self.polling.worth_it(type(msg)):
@@ -179,6 +184,7 @@ class SyncClient:
             except zmq.Again:
                 yield_cpu()
                 continue
+            self.counters["polled"] += 1
             self._take(frames)
 
     def _take(self, frames: list[zmq.Frame]) -> None:
@@ -189,7 +195,8 @@ class SyncClient:
         if rid in self._outstanding:
             self._replies[rid] = reply
             if sent is not None:
-                self.polling.record(type(self._outstanding[rid]), time.perf_counter() - sent)
+                waited = time.perf_counter() - max(sent, self._waiting_since)
+                self.polling.record(type(self._outstanding[rid]), waited)
 
     def tick(self) -> bool:
         """One heartbeat interval passed with no frame: send a ``Heartbeat``; True (and the
