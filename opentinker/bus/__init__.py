@@ -4,10 +4,11 @@
   request, idempotent state-changing requests, cancellation, heartbeats, bounded work,
   typed ``Error`` replies and counters for every bad frame.
 * :class:`Client` (asyncio) and :class:`SyncClient` (blocking): many requests in flight,
-  per-request timeouts that cancel on the server, ``PeerLost`` after 3 silent heartbeats.
-* :class:`Pusher` / :class:`Puller`: one-way messages (trajectories); PUSH round-robins and
-  never fans out, so each learner binds its own PULL.
-* :class:`LoopThread`: an asyncio loop in a daemon thread, so a component serves the bus
+  per-request timeouts that cancel on the server, ``PeerLost`` after 3 silent heartbeats,
+  and polling for fast replies (:class:`ReplyPolling`).
+* :class:`Pusher` / :class:`Puller` (``pipeline.py``): one-way messages (trajectories); PUSH
+  round-robins and never fans out, so each learner binds its own PULL.
+* :class:`LoopThread` (``loop.py``): an asyncio loop in a daemon thread, so a component serves the bus
   while its owner (a Ray actor method, a test) blocks.
 * ``common.py``: endpoint rules (``tcp://``, ``ipc://``, ``inproc://``; no non-loopback bind
   without CURVE keys), :class:`CurveKeys`, socket options (``LINGER=0``, high-water marks, a
@@ -16,7 +17,7 @@
 The protocol itself is in ``protocols/`` and ``docs/protocol.md``.
 """
 
-from opentinker.bus.client import Client, LoopThread, Puller, Pusher, next_request_id
+from opentinker.bus.client import Client, next_request_id
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_SPIN_S,
@@ -32,7 +33,8 @@ from opentinker.bus.common import (
     check_bind,
     is_loopback,
 )
-from opentinker.bus.loop import new_event_loop
+from opentinker.bus.loop import LoopThread, new_event_loop
+from opentinker.bus.pipeline import Puller, Pusher
 from opentinker.bus.server import Handler, Server
 from opentinker.bus.sync import SyncClient
 

@@ -1,5 +1,5 @@
-"""The asyncio side of the bus: a DEALER :class:`Client` with many requests in flight,
-one-way :class:`Pusher`/:class:`Puller`, and :class:`LoopThread`.
+"""The asyncio side of the bus: a DEALER :class:`Client` with many requests in flight
+(one-way sockets are in :mod:`opentinker.bus.pipeline`).
 
 A client says ``Hello`` on its first request (the versions are compared there: a mismatch is
 :class:`~opentinker.bus.common.ProtocolMismatch` here and a counted ``bad_version`` on
@@ -25,10 +25,7 @@ import heapq
 import itertools
 import logging
 import os
-import threading
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -37,14 +34,12 @@ from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
     DEFAULT_SPIN_S,
-    LOOPBACK,
     BeatCounter,
     Counters,
     CurveKeys,
     PeerLost,
     RemoteError,
     ReplyPolling,
-    check_bind,
     check_welcome,
     configure,
     plain_context,
@@ -53,13 +48,10 @@ from opentinker.bus.common import (
 )
 from opentinker.bus.loop import (
     EVENTS,
-    NOBLOCK,
     POLLIN,
     SocketReader,
-    new_event_loop,
-    send_frames,
 )
-from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.codec import DEFAULT_MAX_BYTES, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -72,7 +64,6 @@ from protocols.messages import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 _ids = itertools.count(1)
@@ -407,100 +398,3 @@ class _Deadlines:
                 fut.set_exception(_Expired())
         if self.heap:
             self._arm(self.heap[0][0])
-
-
-class Pusher:
-    """PUSH socket for one-way messages (trajectories) to one receiver; a full queue (``hwm``)
-    makes :meth:`send` wait, up to ``timeout`` s (backpressure, not unbounded memory)."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, keys: CurveKeys | None = None,
-                 hwm: int = DEFAULT_HWM) -> None:
-        self.endpoint = endpoint
-        self.sent = self.dropped = 0
-        self._sock = configure(ctx.socket(zmq.PUSH), hwm=hwm, keys=keys)
-        self._sock.connect(endpoint)
-        self._plain = zmq.Socket.shadow(self._sock.underlying)
-
-    async def send(self, msg: Message, timeout: float = 600.0) -> None:
-        try:
-            await asyncio.wait_for(self._sock.send_multipart(encode(msg), copy=False), timeout)
-        except TimeoutError:
-            raise TimeoutError(f"push to {self.endpoint}: queue full for {timeout:.3g} s") from None
-        self.sent += 1
-
-    def try_send(self, msg: Message) -> bool:
-        """Send now or drop (a full queue, no receiver yet): for best-effort messages such as
-        progress, which must never hold up their sender. Returns whether it went."""
-        try:  # through a blocking view of the socket: zmq.asyncio would queue, not raise
-            send_frames(self._plain, encode(msg), NOBLOCK)
-        except zmq.Again:
-            self.dropped += 1
-            return False
-        self.sent += 1
-        return True
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
-
-class Puller:
-    """PULL socket bound by a receiver (a learner); undecodable frames are counted, dropped."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str = LOOPBACK, max_bytes: int = DEFAULT_MAX_BYTES,
-                 *, keys: CurveKeys | None = None, hwm: int = DEFAULT_HWM) -> None:
-        check_bind(endpoint, keys)
-        self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=max_bytes, keys=keys, server=True)
-        self._sock.bind(endpoint)
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.max_bytes = max_bytes
-        self.counters = Counters()
-
-    async def recv(self) -> Message:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                _, msg = decode([f.buffer for f in frames], self.max_bytes)
-            except DecodeError as e:
-                self.counters[f"error/{e.code.value}"] += 1
-                log.warning("puller %s: dropped bad frame: %s", self.endpoint, e)
-                continue
-            self.counters[f"recv/{type(msg).__name__}"] += 1
-            return msg
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
-
-class LoopThread:
-    """An asyncio event loop (uvloop's where installed) in a daemon thread, with its own
-    ZeroMQ context."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = new_event_loop()
-        self.ctx = zmq.asyncio.Context()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and block for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        async def _cancel_all() -> None:
-            me = asyncio.current_task()
-            for t in asyncio.all_tasks():
-                if t is not me:
-                    t.cancel()
-
-        if self.loop.is_running():
-            try:
-                self.run(_cancel_all(), timeout=5)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5)
-        self.ctx.destroy(linger=0)

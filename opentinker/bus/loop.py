@@ -13,10 +13,14 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import sys
+import threading
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -164,3 +168,38 @@ def run_eager(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -
     except StopIteration:
         return None
     return loop.create_task(_Resume(coro, pending))
+
+
+class LoopThread:
+    """An asyncio event loop (uvloop's where installed) in a daemon thread, with its own
+    ZeroMQ context."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = new_event_loop()
+        self.ctx = zmq.asyncio.Context()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def _cancel_all() -> None:
+            me = asyncio.current_task()
+            for t in asyncio.all_tasks():
+                if t is not me:
+                    t.cancel()
+
+        if self.loop.is_running():
+            try:
+                self.run(_cancel_all(), timeout=5)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        self.ctx.destroy(linger=0)

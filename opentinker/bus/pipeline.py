@@ -1,0 +1,87 @@
+"""One-way messages (ZeroMQ's pipeline pattern): a :class:`Pusher` sends, say, trajectories
+to the :class:`Puller` a learner binds. A full queue makes the sender wait (backpressure), or,
+for best-effort messages, drops them (counted)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from opentinker.bus.common import (
+    DEFAULT_HWM,
+    LOOPBACK,
+    Counters,
+    CurveKeys,
+    check_bind,
+    configure,
+)
+from opentinker.bus.loop import NOBLOCK, send_frames
+from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.messages import Message
+
+log = logging.getLogger(__name__)
+
+
+class Pusher:
+    """PUSH socket for one-way messages (trajectories) to one receiver; a full queue (``hwm``)
+    makes :meth:`send` wait, up to ``timeout`` s (backpressure, not unbounded memory)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, keys: CurveKeys | None = None,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.endpoint = endpoint
+        self.sent = self.dropped = 0
+        self._sock = configure(ctx.socket(zmq.PUSH), hwm=hwm, keys=keys)
+        self._sock.connect(endpoint)
+        self._plain = zmq.Socket.shadow(self._sock.underlying)
+
+    async def send(self, msg: Message, timeout: float = 600.0) -> None:
+        try:
+            await asyncio.wait_for(self._sock.send_multipart(encode(msg), copy=False), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"push to {self.endpoint}: queue full for {timeout:.3g} s") from None
+        self.sent += 1
+
+    def try_send(self, msg: Message) -> bool:
+        """Send now or drop (a full queue, no receiver yet): for best-effort messages such as
+        progress, which must never hold up their sender. Returns whether it went."""
+        try:  # through a blocking view of the socket: zmq.asyncio would queue, not raise
+            send_frames(self._plain, encode(msg), NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Puller:
+    """PULL socket bound by a receiver (a learner); undecodable frames are counted, dropped."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str = LOOPBACK, max_bytes: int = DEFAULT_MAX_BYTES,
+                 *, keys: CurveKeys | None = None, hwm: int = DEFAULT_HWM) -> None:
+        check_bind(endpoint, keys)
+        self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=max_bytes, keys=keys, server=True)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.max_bytes = max_bytes
+        self.counters = Counters()
+
+    async def recv(self) -> Message:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                _, msg = decode([f.buffer for f in frames], self.max_bytes)
+            except DecodeError as e:
+                self.counters[f"error/{e.code.value}"] += 1
+                log.warning("puller %s: dropped bad frame: %s", self.endpoint, e)
+                continue
+            self.counters[f"recv/{type(msg).__name__}"] += 1
+            return msg
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
