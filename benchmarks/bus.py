@@ -75,7 +75,7 @@ SERVER_LIFE_S = 1800.0
 @dataclass
 class Args:
     n: int = 2000
-    n_large: int = 200
+    n_large: int = 1000
     warmup: int = 50
     window: int = 32
     rounds: int = 10
