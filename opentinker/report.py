@@ -1,9 +1,12 @@
-"""Run outputs: ``metrics.jsonl``, the learning-curve PNG, and the final summary table."""
+"""Run outputs: ``metrics.jsonl`` and TensorBoard events, the learning-curve PNG, and the final
+summary table."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +14,71 @@ from rich.table import Table
 
 
 class MetricsLog:
-    """Appends one JSON object per line: ``{"step": s, "kind": "train"|"eval", ...}``."""
+    """Appends one JSON object per line, ``{"step": s, "kind": "train"|"eval", ...}``, to
+    ``path``, and every finite number of the row as a TensorBoard scalar (tag = the metric's
+    name, e.g. ``eval/main/vs_random/chips``) to ``tb_dir`` (``tensorboard --logdir runs``).
+    Both are on disk when :meth:`write` returns.
 
-    def __init__(self, path: Path) -> None:
+    Args:
+        path: the JSONL file (appended to).
+        tb_dir: the TensorBoard folder; default ``tb/`` beside ``path``; None: no events.
+        purge_step: on resume, the first step written again: TensorBoard drops the events
+            of that step and later ones that an earlier process wrote.
+    """
+
+    def __init__(self, path: Path, tb_dir: Path | None | bool = True, purge_step: int | None = None) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
+        self._tb: TensorBoardScalars | None = None
+        if tb_dir is not None and tb_dir is not False:
+            self._tb = TensorBoardScalars(path.parent / "tb" if tb_dir is True else Path(tb_dir), purge_step)
 
     def write(self, step: int, kind: str, metrics: dict[str, float]) -> None:
         row = {"step": step, "kind": kind, **{k: _clean(v) for k, v in metrics.items()}}
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            self._tb.add(step, {k: float(v) for k, v in row.items() if k not in ("step", "kind")
+                                and isinstance(v, (int, float)) and math.isfinite(v)})
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class TensorBoardScalars:
+    """A TensorBoard event file of scalars, written synchronously (tensorboardX's
+    ``SummaryWriter`` queues events for a thread, so a row could be lost with the process).
+
+    Each writer makes its own file, named by the time in nanoseconds (TensorBoard reads the
+    files of a folder in name order); ``purge_step`` writes a ``SessionLog.START`` at that
+    step, on which TensorBoard drops the earlier files' events from that step on.
+    """
+
+    def __init__(self, folder: Path, purge_step: int | None = None) -> None:
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(folder / "events"), filename_suffix=f".{time.time_ns():019d}.{os.getpid()}")
+        if purge_step is not None:
+            self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
+    def add(self, step: int, scalars: dict[str, float]) -> None:
+        """Write ``scalars`` (tag -> value) at ``step`` and flush."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=v) for tag, v in scalars.items()]
+        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=Summary(value=values)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _clean(v: Any) -> Any:

@@ -80,7 +80,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     if resume is not None:
         run_dir = Path(resume)
         ckpt = latest_checkpoint(run_dir)
-        log = MetricsLog(run_dir / "metrics.jsonl")
+        log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
         log.rows = truncate_metrics(log.path, ckpt.step)
     else:
         run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
@@ -153,6 +153,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         if feed is not None:
             feed.close()
         job.shutdown()
+        log.close()
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png")
     unit = "chips/hand" if cfg.game == "kuhn_poker_v0" else "reward/game"
     console.print(summary_table(first, last, policies, cfg.train.steps, unit))
@@ -167,8 +168,11 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
 
     oc = cfg.offline_job()
     assert oc is not None
-    with console.status(f"offline {oc.kind} on {oc.data}: {oc.steps} steps"):
-        summary = run_offline(cfg, run_dir, model_path, log)
+    try:
+        with console.status(f"offline {oc.kind} on {oc.data}: {oc.steps} steps"):
+            summary = run_offline(cfg, run_dir, model_path, log)
+    finally:
+        log.close()
     name = cfg.policies[0].name
     key = f"eval/{name}/{oc.kind}/loss"
     console.print(f"offline {oc.kind}: {summary['units']} {'pairs' if oc.kind != 'sft' else 'sequences'} from "

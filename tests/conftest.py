@@ -67,3 +67,33 @@ def play_to_end(env, replies, max_iter: int = 100):
         env.step(None if term or trunc else pending.pop(0))
     assert not pending and not env.agents
     return totals
+
+
+def read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
+    """Scalars by tag, ``[(step, value), ...]``, from every TensorBoard event file in ``folder``
+    as TensorBoard shows them: files in name (= time) order, each record's CRCs checked, and a
+    ``SessionLog.START`` at step s (a resumed writer's ``purge_step``) drops what came before it
+    at step >= s."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.record_writer import masked_crc32c
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            header = data[at:at + 8]
+            (n,) = struct.unpack("<Q", header)
+            assert struct.unpack("<I", data[at + 8:at + 12])[0] == masked_crc32c(header), path
+            body = data[at + 12:at + 12 + n]
+            assert struct.unpack("<I", data[at + 12 + n:at + 16 + n])[0] == masked_crc32c(body), path
+            at += 16 + n
+            ev = Event.FromString(body)
+            if ev.HasField("session_log") and ev.session_log.status == SessionLog.START:
+                scalars = {t: kept for t, pts in scalars.items() if (kept := [(s, v) for s, v in pts if s < ev.step])}
+            for v in ev.summary.value:
+                scalars.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return scalars

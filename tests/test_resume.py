@@ -7,7 +7,7 @@ import json
 
 import msgspec
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, read_tensorboard
 from safetensors.numpy import load_file
 
 from opentinker.checkpoints import latest_checkpoint
@@ -52,6 +52,10 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypat
     assert [(r["step"], r["kind"]) for r in rows if r["kind"] == "train"] == [(1, "train"), (2, "train")]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
     assert sorted(p.name for p in (half.run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    tb = read_tensorboard(half.run_dir / "tb")  # two processes' event files, read as TensorBoard does
+    want = {(r["step"], round(r["train/main/reward"], 5)) for r in rows if r["kind"] == "train"}
+    assert {(s, round(v, 5)) for s, v in tb["train/main/reward"]} == want and len(tb["train/main/reward"]) == 2
+    assert [s for s, _ in tb["eval/main/vs_referential_heuristic/chips"]] == [0, 1, 2]
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
