@@ -163,6 +163,9 @@ class EvalConfig(_Config):
     ``hands_per_stratum``."""
     head_to_head_per_stratum: NonNegInt = 10
     """Hands per (deal, seat) against the untrained base model, at the first and last eval."""
+    cross_play_per_stratum: NonNegInt = 10
+    """A job with several policies: hands per (deal, seat) of every policy against every other
+    one, at the first and last eval (the cross-play matrix); 0: none."""
     exploitability: bool = True
 
 
@@ -223,8 +226,11 @@ class JobConfig(_Config):
         if len(set(names)) != len(names):
             raise ValueError(f"policies: duplicate names in {names}")
         for p in self.policies:
-            if p.name in SPECIAL_OPPONENTS or not p.name.isidentifier():
-                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self/base")
+            from games.scripted import SCRIPTED
+
+            if p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or not p.name.isidentifier():
+                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base and "
+                                 f"the scripted policies ({', '.join(sorted(SCRIPTED))})")
             if not p.opponents or sum(p.opponents.values()) <= 0:
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
         if not self.system_prompt:

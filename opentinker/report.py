@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.table import Table
 
 
@@ -87,38 +88,108 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: Path) -> None:
-    """Chips per hand against the random opponent (eval, with 95% bands) and the training
-    reward per step, plus the invalid-reply rate, for each policy."""
+KUHN_BEST_VS_RANDOM = 0.458
+"""Chips per hand of a best response to the uniformly random Kuhn poker player."""
+
+
+def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: Path,
+                         game: str = "kuhn_poker_v0", unit: str = "chips/hand") -> None:
+    """Reward against the random opponent (eval, with 95% bands) and the training reward per
+    step, plus the invalid-reply rate, one colour per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for p in policies:
+    for i, p in enumerate(policies):
+        color = f"C{i % 10}"
         tr = [r for r in rows if r["kind"] == "train" and r.get(f"train/{p}/reward") is not None]
         ev = [r for r in rows if r["kind"] == "eval" and r.get(f"eval/{p}/vs_random/chips") is not None]
         if tr:
             x, y = [r["step"] for r in tr], [r[f"train/{p}/reward"] for r in tr]
-            ax.plot(x, y, alpha=0.25, color="tab:blue", label=f"{p}: train reward (mixed opponents)")
+            ax.plot(x, y, alpha=0.2, color=color)
             k = min(5, len(y))
             smooth = [sum(y[max(0, i - k + 1) : i + 1]) / len(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
-            ax.plot(x, smooth, color="tab:blue", lw=1.5, label=f"{p}: train reward, mean of last {k} steps")
-            ax2.plot([r["step"] for r in tr], [r[f"train/{p}/invalid_rate"] for r in tr], alpha=0.6, label=f"{p}: train")
+            ax.plot(x, smooth, color=color, lw=1.2, label=f"{p}: train reward (opponent mix), mean of last {k} steps")
+            ax2.plot([r["step"] for r in tr], [r[f"train/{p}/invalid_rate"] for r in tr], color=color, alpha=0.6,
+                     label=f"{p}: train")
         if ev:
             x = [r["step"] for r in ev]
             y = [r[f"eval/{p}/vs_random/chips"] for r in ev]
-            ci = [r[f"eval/{p}/vs_random/ci95"] or 0.0 for r in ev]
-            ax.plot(x, y, "o-", color="tab:orange", label=f"{p}: eval vs random (95% CI)")
-            ax.fill_between(x, [a - b for a, b in zip(y, ci)], [a + b for a, b in zip(y, ci)], color="tab:orange", alpha=0.2)
-            ax2.plot(x, [r[f"eval/{p}/vs_random/invalid_rate"] for r in ev], "o-", label=f"{p}: eval")
+            ci = [r.get(f"eval/{p}/vs_random/ci95") or 0.0 for r in ev]
+            ax.plot(x, y, "o--", color=color, label=f"{p}: eval vs random (95% CI)")
+            ax.fill_between(x, [a - b for a, b in zip(y, ci)], [a + b for a, b in zip(y, ci)], color=color, alpha=0.15)
+            ax2.plot(x, [r[f"eval/{p}/vs_random/invalid_rate"] for r in ev], "o--", color=color, label=f"{p}: eval")
     ax.axhline(0.0, color="grey", lw=0.8)
-    ax.axhline(0.458, color="green", lw=0.8, ls="--", label="best response to random (+0.458)")
-    ax.set(xlabel="training step", ylabel="chips per hand", title="Kuhn poker: learning curve")
+    if game == "kuhn_poker_v0":
+        ax.axhline(KUHN_BEST_VS_RANDOM, color="green", lw=0.8, ls="--",
+                   label=f"best response to random (+{KUHN_BEST_VS_RANDOM})")
+    ax.set(xlabel="training step", ylabel=unit, title=f"{game}: learning curve")
     ax.legend(fontsize=7)
     ax2.set(xlabel="training step", ylabel="invalid-reply rate", title="Invalid replies", ylim=(-0.02, 1.02))
     ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def opponents_of(ev: dict[str, Any], policy: str, policies: list[str]) -> list[str]:
+    """The opponents ``policy`` was evaluated against in ``ev``, in the order random, the
+    scripted policies, the base model, the job's other policies."""
+    found = {k.split("/")[2][3:] for k in ev if k.startswith(f"eval/{policy}/vs_") and k.endswith("/chips")}
+    others = [q for q in policies if q in found]
+    scripted = sorted(found - {"random", "base", *others})
+    return [o for o in ("random", *scripted, "base") if o in found] + others
+
+
+def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[str]
+                      ) -> tuple[list[str], list[str], np.ndarray, np.ndarray]:
+    """Rows ``"<policy> (<label>)"`` for each evaluation ``(label, eval row)`` and policy;
+    columns every opponent any of them met (:func:`opponents_of` order). Returns the labels
+    and ``mean``, ``ci95``: float arrays ``[rows, cols]``, NaN where a pair was not played."""
+    met = {o for _, ev in evals for p in policies for o in opponents_of(ev, p, policies)}
+    cols = [o for o in ("random", *sorted(met - {"random", "base", *policies}), "base", *policies) if o in met]
+    rows = []
+    mean = np.full((len(evals) * len(policies), len(cols)), np.nan)
+    ci = mean.copy()
+    for i, (label, ev) in enumerate(evals):
+        for j, p in enumerate(policies):
+            r = i * len(policies) + j
+            rows.append(f"{p} ({label})")
+            for c, o in enumerate(cols):
+                for arr, key in ((mean, "chips"), (ci, "ci95")):
+                    v = ev.get(f"eval/{p}/vs_{o}/{key}")
+                    if v is not None:
+                        arr[r, c] = v
+    return rows, cols, mean, ci
+
+
+def plot_cross_play(evals: list[tuple[str, dict[str, Any]]], policies: list[str], path: Path,
+                    unit: str = "chips/hand") -> None:
+    """Heat map of :func:`cross_play_matrix`: each policy (before and after training) against
+    each opponent, mean reward per game with its 95% half width; blank: not played."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cols, mean, ci = cross_play_matrix(evals, policies)
+    if not cols:
+        return
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.5 + 1.3 * len(cols)), max(3.2, 1.6 + 0.55 * len(rows))))
+    lim = float(np.nanmax(np.abs(mean))) if np.isfinite(mean).any() else 1.0
+    im = ax.imshow(np.ma.masked_invalid(mean), cmap="RdBu", vmin=-lim or -1, vmax=lim or 1, aspect="auto")
+    for r in range(len(rows)):
+        for c in range(len(cols)):
+            if np.isfinite(mean[r, c]):
+                text = f"{mean[r, c]:+.2f}" + (f"\n±{ci[r, c]:.2f}" if np.isfinite(ci[r, c]) else "")
+                ax.text(c, r, text, ha="center", va="center", fontsize=7,
+                        color="white" if abs(mean[r, c]) > 0.6 * lim else "black")
+    ax.set_xticks(range(len(cols)), [f"vs {'base model' if o == 'base' else o}" for o in cols], rotation=30, ha="right")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_title(f"cross-play: {unit} of the row against the column\n(mean ± 95% CI; blank: not played)", fontsize=10)
+    fig.colorbar(im, ax=ax, label=unit)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -147,12 +218,10 @@ def summary_table(
         return f"{v:.4f}"
 
     for p in policies:
-        # Opponents in the order random, the scripted partners, the base model.
-        found = {k.split("/")[2][3:] for k in (*first, *last) if k.startswith(f"eval/{p}/vs_") and k.endswith("/chips")}
-        opponents = [o for o in ("random", *sorted(found - {"random", "base"}), "base") if o in found]
+        opponents = opponents_of({**first, **last}, p, policies)
         rows = []
         for o in opponents:
-            name = "base model" if o == "base" else o
+            name = "base model" if o == "base" else f"policy {o}" if o in policies else o
             rows += [(f"{unit} vs {name} (95% CI)", f"eval/{p}/vs_{o}/chips", f"eval/{p}/vs_{o}/ci95", False)]
             if o == "random":
                 rows += [(f"{'hands' if unit == 'chips/hand' else 'games'} vs random", f"eval/{p}/vs_random/hands", None, False)]

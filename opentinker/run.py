@@ -25,7 +25,12 @@ from opentinker.checkpoints import latest_checkpoint, truncate_metrics, write_ch
 from opentinker.config import JobConfig, to_toml
 from opentinker.models import resolve_model
 from opentinker.progress import EpisodeFeed
-from opentinker.report import MetricsLog, plot_learning_curves, summary_table
+from opentinker.report import (
+    MetricsLog,
+    plot_cross_play,
+    plot_learning_curves,
+    summary_table,
+)
 from opentinker.runtime import Job
 
 
@@ -154,8 +159,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             feed.close()
         job.shutdown()
         log.close()
-    plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png")
     unit = "chips/hand" if cfg.game == "kuhn_poker_v0" else "reward/game"
+    plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, unit)
+    plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png", unit)
     console.print(summary_table(first, last, policies, cfg.train.steps, unit))
     total = time.perf_counter() - t_start
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total}, indent=1))

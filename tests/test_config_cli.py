@@ -86,9 +86,11 @@ def test_run_writes_the_run_folder(tmp_path, tiny_path):
     assert code == 0
     (run_dir,) = list(tmp_path.iterdir())
     names = {p.name for p in run_dir.iterdir()}
-    assert {"config.toml", "metrics.jsonl", "learning_curve.png", "summary.json", "adapters", "transcripts.txt"} <= names
+    assert {"config.toml", "metrics.jsonl", "learning_curve.png", "cross_play.png", "summary.json", "adapters",
+            "transcripts.txt", "tb"} <= names
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["eval", "train", "eval", "train", "eval"]
     assert load_config(run_dir / "config.toml").train.steps == 2
     assert PeftConfig.from_pretrained(str(run_dir / "adapters" / "main")).r == 8
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
+    assert (run_dir / "cross_play.png").stat().st_size > 10_000

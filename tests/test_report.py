@@ -36,3 +36,43 @@ def test_metrics_go_to_jsonl_and_tensorboard_and_a_resume_purges_the_rest(tmp_pa
     assert got == [(0, 0.0), (1, 0.1), (2, 3.0), (3, 4.0)]
     assert "eval/main/vs_random/chips" not in tb  # step 3's eval came after the checkpoint: gone
     assert MetricsLog(tmp_path / "other.jsonl", tb_dir=None)._tb is None
+
+
+def _eval(values: dict[str, tuple[float, float]]) -> dict[str, float]:
+    out = {}
+    for key, (mean, ci) in values.items():
+        out[f"eval/{key}/chips"], out[f"eval/{key}/ci95"] = mean, ci
+    return out
+
+
+def test_cross_play_matrix_rows_columns_and_values(tmp_path):
+    import numpy as np
+
+    from opentinker.report import cross_play_matrix, plot_cross_play, summary_table
+
+    first = _eval({"a/vs_random": (-0.9, 0.1), "a/vs_base": (0.0, 0.2), "b/vs_random": (-0.8, 0.1),
+                   "a/vs_b": (0.05, 0.3), "b/vs_a": (-0.05, 0.3)})
+    last = _eval({"a/vs_random": (0.4, 0.1), "a/vs_kuhn_equilibrium": (-0.1, 0.1), "a/vs_base": (0.9, 0.1),
+                  "b/vs_random": (0.2, 0.1), "a/vs_b": (0.3, 0.2), "b/vs_a": (-0.3, 0.2)})
+    rows, cols, mean, ci = cross_play_matrix([("step 0", first), ("step 9", last)], ["a", "b"])
+    assert rows == ["a (step 0)", "b (step 0)", "a (step 9)", "b (step 9)"]
+    assert cols == ["random", "kuhn_equilibrium", "base", "a", "b"]
+    want = np.array([[-0.9, np.nan, 0.0, np.nan, 0.05], [-0.8, np.nan, np.nan, -0.05, np.nan],
+                     [0.4, -0.1, 0.9, np.nan, 0.3], [0.2, np.nan, np.nan, -0.3, np.nan]])
+    assert np.array_equal(mean, want, equal_nan=True) and ci[2, 2] == 0.1 and np.isnan(ci[1, 2])
+    plot_cross_play([("step 0", first), ("step 9", last)], ["a", "b"], tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 10_000
+    # The summary table names another policy as one: "vs policy b".
+    labels = [c for col in summary_table(first, last, ["a", "b"], 9).columns[1:2] for c in col._cells]
+    assert "chips/hand vs policy b (95% CI)" in labels and "chips/hand vs kuhn_equilibrium (95% CI)" in labels
+    assert labels.index("chips/hand vs base model (95% CI)") < labels.index("chips/hand vs policy b (95% CI)")
+
+
+def test_a_policy_cannot_take_a_scripted_policys_name():
+    import msgspec
+    import pytest
+
+    from opentinker.config import JobConfig
+
+    with pytest.raises(ValueError, match="'random': must be an identifier other than self, base and the scripted"):
+        msgspec.convert({"policies": [{"name": "random"}]}, JobConfig)

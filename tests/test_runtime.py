@@ -20,7 +20,7 @@ def _cfg(**over) -> JobConfig:
         "runtime": {"backend": "local", "env_runners": 2, "timeout_s": 120},
         "train": {"groups_per_step": 4, "group_size": 2, "lr": 1e-2},
         "sampling": {"max_tokens": 4},
-        "eval": {"hands_per_stratum": 2, "head_to_head_per_stratum": 1},
+        "eval": {"hands_per_stratum": 2, "head_to_head_per_stratum": 1, "cross_play_per_stratum": 1},
         "policies": [{"name": "main", "opponents": {"random": 1, "self": 1, "base": 1, "other": 1}},
                      {"name": "other", "opponents": {"random": 1}}],
     }
@@ -88,9 +88,11 @@ def test_episodes_are_a_function_of_seed_and_step(job, tiny_path):
 
 def test_evaluation_reports_strata_and_exploitability(job):
     ev = job.coordinator("evaluate", 5, True, 2)
-    for p in ("main", "other"):
+    for p, q in (("main", "other"), ("other", "main")):
         assert ev[f"eval/{p}/vs_random/hands"] == 6 * 2 * 2
         assert ev[f"eval/{p}/vs_base/hands"] == 6 * 2 * 1
+        assert ev[f"eval/{p}/vs_{q}/hands"] == 6 * 2 * 1  # the cross-play matrix
+        assert -2.0 <= ev[f"eval/{p}/vs_{q}/chips"] <= 2.0 and 0.0 <= ev[f"eval/{p}/vs_{q}/invalid_rate"] <= 1.0
         assert 0.0 <= ev[f"eval/{p}/vs_random/invalid_rate"] <= 1.0
         assert 0.0 < ev[f"eval/{p}/exploitability"] < 1.0
 
