@@ -50,7 +50,7 @@ class PolicyConfig(_Config):
     lora_rank: PosInt = 8
     lora_alpha: PosFloat = 16.0
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    train: dict[str, str | float] = msgspec.field(default_factory=dict)
+    train: dict[str, str | bool | int | float] = msgspec.field(default_factory=dict)
     """This policy's overrides of ``[train]``'s algorithm fields, e.g. ``{advantage = "rloo",
     loss = "cispo", kl_coef = 0.05}``: learners side by side in one job, on the same games
     and the same base model (``steps``, ``groups_per_step`` and ``group_size`` are shared)."""
@@ -102,6 +102,12 @@ class TrainConfig(_Config):
     """Schulman's estimator of that KL: loss ``kl_k1``, ``kl_k2`` or ``kl_k3``."""
     entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Coefficient of the entropy bonus (full-vocabulary entropy at the sampled positions)."""
+    epochs: PosInt = 1
+    """Passes over each step's batch (PPO's K epochs): later passes reuse the advantages and
+    the sampler's log-probs, so their ratios move off 1 and clip."""
+    minibatches: PosInt = 1
+    """Updates per pass: the step's datums are shuffled and split into this many parts, each
+    one ``forward_backward`` + ``optim_step`` normalised by its own token count."""
     lr: PosFloat = 1e-3
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: Annotated[float, Meta(ge=0)] = 1.0

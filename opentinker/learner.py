@@ -9,9 +9,14 @@ metrics and checkpoints with :meth:`Learner.state_dict` / :meth:`Learner.load_st
 With a critic estimator (``gae``) a step is PPO with a learned value function: ask the
 scheduler for the critic's values of the step's sequences (``ValuesRequest``, before any
 update, so they are the "old" values), read each turn's value at its decision position,
-compute GAE advantages and lambda-return targets, and send ONE ``ForwardBackward`` whose
+compute GAE advantages and lambda-return targets, and send a ``ForwardBackward`` whose
 datums carry both the policy's and the value loss's inputs (``loss_config`` holds the
 ``value`` coefficient; the value term is a mean over turns via ``value_normalizer``).
+
+A step makes ``epochs`` passes over its datums in ``minibatches`` shuffled parts, one update
+per part (PPO's K epochs of minibatch SGD; the default, 1 and 1, is one update per step).
+Advantages, value targets and the old values stay those computed before the first update;
+the importance ratio is always against the sampler's log-probs, so later passes clip.
 """
 
 from __future__ import annotations
@@ -90,8 +95,14 @@ class Learner:
         game: str = "",
         record_path: str = "",
         endpoint: str = LOOPBACK,
+        epochs: int = 1,
+        minibatches: int = 1,
+        seed: int = 0,
     ) -> None:
         check_algorithms(advantage, loss)
+        if epochs < 1 or minibatches < 1:
+            raise ValueError(f"learner {policy}: epochs and minibatches must be >= 1, got {epochs}, {minibatches}")
+        self.epochs, self.minibatches, self.seed = epochs, minibatches, seed
         self.policy = policy
         self.game = game
         """Prefix of ``role_ema``'s role keys (``"<game>/<seat>"``)."""
@@ -163,20 +174,8 @@ class Learner:
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
         )
-        n_tokens = loss_token_count(datums)
-        n_values = loss_token_count(datums, "value_mask") if values is not None and datums else 0
-        fb = await self.scheduler.request(
-            ForwardBackward(
-                adapter=self.policy, datums=datums, loss=self.loss, loss_config=self.loss_config,
-                normalizer=float(max(n_tokens, 1)), value_normalizer=float(max(n_values, 1)),
-            )
-        )
-        assert isinstance(fb, ForwardBackwardResult)
-        opt = await self.scheduler.request(OptimStep(adapter=self.policy, params=self.adam))
-        assert isinstance(opt, OptimStepResult)
-        metrics.update({f"loss/{k}": v for k, v in fb.metrics.items()})
-        metrics["loss"] = fb.loss
-        metrics["grad_norm"] = opt.grad_norm
+        version, updates = await self._update(msg.step, datums, values is not None)
+        metrics.update(updates)
         invalid = sum(t.parse.value == "invalid" for tr in trajectories for t in tr.turns)
         turns = sum(len(tr.turns) for tr in trajectories)
         metrics["invalid_rate"] = invalid / max(turns, 1)
@@ -188,7 +187,44 @@ class Learner:
             trajectory_log.append(self.record_path, trajectories, self.game)
         if new_state is not None:
             metrics.update({f"baseline/{k}": v for k, v in new_state.baselines.items()})
-        return LearnerStepResult(step=msg.step, version=opt.version, metrics=metrics)
+        return LearnerStepResult(step=msg.step, version=version, metrics=metrics)
+
+    async def _update(self, step: int, datums: list, critic: bool) -> tuple[int, dict[str, float]]:
+        """``epochs`` passes over ``datums``, each shuffled (seeded by the job's seed, the step
+        and the pass) and split into ``minibatches`` parts, one ``ForwardBackward`` +
+        ``OptimStep`` per part, each part normalised by its own token count. Returns the
+        adapter's version after the last update and the metrics: each loss metric's mean over
+        the updates (token counts: per pass), ``grad_norm``'s mean, the number of updates."""
+        parts: list[list] = []
+        for epoch in range(self.epochs):
+            if self.minibatches == 1:
+                parts.append(datums)
+                continue
+            order = np.random.default_rng([self.seed & 0xFFFFFFFF, step, epoch]).permutation(len(datums))
+            parts += [[datums[i] for i in chunk] for chunk in np.array_split(order, self.minibatches) if len(chunk)]
+        sums: dict[str, float] = collections.defaultdict(float)
+        version = -1
+        for part in parts or [datums]:
+            n_tokens = loss_token_count(part)
+            n_values = loss_token_count(part, "value_mask") if critic and part else 0
+            fb = await self.scheduler.request(
+                ForwardBackward(
+                    adapter=self.policy, datums=part, loss=self.loss, loss_config=self.loss_config,
+                    normalizer=float(max(n_tokens, 1)), value_normalizer=float(max(n_values, 1)),
+                )
+            )
+            assert isinstance(fb, ForwardBackwardResult)
+            opt = await self.scheduler.request(OptimStep(adapter=self.policy, params=self.adam))
+            assert isinstance(opt, OptimStepResult)
+            version = opt.version
+            for k, v in fb.metrics.items():
+                sums[f"loss/{k}"] += v
+            sums["loss"] += fb.loss
+            sums["grad_norm"] += opt.grad_norm
+        n = len(parts or [datums])
+        out = {k: v / (self.epochs if k.endswith("n_tokens") else n) for k, v in sums.items()}
+        out["updates"] = float(n)
+        return version, out
 
     async def _values(self, ordered: list[Trajectory]) -> list[np.ndarray] | None:
         """The critic's values along each trajectory's sequence, for an estimator that needs

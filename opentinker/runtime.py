@@ -80,6 +80,9 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
         "adam": msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
         "game": cfg.game,
         "record_path": record,
+        "epochs": tc.epochs,
+        "minibatches": tc.minibatches,
+        "seed": cfg.seed,
     }
 
 

@@ -1,6 +1,7 @@
 """Every learner selectable by name in a job, run for real on the local backend with
-tiny-random: one job trains seven policies side by side (one per advantage estimator, GAE with
-a learned critic among them, each policy loss, a KL and an entropy term), sharing one
+tiny-random: one job trains eight policies side by side (one per advantage estimator, GAE with
+a learned critic among them, each policy loss, a KL and an entropy term, PPO's epochs and
+minibatches), sharing one
 scheduler and base model; the learner's estimator state is reported, checkpointed and
 restored; a bad name is refused before start."""
 
@@ -27,7 +28,9 @@ POLICIES = {
     "p_turn": ({"random": 1}, {"advantage": "turn_returns", "gamma": 0.9, "kl_coef": 0.05,
                                "kl_estimator": "k1", "loss": "cispo"}),
     "p_gae": ({"random": 1}, {"advantage": "gae", "gamma": 0.9, "lam": 0.8, "value_coef": 0.5}),
+    "p_epochs": ({"random": 1}, {"advantage": "gae", "loss": "ppo", "epochs": 2, "minibatches": 2}),
 }
+ONE_UPDATE = [n for n, (_, t) in POLICIES.items() if t.get("epochs", 1) * t.get("minibatches", 1) == 1]
 
 
 def _cfg(**over) -> JobConfig:
@@ -61,7 +64,9 @@ def test_every_learner_trains_in_one_job_with_its_diagnostics(job) -> None:
     m = job.coordinator("train_step", 2)
     for name in POLICIES:
         key = f"train/{name}/"
-        assert first[key + "version"] == 1 and m[key + "version"] == 2, name
+        updates = 1 if name in ONE_UPDATE else 4
+        assert first[key + "version"] == updates and m[key + "version"] == 2 * updates, name
+        assert m[key + "updates"] == updates, name
         assert m[key + "n_datums"] > 0 and m[key + "loss/n_tokens"] == m[key + "n_loss_tokens"]
         for diag in POLICY_DIAGNOSTICS:
             assert diag in {k.removeprefix(key + "loss/") for k in m}, (name, diag)
@@ -70,9 +75,16 @@ def test_every_learner_trains_in_one_job_with_its_diagnostics(job) -> None:
         assert 0.0 <= m[key + "frac_zero_adv_groups"] <= 1.0
     # The sampler and the trainer agree on step 1 (on-policy, same weights): the log-prob
     # mismatch is numerical noise and no token is clipped.
-    for name in POLICIES:
+    for name in ONE_UPDATE:
         assert first[f"train/{name}/loss/logp_diff_max"] < 1e-3, name
         assert first[f"train/{name}/loss/clip_frac"] == 0.0, name
+    # Two passes in two minibatches: four updates a step; all but the first minibatch of the
+    # first pass score the datums with weights the step already moved.
+    assert first["train/p_epochs/loss/logp_diff_max"] > 1e-3 and first["train/p_gae/loss/logp_diff_max"] < 1e-3
+    assert first["train/p_epochs/loss/clip_frac"] > 0.0 and first["train/p_epochs/loss/approx_kl"] > 0.0
+    # ... and the value term is clipped against the values read before the first update.
+    assert first["train/p_epochs/loss/value/value_clip_frac"] > 0.0 == first["train/p_gae/loss/value/value_clip_frac"]
+    assert first["train/p_epochs/loss/value/n_tokens"] == first["train/p_epochs/n_value_positions"]
     # Penalty terms report under their own names, and only where configured.
     assert m["train/p_ema/loss/kl_k3/kl_mean"] >= 0.0 and "train/p_ema/loss/term/kl_k3" in m
     assert "train/p_turn/loss/kl_k1/kl_mean" in m
@@ -93,7 +105,7 @@ def test_every_learner_trains_in_one_job_with_its_diagnostics(job) -> None:
         assert step["train/p_gae/loss/value/n_tokens"] == step["train/p_gae/n_value_positions"] == step["train/p_gae/turns"]
         assert step["train/p_gae/loss/term/value"] > 0.0 and "train/p_gae/loss/value/explained_variance" in step
     assert first["train/p_gae/loss/value/value_mean"] == 0.0 and m["train/p_gae/loss/value/value_mean"] != 0.0
-    assert not [k for k in m if "/loss/value/" in k and not k.startswith("train/p_gae")]
+    assert not [k for k in m if "/loss/value/" in k and not k.startswith(("train/p_gae", "train/p_epochs"))]
 
 
 def test_learner_state_round_trips_and_is_restored(job) -> None:
