@@ -7,6 +7,7 @@ number of hands per step, the run name) are computed in one place, not filled in
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -21,7 +22,9 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 Prob = Annotated[float, Meta(gt=0, le=1)]
 
-SPECIAL_OPPONENTS = ("self", "base")
+SPECIAL_OPPONENTS = ("self", "base", "past")
+"""Opponent names besides the scripted policies and the job's policies: the policy itself,
+the base model, and a frozen past self from the league (:class:`LeagueConfig`)."""
 
 CRITIC_ADVANTAGES = ("gae",)
 """Advantage estimators that need a learned critic (``learners.ADVANTAGES[name].needs_values``;
@@ -147,6 +150,20 @@ class TrainConfig(_Config):
         return {"gamma": self.gamma, "decay": self.ema_decay, "lam": self.lam}
 
 
+SNAPSHOT_SUFFIX = re.compile(r"__s\d+$")
+"""League snapshots are named ``<policy>__s<step>``."""
+
+
+def league_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
+    """The league snapshots of ``policy`` that exist while step ``step`` plays, oldest first:
+    those taken after steps ``snapshot_every``, ``2 * snapshot_every``, ... before ``step``,
+    the ``keep`` newest of them."""
+    every = cfg.league.snapshot_every
+    if not every:
+        return []
+    return [f"{policy}__s{s}" for s in range(every, step, every)][-cfg.league.keep:]
+
+
 SCHEDULE_FIELDS = ("steps", "checkpoint_every", "groups_per_step", "group_size", "record_trajectories")
 """``[train]`` fields that every policy shares (the others a policy may override)."""
 
@@ -205,6 +222,22 @@ class OfflineConfig(_Config):
     """IPO's regularisation (target margin ``1 / (2 tau)``)."""
 
 
+class LeagueConfig(_Config):
+    """Past selves as opponents (fictitious self-play): every ``snapshot_every`` steps each
+    policy's adapter is frozen on the scheduler as ``<policy>__s<step>``; the opponent
+    ``past`` in a policy's mix is one of its ``keep`` newest snapshots, drawn uniformly (itself
+    before the first snapshot). Which snapshots exist at a step follows from the config, so
+    episodes stay a pure function of the config and the step, and ``--resume`` restores them."""
+
+    snapshot_every: NonNegInt = 0
+    """Freeze every policy after each this many steps; 0: no league."""
+    keep: PosInt = 5
+    """Snapshots per policy kept in the league (older ones are dropped from the scheduler)."""
+    eval_per_stratum: NonNegInt = 0
+    """Hands per (deal, seat) of every policy against each of its league snapshots at every
+    evaluation (columns of the cross-play matrix); 0: none."""
+
+
 class JobConfig(_Config):
     name: str = "default"
     seed: int = 0
@@ -221,6 +254,7 @@ class JobConfig(_Config):
     sampling: SamplingConfig = SamplingConfig()
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    league: LeagueConfig = LeagueConfig()
     offline: OfflineConfig | msgspec.UnsetType = msgspec.UNSET
     """Set (an ``[offline]`` table): an offline job instead of self-play training (unset, it
     is left out of the resolved TOML, which has no null)."""
@@ -234,11 +268,18 @@ class JobConfig(_Config):
         for p in self.policies:
             from games.scripted import SCRIPTED
 
-            if p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or not p.name.isidentifier():
-                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base and "
-                                 f"the scripted policies ({', '.join(sorted(SCRIPTED))})")
+            if (p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or not p.name.isidentifier()
+                    or SNAPSHOT_SUFFIX.search(p.name)):
+                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base, past and "
+                                 f"the scripted policies ({', '.join(sorted(SCRIPTED))}), not ending in __s<digits>")
             if not p.opponents or sum(p.opponents.values()) <= 0:
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
+            for o in p.opponents:
+                if o not in SPECIAL_OPPONENTS and o not in SCRIPTED and o not in names:
+                    raise ValueError(f"policies[{p.name}].opponents: {o!r} is none of self, base, past, a scripted "
+                                     f"policy ({', '.join(sorted(SCRIPTED))}) or a policy of this job ({', '.join(names)})")
+            if p.opponents.get("past", 0) > 0 and not self.league.snapshot_every:
+                raise ValueError(f"policies[{p.name}].opponents: 'past' needs a league (league.snapshot_every > 0)")
         if not self.system_prompt:
             raise ValueError("system_prompt: must be non-empty (SmolLM2 injects its own otherwise)")
         for p in self.policies:

@@ -8,6 +8,8 @@ the number of episodes.
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from typing import Any
 
@@ -17,7 +19,7 @@ from games import names as game_names
 from games.kuhn_poker import exploitability
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
-from opentinker.config import JobConfig
+from opentinker.config import JobConfig, league_pool
 from opentinker.episodes import KUHN, game_agents, strata_episodes, train_episodes
 from opentinker.evaluation import (
     kuhn_policy_from_logprobs,
@@ -42,6 +44,7 @@ from protocols.messages import (
     SamplingParams,
     SaveAdapter,
     SchedulerStats,
+    SnapshotAdapter,
 )
 
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
@@ -59,14 +62,7 @@ class Coordinator:
         if cfg.game not in game_names():
             raise ValueError(f"game {cfg.game!r} is not registered; known: {game_names()}")
         game_agents(cfg.game, cfg.game_kwargs)  # ValueError naming a bad game_kwargs
-        policies = {p.name for p in cfg.policies}
-        for p in cfg.policies:
-            for opp in p.opponents:
-                if opp not in ("self", "base") and opp not in SCRIPTED and opp not in policies:
-                    raise ValueError(
-                        f"policies[{p.name}].opponents: unknown opponent {opp!r}; use self, base, "
-                        f"a scripted policy {sorted(SCRIPTED)} or a policy {sorted(policies)}"
-                    )
+        # (opponent names were checked when the config was read: JobConfig.__post_init__)
         self.cfg = cfg
         self.model_path = model_path
         self.scheduler_endpoint = scheduler_endpoint
@@ -77,6 +73,8 @@ class Coordinator:
             top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens,
         )
         self.transcripts: list[str] = []
+        self.league: dict[str, list[str]] = {p.name: [] for p in cfg.policies}
+        """Policy -> its league snapshots on the scheduler, oldest first."""
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -163,6 +161,9 @@ class Coordinator:
             metrics[f"train/{name}/version"] = res.version
             for k, v in res.metrics.items():
                 metrics[f"train/{name}/{k}"] = v
+        if self.cfg.league.snapshot_every and step % self.cfg.league.snapshot_every == 0:
+            await self._snapshot(step)
+            metrics["league/snapshots"] = float(sum(len(v) for v in self.league.values()))
         t2 = time.perf_counter()
         done = (await self.scheduler.request(SchedulerStats())).counters
         for key in ("SampleRequest", "ForwardBackward", "OptimStep"):
@@ -173,6 +174,19 @@ class Coordinator:
             metrics[f"perf/{key}"] = after.get(key, 0) - before.get(key, 0)
         self.transcripts = [line for s in summaries[:4] for line in [f"# episode {s.episode_id}", *s.transcript]]
         return metrics
+
+    async def _snapshot(self, step: int) -> None:
+        """Freeze every policy as ``<policy>__s<step>``; drop the snapshots that leave the
+        league (:func:`~opentinker.config.league_pool` of the next step)."""
+        timeout = self.cfg.runtime.timeout_s
+        for p in self.cfg.policies:
+            name = f"{p.name}__s{step}"
+            await self.scheduler.request(SnapshotAdapter(adapter=p.name, name=name), timeout)
+            self.league[p.name].append(name)
+            keep = set(league_pool(self.cfg, p.name, step + 1))
+            for old in [n for n in self.league[p.name] if n not in keep]:
+                await self.scheduler.request(DropAdapter(name=old), timeout)
+                self.league[p.name].remove(old)
 
     # ----------------------------------------------------------------------------- evaluation
 
@@ -205,6 +219,9 @@ class Coordinator:
             jobs = [(o, PolicyRef(kind=PolicyKind.SCRIPTED, name=o), n) for o in partners]
             if head_to_head and self.cfg.eval.head_to_head_per_stratum > 0:
                 jobs.append(("base", PolicyRef(kind=PolicyKind.BASE), self.cfg.eval.head_to_head_per_stratum))
+            if self.cfg.league.eval_per_stratum > 0:  # against its own past selves
+                jobs += [(name, PolicyRef(kind=PolicyKind.ADAPTER, name=name), self.cfg.league.eval_per_stratum)
+                         for name in self.league[p.name]]
             if head_to_head and self.cfg.eval.cross_play_per_stratum > 0:  # the cross-play matrix
                 jobs += [(q.name, PolicyRef(kind=PolicyKind.ADAPTER, name=q.name), self.cfg.eval.cross_play_per_stratum)
                          for q in self.cfg.policies if q.name != p.name]
@@ -235,27 +252,47 @@ class Coordinator:
     # ----------------------------------------------------------------------------- outputs
 
     def save_adapters(self, folder: str) -> dict[str, str]:
-        """Save every policy's adapter in PEFT format under ``folder/<policy>``."""
+        """Save every policy's adapter in PEFT format under ``folder/<policy>`` and its league
+        snapshots under ``folder/league/<snapshot>``; returns the policies' paths."""
         async def _save() -> dict[str, str]:
             out = {}
+            timeout = self.cfg.runtime.timeout_s
+            current = {n for names in self.league.values() for n in names}
+            stale = os.path.join(folder, "league")
+            for old in (os.listdir(stale) if os.path.isdir(stale) else []):
+                if old not in current:  # dropped from the league since an earlier save here
+                    shutil.rmtree(os.path.join(stale, old), ignore_errors=True)
             for p in self.cfg.policies:
                 path = f"{folder}/{p.name}"
-                await self.scheduler.request(SaveAdapter(adapter=p.name, path=path), self.cfg.runtime.timeout_s)
+                await self.scheduler.request(SaveAdapter(adapter=p.name, path=path), timeout)
                 out[p.name] = path
+                for name in self.league[p.name]:
+                    await self.scheduler.request(SaveAdapter(adapter=name, path=f"{folder}/league/{name}"), timeout)
             return out
 
         return self.loop.run(_save())
 
-    def load_adapters(self, folder: str) -> dict[str, int]:
+    def load_adapters(self, folder: str, step: int = 0) -> dict[str, int]:
         """Replace every policy's adapter by the one saved under ``folder/<policy>`` (weights,
-        optimizer state, version); returns the versions. For ``--resume``."""
+        optimizer state, version), and restore the league snapshots that exist after step
+        ``step`` (frozen, from ``folder/league/``); returns the policies' versions. For
+        ``--resume`` from the checkpoint of ``step``."""
         async def _load() -> dict[str, int]:
             out = {}
+            timeout = self.cfg.runtime.timeout_s
             for p in self.cfg.policies:
-                await self.scheduler.request(DropAdapter(name=p.name), self.cfg.runtime.timeout_s)
-                info = await self.scheduler.request(LoadAdapter(path=f"{folder}/{p.name}", name=p.name),
-                                                    self.cfg.runtime.timeout_s)
+                await self.scheduler.request(DropAdapter(name=p.name), timeout)
+                info = await self.scheduler.request(LoadAdapter(path=f"{folder}/{p.name}", name=p.name), timeout)
                 out[p.name] = info.version
+                for name in self.league[p.name]:
+                    await self.scheduler.request(DropAdapter(name=name), timeout)
+                self.league[p.name] = []
+                for name in league_pool(self.cfg, p.name, step + 1):
+                    path = f"{folder}/league/{name}"
+                    if not os.path.isdir(path):
+                        raise FileNotFoundError(f"league snapshot {name} of the checkpoint is missing: {path}")
+                    await self.scheduler.request(LoadAdapter(path=path, name=name, trainable=False), timeout)
+                    self.league[p.name].append(name)
             return out
 
         return self.loop.run(_load())

@@ -18,7 +18,7 @@ import numpy as np
 import games
 from games.kuhn_poker import DEALS
 from games.scripted import SCRIPTED
-from opentinker.config import JobConfig
+from opentinker.config import JobConfig, league_pool
 from opentinker.render import ChatTokenizer, SeatRenderer
 from protocols.messages import (
     EpisodeSpec,
@@ -51,7 +51,10 @@ def sample_seed(episode_seed: int, episode_id: int, seat_index: int, turn: int) 
 
 
 def opponent_ref(policy: str, opponent: str) -> PolicyRef:
-    """Who plays the other seat: ``self``, ``base``, a scripted policy or another policy."""
+    """Who plays the other seat: ``self``, ``base``, a scripted policy or another policy (or a
+    league snapshot, by its name; ``past`` is drawn by :func:`train_episodes`)."""
+    if opponent == "past":
+        raise ValueError("opponent 'past' is drawn from the league by train_episodes, not named")
     if opponent == "self":
         return PolicyRef(kind=PolicyKind.ADAPTER, name=policy)
     if opponent == "base":
@@ -101,7 +104,12 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
             opp = opps[int(rng.choice(len(opps), p=w / w.sum()))]
             me = agents[int(rng.integers(len(agents)))]
             seed = int(rng.integers(1 << 62))
-            seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name) if a == me else opponent_ref(p.name, opp) for a in agents}
+            if opp == "past":  # a past self of the league (itself before the first snapshot)
+                pool = league_pool(cfg, p.name, step)
+                ref = PolicyRef(kind=PolicyKind.ADAPTER, name=pool[int(rng.integers(len(pool)))] if pool else p.name)
+            else:
+                ref = opponent_ref(p.name, opp)
+            seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name) if a == me else ref for a in agents}
             # Every seat is its own group: in self-play the two seats' rewards are not comparable.
             seat_groups = {a: group + i for i, a in enumerate(agents)}
             group += len(agents)

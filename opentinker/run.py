@@ -104,7 +104,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     start = 1
     if ckpt is not None:
         try:
-            job.coordinator("load_adapters", str(ckpt.adapters.resolve()))
+            job.coordinator("load_adapters", str(ckpt.adapters.resolve()), ckpt.step)
             job.load_learner_states(read_learner_states(ckpt.adapters, policies))
         except BaseException:
             job.shutdown()
