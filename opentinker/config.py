@@ -107,10 +107,12 @@ class TrainConfig(_Config):
     """Coefficient of the entropy bonus (full-vocabulary entropy at the sampled positions)."""
     epochs: PosInt = 1
     """Passes over each step's batch (PPO's K epochs): later passes reuse the advantages and
-    the sampler's log-probs, so their ratios move off 1 and clip."""
+    the sampler's log-probs, so their ratios move off 1 and clip. All the step's updates must
+    fit in ``runtime.timeout_s``."""
     minibatches: PosInt = 1
-    """Updates per pass: the step's datums are shuffled and split into this many parts, each
-    one ``forward_backward`` + ``optim_step`` normalised by its own token count."""
+    """Updates per pass: the step's datums are shuffled and split into this many parts (fewer
+    when there are fewer datums), each one ``forward_backward`` + ``optim_step`` normalised by
+    its own token count."""
     lr: PosFloat = 1e-3
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: Annotated[float, Meta(ge=0)] = 1.0
@@ -268,9 +270,9 @@ class JobConfig(_Config):
         for p in self.policies:
             from games.scripted import SCRIPTED
 
-            if (p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or not p.name.isidentifier()
+            if (p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or p.name == "league" or not p.name.isidentifier()
                     or SNAPSHOT_SUFFIX.search(p.name)):
-                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base, past and "
+                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base, past, league and "
                                  f"the scripted policies ({', '.join(sorted(SCRIPTED))}), not ending in __s<digits>")
             if not p.opponents or sum(p.opponents.values()) <= 0:
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
@@ -280,6 +282,9 @@ class JobConfig(_Config):
                                      f"policy ({', '.join(sorted(SCRIPTED))}) or a policy of this job ({', '.join(names)})")
             if p.opponents.get("past", 0) > 0 and not self.league.snapshot_every:
                 raise ValueError(f"policies[{p.name}].opponents: 'past' needs a league (league.snapshot_every > 0)")
+        if self.league.eval_per_stratum and not self.league.snapshot_every:
+            raise ValueError("league.eval_per_stratum: evaluates against league snapshots, and there are none "
+                             "(league.snapshot_every = 0)")
         if not self.system_prompt:
             raise ValueError("system_prompt: must be non-empty (SmolLM2 injects its own otherwise)")
         for p in self.policies:

@@ -192,9 +192,10 @@ class Coordinator:
 
     def evaluate(self, step: int, head_to_head: bool, hands_per_stratum: int, progress: str = "") -> dict[str, float]:
         """Every policy against the random opponent and against each scripted policy in its
-        opponent mix (stratified over the starts and seats: Kuhn poker's 6 deals), optionally
-        (``head_to_head``) against the base model and every other policy of the job, and (Kuhn
-        poker) its exploitability."""
+        opponent mix (stratified over the starts and seats: Kuhn poker's 6 deals), against its
+        league snapshots (``league.eval_per_stratum``; not the one taken at this very step),
+        optionally (``head_to_head``) against the base model and every other policy of the
+        job, and (Kuhn poker) its exploitability."""
         return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum, progress))
 
     def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> tuple[float, float, float, int]:
@@ -219,9 +220,9 @@ class Coordinator:
             jobs = [(o, PolicyRef(kind=PolicyKind.SCRIPTED, name=o), n) for o in partners]
             if head_to_head and self.cfg.eval.head_to_head_per_stratum > 0:
                 jobs.append(("base", PolicyRef(kind=PolicyKind.BASE), self.cfg.eval.head_to_head_per_stratum))
-            if self.cfg.league.eval_per_stratum > 0:  # against its own past selves
+            if self.cfg.league.eval_per_stratum > 0:  # against its own past selves (not the copy of now)
                 jobs += [(name, PolicyRef(kind=PolicyKind.ADAPTER, name=name), self.cfg.league.eval_per_stratum)
-                         for name in self.league[p.name]]
+                         for name in self.league[p.name] if name != f"{p.name}__s{step}"]
             if head_to_head and self.cfg.eval.cross_play_per_stratum > 0:  # the cross-play matrix
                 jobs += [(q.name, PolicyRef(kind=PolicyKind.ADAPTER, name=q.name), self.cfg.eval.cross_play_per_stratum)
                          for q in self.cfg.policies if q.name != p.name]

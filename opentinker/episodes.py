@@ -51,8 +51,8 @@ def sample_seed(episode_seed: int, episode_id: int, seat_index: int, turn: int) 
 
 
 def opponent_ref(policy: str, opponent: str) -> PolicyRef:
-    """Who plays the other seat: ``self``, ``base``, a scripted policy or another policy (or a
-    league snapshot, by its name; ``past`` is drawn by :func:`train_episodes`)."""
+    """Who plays the other seat: ``self``, ``base``, a scripted policy or another policy
+    (``past``, a league snapshot, is drawn by :func:`train_episodes`)."""
     if opponent == "past":
         raise ValueError("opponent 'past' is drawn from the league by train_episodes, not named")
     if opponent == "self":

@@ -194,17 +194,19 @@ class Learner:
         and the pass) and split into ``minibatches`` parts, one ``ForwardBackward`` +
         ``OptimStep`` per part, each part normalised by its own token count. Returns the
         adapter's version after the last update and the metrics: each loss metric's mean over
-        the updates (token counts: per pass), ``grad_norm``'s mean, the number of updates."""
-        parts: list[list] = []
-        for epoch in range(self.epochs):
+        the updates (``*_max``: the largest; token counts: per pass), ``grad_norm``'s mean, the
+        number of updates. With one update they are that update's exact metrics."""
+        parts: list[list] = [] if datums else [datums]  # no datums: one (empty) update, as ever
+        for epoch in range(self.epochs if datums else 0):
             if self.minibatches == 1:
                 parts.append(datums)
                 continue
             order = np.random.default_rng([self.seed & 0xFFFFFFFF, step, epoch]).permutation(len(datums))
             parts += [[datums[i] for i in chunk] for chunk in np.array_split(order, self.minibatches) if len(chunk)]
         sums: dict[str, float] = collections.defaultdict(float)
+        peaks: dict[str, float] = {}
         version = -1
-        for part in parts or [datums]:
+        for part in parts:
             n_tokens = loss_token_count(part)
             n_values = loss_token_count(part, "value_mask") if critic and part else 0
             fb = await self.scheduler.request(
@@ -219,10 +221,14 @@ class Learner:
             version = opt.version
             for k, v in fb.metrics.items():
                 sums[f"loss/{k}"] += v
+                if k.endswith("_max"):
+                    peaks[f"loss/{k}"] = max(v, peaks.get(f"loss/{k}", v))
             sums["loss"] += fb.loss
             sums["grad_norm"] += opt.grad_norm
-        n = len(parts or [datums])
-        out = {k: v / (self.epochs if k.endswith("n_tokens") else n) for k, v in sums.items()}
+        n = len(parts)
+        passes = self.epochs if datums else 1
+        out = {k: v / (passes if k.endswith("n_tokens") else n) for k, v in sums.items()}
+        out.update(peaks)
         out["updates"] = float(n)
         return version, out
 

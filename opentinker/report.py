@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from opentinker.config import SNAPSHOT_SUFFIX
+
 
 class MetricsLog:
     """Appends one JSON object per line, ``{"step": s, "kind": "train"|"eval", ...}``, to
@@ -53,8 +55,8 @@ class TensorBoardScalars:
     """A TensorBoard event file of scalars, written synchronously (tensorboardX's
     ``SummaryWriter`` queues events for a thread, so a row could be lost with the process).
 
-    Each writer makes its own file, named by the time in nanoseconds (TensorBoard reads the
-    files of a folder in name order); ``purge_step`` writes a ``SessionLog.START`` at that
+    Each writer makes its own file, whose name ends with the time in nanoseconds and the
+    process id (TensorBoard reads the files of a folder in name order); ``purge_step`` writes a ``SessionLog.START`` at that
     step, on which TensorBoard drops the earlier files' events from that step on.
     """
 
@@ -136,11 +138,17 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
 
 def opponents_of(ev: dict[str, Any], policy: str, policies: list[str]) -> list[str]:
     """The opponents ``policy`` was evaluated against in ``ev``, in the order random, the
-    scripted policies, the base model, the job's other policies."""
+    scripted policies, the base model, the job's other policies, league snapshots (by step)."""
     found = {k.split("/")[2][3:] for k in ev if k.startswith(f"eval/{policy}/vs_") and k.endswith("/chips")}
+    return _ordered(found, policies)
+
+
+def _ordered(found: set[str], policies: list[str]) -> list[str]:
     others = [q for q in policies if q in found]
-    scripted = sorted(found - {"random", "base", *others})
-    return [o for o in ("random", *scripted, "base") if o in found] + others
+    snaps = sorted((o for o in found if SNAPSHOT_SUFFIX.search(o)),
+                   key=lambda o: (o.rsplit("__s", 1)[0], int(o.rsplit("__s", 1)[1])))
+    scripted = sorted(found - {"random", "base", *others, *snaps})
+    return [o for o in ("random", *scripted, "base") if o in found] + others + snaps
 
 
 def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[str]
@@ -148,8 +156,7 @@ def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[st
     """Rows ``"<policy> (<label>)"`` for each evaluation ``(label, eval row)`` and policy;
     columns every opponent any of them met (:func:`opponents_of` order). Returns the labels
     and ``mean``, ``ci95``: float arrays ``[rows, cols]``, NaN where a pair was not played."""
-    met = {o for _, ev in evals for p in policies for o in opponents_of(ev, p, policies)}
-    cols = [o for o in ("random", *sorted(met - {"random", "base", *policies}), "base", *policies) if o in met]
+    cols = _ordered({o for _, ev in evals for p in policies for o in opponents_of(ev, p, policies)}, policies)
     rows = []
     mean = np.full((len(evals) * len(policies), len(cols)), np.nan)
     ci = mean.copy()

@@ -51,6 +51,16 @@ def test_the_pool_and_past_opponents_follow_from_the_config(tmp_path):
         msgspec.convert({"policies": [{"name": "main", "opponents": {"randm": 1}}]}, JobConfig)
     with pytest.raises(ValueError, match="not ending in __s<digits>"):
         msgspec.convert({"policies": [{"name": "main__s3"}]}, JobConfig)
+    with pytest.raises(ValueError, match="league.eval_per_stratum: evaluates against league snapshots"):
+        msgspec.convert({"league": {"eval_per_stratum": 2}}, JobConfig)
+
+
+def test_snapshots_come_last_in_the_cross_play_columns_in_step_order():
+    from opentinker.report import cross_play_matrix
+
+    ev = {f"eval/a/vs_{o}/chips": 0.0 for o in ("a__s10", "base", "a__s2", "random", "b", "kuhn_equilibrium")}
+    assert cross_play_matrix([("x", ev)], ["a", "b"])[1] == [
+        "random", "kuhn_equilibrium", "base", "b", "a__s2", "a__s10"]
 
 
 def _tensors(folder):
@@ -66,8 +76,8 @@ def test_a_league_run_snapshots_evaluates_and_resumes_bit_for_bit(tmp_path, tiny
     trains = [r for r in rows if r["kind"] == "train"]
     assert [r["league/snapshots"] for r in trains] == [1.0, 2.0, 2.0]
     last = [r for r in rows if r["kind"] == "eval"][-1]
-    for snap in ("main__s2", "main__s3"):  # the final evaluation plays the league
-        assert last[f"eval/main/vs_{snap}/hands"] == 6 * 2
+    # The final evaluation plays the league, but not the snapshot of this very step (a copy).
+    assert last["eval/main/vs_main__s2/hands"] == 6 * 2 and "eval/main/vs_main__s3/hands" not in last
     # A snapshot is frozen: it holds the policy as it was then. Step 3 changed the policy
     # (grad_norm > 0) only if it had trajectories; compare what each snapshot saved with the
     # policy's checkpoint of the same step.
