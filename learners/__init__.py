@@ -21,6 +21,7 @@ from learners.advantages import (
     estimate,
     gae_1d,
     register_advantage,
+    standardize,
 )
 from learners.aggregation import sequence_mean, token_sum
 from learners.assembly import (
@@ -87,6 +88,7 @@ __all__ = [
     "sft_datums",
     "sort_trajectories",
     "split_terms",
+    "standardize",
     "token_sum",
     "trajectory_to_datum",
     "trajectory_tokens",

@@ -187,6 +187,27 @@ def register_advantage(
     return decorator
 
 
+def standardize(per_turn: Sequence[np.ndarray], eps: float = 1e-8) -> list[np.ndarray]:
+    """Per-turn advantages standardised over the whole batch, ``(A - mean) / std`` over every
+    turn of every trajectory (PPO's usual advantage normalisation: Andrychowicz et al. 2021,
+    "What Matters in On-Policy RL", §3.4 / Huang et al. 2022, "The 37 Implementation Details
+    of PPO", detail 7). Exactly rounded sums, so the result ignores the order of the turns;
+    a batch whose advantages are all equal (std < ``eps``) is only centred.
+
+    Args:
+        per_turn: ``D`` arrays ``float[K_d]``, one advantage per turn.
+    Returns:
+        The same shapes, standardised.
+    """
+    flat = np.concatenate([np.asarray(a, dtype=np.float64) for a in per_turn]) if per_turn else np.zeros(0)
+    if flat.size == 0:
+        return [np.asarray(a, dtype=np.float32) for a in per_turn]
+    mean = math.fsum(flat) / flat.size
+    std = math.sqrt(math.fsum((flat - mean) ** 2) / flat.size)
+    scale = 1.0 / std if std >= eps else 1.0
+    return [((np.asarray(a, dtype=np.float64) - mean) * scale).astype(np.float32) for a in per_turn]
+
+
 def estimate(name: str, batch: EpisodeBatch, state: EmaState | None,
              config: Mapping[str, float]) -> Advantages:
     """``ADVANTAGES[name](batch, state, config)``; an unknown name is a ``ValueError`` listing

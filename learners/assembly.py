@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from learners.advantages import EmaState, EpisodeBatch, estimate
+from learners.advantages import EmaState, EpisodeBatch, estimate, standardize
 from protocols.messages import Datum, Trajectory
 
 
@@ -234,7 +234,9 @@ def assemble(
     Args:
         trajectories: ``[D]`` trajectories, all for the same trainable policy.
         estimator: a name in :data:`learners.advantages.ADVANTAGES`.
-        config: passed to the estimator.
+        config: passed to the estimator; ``normalize`` (non-zero): the per-turn advantages
+            are then standardised over the batch (:func:`~learners.advantages.standardize`;
+            value targets stay those of the raw advantages).
         state: the estimator's state from the previous step (``None`` at the start).
         role_prefix: prefix of the role keys (the game's name), see :func:`episode_batch`.
         values: for a critic estimator (``gae``): per trajectory, in the order of
@@ -265,6 +267,8 @@ def assemble(
         batch = dataclasses.replace(batch, values=tuple(_turn_values(t, values[i])
                                                         for t, i in zip(ordered, order)))
     result = estimate(estimator, batch, state, config)
+    if config.get("normalize"):  # after the value targets were taken from the raw advantages
+        result = result._replace(per_turn=tuple(standardize(result.per_turn)))
     datums = [trajectory_to_datum(t, a) for t, a in zip(ordered, result.per_turn)]
     if result.value_targets is not None and batch.values is not None:
         datums = [with_value_inputs(d, decision_positions(t), v[:-1], r)

@@ -105,6 +105,10 @@ class TrainConfig(_Config):
     """Schulman's estimator of that KL: loss ``kl_k1``, ``kl_k2`` or ``kl_k3``."""
     entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Coefficient of the entropy bonus (full-vocabulary entropy at the sampled positions)."""
+    normalize_advantages: bool = False
+    """Standardise each step's per-turn advantages over the batch (zero mean, unit std; PPO's
+    usual normalisation, mostly redundant after GRPO's per-group one). Value targets are
+    unaffected."""
     epochs: PosInt = 1
     """Passes over each step's batch (PPO's K epochs): later passes reuse the advantages and
     the sampler's log-probs, so their ratios move off 1 and clip. All the step's updates must
@@ -148,8 +152,11 @@ class TrainConfig(_Config):
         return out
 
     def advantage_config(self) -> dict[str, float]:
-        """The advantage estimator's config."""
-        return {"gamma": self.gamma, "decay": self.ema_decay, "lam": self.lam}
+        """The advantage estimator's config (and ``normalize``, read by the assembly)."""
+        out = {"gamma": self.gamma, "decay": self.ema_decay, "lam": self.lam}
+        if self.normalize_advantages:
+            out["normalize"] = 1.0
+        return out
 
 
 SNAPSHOT_SUFFIX = re.compile(r"__s\d+$")

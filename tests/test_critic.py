@@ -438,3 +438,31 @@ def test_values_over_the_bus_and_a_learner_gae_step(scheduler) -> None:
         assert m["loss/logp_diff_max"] < 1e-4 and m["loss/clip_frac"] == 0.0
     assert results[1][2].version == 2
     assert np.ptp(np.concatenate([v[decision_positions(t)] for t, v in zip(results[1][0], results[1][1])])) > 0
+
+
+def test_normalized_advantages_are_standardised_over_the_batch_and_targets_stay_raw() -> None:
+    from learners import standardize
+
+    rng = np.random.default_rng(5)
+    trajs = [_traj(e, [_turn([1, 2], [5, 6], reward=0.5 * e), _turn([7], [8])], total=float(e % 3) - 1.0,
+                   seat=f"player_{e % 2}") for e in range(6)]
+    values = [rng.normal(size=len(trajectory_tokens(t))).astype(np.float32) for t in trajs]
+    config = {"gamma": 0.9, "lam": 0.7}
+    raw = assemble(trajs, "gae", config, values=values)
+    norm = assemble(trajs, "gae", {**config, "normalize": 1.0}, values=values)
+
+    def turn_advantages(datums):  # one value per turn: at its decision position
+        return np.concatenate([d.loss_inputs["advantages"][d.loss_inputs["value_mask"] > 0] for d in datums])
+
+    a, n = turn_advantages(raw.datums), turn_advantages(norm.datums)
+    np.testing.assert_allclose(n, (a - a.mean()) / a.std(), rtol=1e-5, atol=1e-6)
+    assert abs(norm.metrics["adv_mean"]) < 1e-6 and abs(raw.metrics["adv_mean"]) > 1e-3
+    for r, m in zip(raw.datums, norm.datums):  # the critic's targets come from the raw advantages
+        np.testing.assert_array_equal(r.loss_inputs["value_targets"], m.loss_inputs["value_targets"])
+    # Order-free (exactly rounded sums); an all-equal batch is only centred.
+    x, y = np.array([0.1, 0.7, 1e8]), np.array([0.2, -1e8, 0.3])
+    one, other = standardize([x, y]), standardize([y, x])
+    assert one[0].tolist() == other[1].tolist() and one[1].tolist() == other[0].tolist()
+    assert [x.tolist() for x in standardize([np.array([2.0, 2.0]), np.array([2.0])])] == [[0.0, 0.0], [0.0]]
+    cfg = msgspec.convert({"train": {"advantage": "gae", "normalize_advantages": True}}, JobConfig)
+    assert cfg.train.advantage_config()["normalize"] == 1.0 and "normalize" not in JobConfig().train.advantage_config()
