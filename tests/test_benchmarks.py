@@ -28,3 +28,10 @@ def test_pipeline_pace_benchmark(tmp_path, tiny_path):
               "--groups", "1", "--group_size", "2", "--backends", "single,local,ray"], tmp_path)
     assert set(r["results"]) == {"single", "local", "ray"}
     assert r["results"]["single"]["ratio"] == 1.0
+
+
+def test_codec_benchmark(tmp_path):
+    r = _run(["benchmarks/codec.py", "--number", "5", "--repeats", "1"], tmp_path)
+    rows = {x["message"]: x for x in r["results"]}
+    assert [x["arrays"] for x in rows.values()] == [1, 16, 256]  # the script checked every round trip
+    assert all(x[k] > 0 for x in rows.values() for k in ("encode_us", "decode_us", "encode_vs_pickle", "decode_vs_pickle"))

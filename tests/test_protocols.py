@@ -94,3 +94,29 @@ def test_schema_and_protocol_doc_are_current():
     assert set(typing.get_args(m.Message)) == covered
     assert current["$defs"]["LogprobsResult"]["properties"]["logprobs"]["items"] == {"$ref": "#/$defs/ArrayRef"}
     assert "`prompts` | list[array] | required | One ``int32[T]`` token array per row." in doc
+
+
+def test_byte_swapped_strided_and_multidimensional_arrays_arrive_as_they_were_sent():
+    big_endian = np.array([1.5, -2.25, 3e6], dtype=">f4")  # was sent as raw big-endian bytes and misread
+    strided = np.arange(12, dtype=np.int64)[::3]
+    grid = np.arange(6, dtype=np.float16).reshape(2, 3)
+    d = Datum(tokens=strided.astype(np.int32), loss_inputs={"a": big_endian, "b": strided, "c": grid})
+    _, out = decode(_frames(ForwardBackward(adapter="p", datums=[d], loss="ppo", normalizer=1.0)))
+    li = out.datums[0].loss_inputs
+    assert li["a"].tolist() == [1.5, -2.25, 3e6] and li["a"].dtype == np.float32 and li["a"].dtype.isnative
+    assert li["b"].tolist() == [0, 3, 6, 9] and li["c"].shape == (2, 3) and li["c"].tolist() == grid.tolist()
+    with pytest.raises(TypeError, match="complex64 is not allowed"):
+        encode(ForwardBackward(adapter="p", datums=[Datum(tokens=np.zeros(1, np.int32),
+                               loss_inputs={"x": np.zeros(2, np.complex64)})], loss="ppo", normalizer=1.0))
+
+
+@pytest.mark.parametrize("ref, what", [
+    (["float32", [2], 0, 1], "an array reference is"), (["complex64", [1], 0], "not allowed"),
+    (["float32", [1], 5], "out of range"), (["float32", [-1], 0], "list of sizes"),
+    (["float32", [True], 0], "list of sizes"), (["float32", [3], 0], "needs 12"),
+])
+def test_bad_array_references_are_bad_messages(ref, what):
+    body = msgspec.msgpack.encode({"type": "LogprobsResult", "logprobs": [ref], "adapter_version": 0})
+    with pytest.raises(DecodeError, match=what) as e:
+        decode([msgspec.msgpack.encode(Header(PROTOCOL_VERSION, 7, 1)), body, np.zeros(1, np.float32).tobytes()])
+    assert e.value.code is ErrorCode.BAD_MESSAGE and e.value.request_id == 7
