@@ -3,7 +3,7 @@
 * ``header``: msgpack ``[PROTOCOL_VERSION, request_id, n_buffers]``.
 * ``body``: msgpack of the message Struct (tagged by class name); each ``numpy.ndarray`` field
   is replaced by an :class:`ArrayRef` ``[dtype, shape, index]`` that names its buffer.
-* ``buffers``: the arrays' raw bytes, C-contiguous; sent without copies (``zmq`` takes the
+* ``buffers``: the arrays' raw bytes, C-contiguous, little-endian; sent without copies (``zmq`` takes the
   ``memoryview``) and wrapped without copies on receipt (read-only views of the frame).
 
 Decoding is typed and bounded: an unknown tag, a wrong field type, a bad dtype, a buffer of the
@@ -51,14 +51,15 @@ _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(Header)
 
 
-_WIRE_DTYPES = {np.dtype(name): name for name in ALLOWED_DTYPES}
-"""Native-byte-order dtype -> its wire name (a dict lookup: ``dtype.name`` costs microseconds)."""
+_WIRE_DTYPES = {np.dtype(name).newbyteorder("<"): name for name in ALLOWED_DTYPES}
+"""Little-endian dtype (the wire's byte order) -> its wire name (a dict lookup:
+``dtype.name`` costs microseconds)."""
 _NUMPY_DTYPES = {name: dt for dt, name in _WIRE_DTYPES.items()}
 
 
 def encode(msg: Message, request_id: int = 0) -> list[Any]:
-    """Frames for ``msg``: ``[header_bytes, body_bytes, *array_buffers]``. Arrays travel in
-    the machine's byte order (a byte-swapped array is converted first)."""
+    """Frames for ``msg``: ``[header_bytes, body_bytes, *array_buffers]``. Arrays travel
+    little-endian (another byte order is converted first)."""
     buffers: list[memoryview] = []
 
     def enc_hook(obj: Any) -> Any:
@@ -66,9 +67,9 @@ def encode(msg: Message, request_id: int = 0) -> list[Any]:
             arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             name = _WIRE_DTYPES.get(arr.dtype)
             if name is None:
-                if arr.dtype.isnative or arr.dtype.newbyteorder("=") not in _WIRE_DTYPES:
+                if arr.dtype.newbyteorder("<") not in _WIRE_DTYPES:
                     raise TypeError(f"array dtype {arr.dtype} is not allowed on the wire")
-                arr = arr.astype(arr.dtype.newbyteorder("="))
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
                 name = _WIRE_DTYPES[arr.dtype]
             buffers.append(memoryview(arr).cast("B"))
             return ArrayRef(name, arr.shape, len(buffers) - 1)
