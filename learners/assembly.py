@@ -296,7 +296,8 @@ def loss_token_count(datums: Sequence[Datum], key: str = "mask") -> int:
     """Number of loss tokens (``sum`` of every ``mask``): the usual global normalizer; with
     ``key="value_mask"``, the number of value positions (the value term's normalizer).
 
-    Counted over the whole step's datums, before any split into micro-batches, and passed to
-    ``ForwardBackward.normalizer`` so every micro-batch divides by the same number.
+    Counted over one update's datums (the whole step, or one PPO minibatch), before the
+    scheduler splits them into micro-batches, and passed to ``ForwardBackward.normalizer`` so
+    every micro-batch divides by the same number.
     """
     return int(sum(int(np.asarray(d.loss_inputs[key]).sum()) for d in datums))

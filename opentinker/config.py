@@ -1,5 +1,5 @@
 """Typed job configuration, decoded from TOML with ``msgspec`` (an unknown or mistyped field
-is an error that names it, e.g. ``Object contains unknown field `lr` - at `$.train```).
+is an error that names it, e.g. ``Object contains unknown field `lrr` - at `$.train```).
 
 Every field has a principled default, so an empty file is a valid job; derived values (the
 number of hands per step, the run name) are computed in one place, not filled in later.
@@ -49,14 +49,16 @@ class PolicyConfig(_Config):
     """Adapter name; one learner per policy."""
     opponents: dict[str, Annotated[float, Meta(ge=0)]] = msgspec.field(default_factory=lambda: {"random": 1.0})
     """Opponent mix: weight per ``self`` (the policy in both seats), ``base`` (the base model),
-    a scripted policy of ``games`` (``random``, ``kuhn_equilibrium``) or another policy's name."""
+    ``past`` (a league snapshot of itself, :class:`LeagueConfig`), a scripted policy of
+    ``games`` (``random``, ``kuhn_equilibrium``, ...) or another policy's name."""
     lora_rank: PosInt = 8
     lora_alpha: PosFloat = 16.0
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     train: dict[str, str | bool | int | float] = msgspec.field(default_factory=dict)
     """This policy's overrides of ``[train]``'s algorithm fields, e.g. ``{advantage = "rloo",
     loss = "cispo", kl_coef = 0.05}``: learners side by side in one job, on the same games
-    and the same base model (``steps``, ``groups_per_step`` and ``group_size`` are shared)."""
+    and the same base model (the fields of ``SCHEDULE_FIELDS``, e.g. ``steps`` and
+    ``groups_per_step``, are shared: overriding one is an error)."""
 
 
 class TrainConfig(_Config):

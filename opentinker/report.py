@@ -1,5 +1,5 @@
-"""Run outputs: ``metrics.jsonl`` and TensorBoard events, the learning-curve PNG, and the final
-summary table."""
+"""Run outputs: ``metrics.jsonl`` and TensorBoard events, the learning-curve and cross-play
+PNGs, and the final summary table."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The driver of ``opentinker run``: start a job, train with a progress bar, evaluate, and
-write ``runs/<name>/`` (resolved config, ``metrics.jsonl``, adapters in PEFT format, the
-learning-curve PNG, sample transcripts, the final table as JSON)."""
+write ``runs/<name>/`` (resolved config, ``metrics.jsonl`` and TensorBoard events in ``tb/``,
+adapters in PEFT format, checkpoints, recorded trajectories, the learning-curve and
+cross-play PNGs, sample transcripts, and ``summary.json``: the first and last evaluations, the
+adapter paths, the wall time)."""
 
 from __future__ import annotations
 
