@@ -276,9 +276,9 @@ class JobConfig(_Config):
             raise ValueError("policies: at least one trainable policy is needed")
         if len(set(names)) != len(names):
             raise ValueError(f"policies: duplicate names in {names}")
-        for p in self.policies:
-            from games.scripted import SCRIPTED
+        from games.scripted import SCRIPTED
 
+        for p in self.policies:
             if (p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or p.name == "league" or not p.name.isidentifier()
                     or SNAPSHOT_SUFFIX.search(p.name)):
                 raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base, past, league and "

@@ -196,9 +196,10 @@ class Learner:
         adapter's version after the last update and the metrics: each loss metric's mean over
         the updates (``*_max``: the largest; token counts: per pass), ``grad_norm``'s mean, the
         number of updates. With one update they are that update's exact metrics."""
-        parts: list[list] = [] if datums else [datums]  # no datums: one (empty) update, as ever
-        for epoch in range(self.epochs if datums else 0):
-            if self.minibatches == 1:
+        passes = self.epochs if datums else 1  # no datums: one (empty) update, as ever
+        parts: list[list] = []
+        for epoch in range(passes):
+            if self.minibatches == 1 or not datums:
                 parts.append(datums)
                 continue
             order = np.random.default_rng([self.seed & 0xFFFFFFFF, step, epoch]).permutation(len(datums))
@@ -226,7 +227,6 @@ class Learner:
             sums["loss"] += fb.loss
             sums["grad_norm"] += opt.grad_norm
         n = len(parts)
-        passes = self.epochs if datums else 1
         out = {k: v / (passes if k.endswith("n_tokens") else n) for k, v in sums.items()}
         out.update(peaks)
         out["updates"] = float(n)

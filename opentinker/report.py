@@ -19,22 +19,22 @@ from opentinker.config import SNAPSHOT_SUFFIX
 class MetricsLog:
     """Appends one JSON object per line, ``{"step": s, "kind": "train"|"eval", ...}``, to
     ``path``, and every finite number of the row as a TensorBoard scalar (tag = the metric's
-    name, e.g. ``eval/main/vs_random/chips``) to ``tb_dir`` (``tensorboard --logdir runs``).
+    name, e.g. ``eval/main/vs_random/chips``) to ``tb/`` beside it (``tensorboard --logdir runs``).
     Both are on disk when :meth:`write` returns.
 
     Args:
         path: the JSONL file (appended to).
-        tb_dir: the TensorBoard folder; default ``tb/`` beside ``path``; None: no events.
+        tensorboard: also write the scalars to ``tb/`` beside ``path``.
         purge_step: on resume, the first step written again: TensorBoard drops the events
             of that step and later ones that an earlier process wrote.
     """
 
-    def __init__(self, path: Path, tb_dir: Path | None | bool = True, purge_step: int | None = None) -> None:
+    def __init__(self, path: Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
         self._tb: TensorBoardScalars | None = None
-        if tb_dir is not None and tb_dir is not False:
-            self._tb = TensorBoardScalars(path.parent / "tb" if tb_dir is True else Path(tb_dir), purge_step)
+        if tensorboard:
+            self._tb = TensorBoardScalars(path.parent / "tb", purge_step)
 
     def write(self, step: int, kind: str, metrics: dict[str, float]) -> None:
         row = {"step": step, "kind": kind, **{k: _clean(v) for k, v in metrics.items()}}

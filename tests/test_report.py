@@ -35,7 +35,7 @@ def test_metrics_go_to_jsonl_and_tensorboard_and_a_resume_purges_the_rest(tmp_pa
     got = [(s, round(v, 6)) for s, v in tb["train/main/reward"]]
     assert got == [(0, 0.0), (1, 0.1), (2, 3.0), (3, 4.0)]
     assert "eval/main/vs_random/chips" not in tb  # step 3's eval came after the checkpoint: gone
-    assert MetricsLog(tmp_path / "other.jsonl", tb_dir=None)._tb is None
+    assert MetricsLog(tmp_path / "other.jsonl", tensorboard=False)._tb is None
 
 
 def _eval(values: dict[str, tuple[float, float]]) -> dict[str, float]:
