@@ -26,11 +26,11 @@ from rich.table import Table
 
 from learners import assemble, loss_token_count
 from opentinker.config import JobConfig
-from opentinker.episodes import play_episode, train_episodes
-from opentinker.model_host import ModelHost
-from opentinker.models import resolve_model
-from opentinker.render import ChatTokenizer
-from opentinker.runtime import Job
+from opentinker.rollout.episodes import play_episode, train_episodes
+from opentinker.engine.host import ModelHost
+from opentinker.engine.model_specs import resolve_model
+from opentinker.rollout.render import ChatTokenizer
+from opentinker.control.runtime import Job
 from protocols.messages import (
     AdamParams, PolicyKind, PolicyRef, RunEpisodes, SampleResult, SamplingParams,
 )

@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from games import kuhn_poker
-from opentinker.model_host import ModelHost
-from opentinker.models import resolve_model
-from opentinker.render import ChatTokenizer, SeatRenderer
+from opentinker.engine.host import ModelHost
+from opentinker.engine.model_specs import resolve_model
+from opentinker.rollout.render import ChatTokenizer, SeatRenderer
 from protocols.messages import Datum, LoraSpec, SamplingParams
 
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from opentinker.config import load_config
-    from opentinker.learner import check_job
+    from opentinker.training.learner import check_job
 
     try:
         if args.resume and args.config:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.offline_job() is None:
             check_job(cfg)
         if args.resume:
-            from opentinker.checkpoints import latest_checkpoint
+            from opentinker.control.checkpoints import latest_checkpoint
 
             latest_checkpoint(args.resume)  # a clear error before anything starts
     except (ValueError, FileNotFoundError) as e:

@@ -23,17 +23,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from opentinker.checkpoints import latest_checkpoint, truncate_metrics, write_checkpoint
+from opentinker.control.checkpoints import latest_checkpoint, truncate_metrics, write_checkpoint
 from opentinker.config import JobConfig, to_toml
-from opentinker.models import resolve_model
+from opentinker.engine.model_specs import resolve_model
 from opentinker.progress import EpisodeFeed
-from opentinker.report import (
+from opentinker.eval.report import (
     MetricsLog,
     plot_cross_play,
     plot_learning_curves,
     summary_table,
 )
-from opentinker.runtime import Job
+from opentinker.control.runtime import Job
 
 
 @dataclass
@@ -46,7 +46,7 @@ class RunResult:
 
 
 LEARNER_STATE = "learner_state.json"
-"""Written beside each saved adapter: the learner's :meth:`~opentinker.learner.Learner.state_dict`."""
+"""Written beside each saved adapter: the learner's :meth:`~opentinker.training.learner.Learner.state_dict`."""
 
 
 def save_learner_states(states: dict[str, dict[str, Any]], adapters: dict[str, str]) -> None:
@@ -61,7 +61,7 @@ def save_learner_states(states: dict[str, dict[str, Any]], adapters: dict[str, s
 
 def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, dict[str, Any]]:
     """The learner states saved under ``adapters_dir/<policy>/``, for
-    :meth:`opentinker.runtime.Job.load_learner_states` (``FileNotFoundError`` naming a missing
+    :meth:`opentinker.control.runtime.Job.load_learner_states` (``FileNotFoundError`` naming a missing
     file, ``ValueError`` naming one that is not JSON)."""
     out = {}
     for policy in policies:
@@ -78,7 +78,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     """Run a job into ``run_dir`` (default ``runs/<run name>``); with ``resume``, continue the
     run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``)."""
     if cfg.offline_job() is None:
-        from opentinker.learner import check_job
+        from opentinker.training.learner import check_job
 
         check_job(cfg)  # before any actor starts
     console = console or Console()
@@ -172,7 +172,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
 
 
 def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog) -> RunResult:
-    from opentinker.offline import run_offline
+    from opentinker.training.offline import run_offline
 
     oc = cfg.offline_job()
     assert oc is not None

@@ -17,21 +17,21 @@ DEVICE = os.environ.get("OPENTINKER_TEST_DEVICE", "cpu")
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
     """The tiny-random model folder (``OPENTINKER_TEST_MODEL`` points at a copy elsewhere)."""
-    from opentinker.models import resolve_model
+    from opentinker.engine.model_specs import resolve_model
 
     return os.environ.get("OPENTINKER_TEST_MODEL") or resolve_model("tiny-random")
 
 
 @pytest.fixture(scope="session")
 def chat_tok(tiny_path):
-    from opentinker.render import ChatTokenizer
+    from opentinker.rollout.render import ChatTokenizer
 
     return ChatTokenizer(tiny_path)
 
 
 @pytest.fixture()
 def scheduler(tiny_path):
-    from opentinker.scheduler import Scheduler
+    from opentinker.engine.service import Scheduler
 
     s = Scheduler(tiny_path, threads=1, device=DEVICE)  # 2 torch threads spin on a busy 2-core box
     s.start()

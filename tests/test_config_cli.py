@@ -54,7 +54,7 @@ def test_each_group_learner_runs_a_short_job(advantage, loss, tiny_path):
     import msgspec
 
     from opentinker.config import JobConfig
-    from opentinker.runtime import Job
+    from opentinker.control.runtime import Job
 
     cfg = msgspec.convert({"runtime": {"backend": "local"}, "train": {"advantage": advantage, "loss": loss, "groups_per_step": 2, "group_size": 2},
                            "sampling": {"max_tokens": 3}}, JobConfig)

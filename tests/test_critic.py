@@ -20,7 +20,7 @@ from learners import (
     gae_1d,
     trajectory_tokens,
 )
-from opentinker import value_head
+from opentinker.engine import value_head
 from opentinker.bus import Client, Pusher, RemoteError
 from opentinker.config import CRITIC_ADVANTAGES, JobConfig
 from protocols.messages import (
@@ -46,7 +46,7 @@ ADAM = AdamParams(lr=0.02)
 
 @pytest.fixture(scope="module")
 def host(tiny_path):
-    from opentinker.model_host import ModelHost
+    from opentinker.engine.host import ModelHost
 
     return ModelHost(tiny_path, threads=1, device=DEVICE)
 
@@ -155,7 +155,9 @@ def test_value_loss_gradient_is_exact_and_reaches_the_head_and_the_lora_weights(
     # The same loss written out: full forward per datum, head on h[t - 1] at the value positions.
     _zero(host, "crit_g")
     want_loss = torch.zeros(())
-    with host._select("crit_g"), host._grad(state):
+    from opentinker.engine.trainer import grad_on
+
+    with host._select("crit_g"), grad_on(state):
         for d in datums:
             h_T_H = host.base.model(input_ids=torch.as_tensor(d.tokens, dtype=torch.long, device=host.device)[None]
                                     ).last_hidden_state[0]
@@ -365,7 +367,7 @@ def _on_policy(traj: Trajectory, logprobs_T: np.ndarray) -> Trajectory:
 
 
 def test_values_over_the_bus_and_a_learner_gae_step(scheduler) -> None:
-    from opentinker.learner import Learner
+    from opentinker.training.learner import Learner
 
     gamma, lam = 1.0, 0.0  # targets r_k + V_{k+1}: they depend on the values read
     learner = Learner("ppo_v", scheduler.endpoint, "gae", "ppo", {"value": 1.0, "value_clip": 0.0},

@@ -7,7 +7,7 @@ import numpy as np
 from conftest import run
 
 from games.kuhn_poker import DEALS
-from opentinker.episodes import play_episode
+from opentinker.rollout.episodes import play_episode
 from protocols.messages import (
     EpisodeSpec,
     PolicyKind,

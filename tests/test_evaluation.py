@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from games import kuhn_poker
-from opentinker.evaluation import SPELLINGS, kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
+from opentinker.eval.evaluation import SPELLINGS, kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
 
 
 def test_stratified_interval_by_hand():
@@ -36,7 +36,7 @@ def test_policy_from_logprobs_and_uniform_exploitability(chat_tok):
 def test_summary_table_has_a_row_per_opponent_in_order():
     from rich.console import Console
 
-    from opentinker.report import summary_table
+    from opentinker.eval.report import summary_table
 
     def ev(x):
         return {f"eval/main/vs_{o}/{k}": v for o in ("base", "referential_heuristic", "random")

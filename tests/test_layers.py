@@ -21,8 +21,8 @@ def _imported(code: str) -> set[str]:
         ("games", {"opentinker", "learners", "protocols", "torch", "ray"}),
         ("learners", {"opentinker", "games", "transformers", "ray", "zmq"}),
         # Env runners and the coordinator stay light: no torch in their processes.
-        ("opentinker.env_runner", {"torch", "transformers", "peft"}),
-        ("opentinker.coordinator", {"torch", "transformers", "peft"}),
+        ("opentinker.rollout.env_runner", {"torch", "transformers", "peft"}),
+        ("opentinker.control.coordinator", {"torch", "transformers", "peft"}),
     ],
 )
 def test_layer_imports(module, forbidden):

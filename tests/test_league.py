@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 from opentinker.cli import main
 from opentinker.config import JobConfig, league_pool
-from opentinker.episodes import train_episodes
+from opentinker.rollout.episodes import train_episodes
 from opentinker.run import run_job
 from protocols.messages import PolicyKind
 
@@ -56,7 +56,7 @@ def test_the_pool_and_past_opponents_follow_from_the_config(tmp_path):
 
 
 def test_snapshots_come_last_in_the_cross_play_columns_in_step_order():
-    from opentinker.report import cross_play_matrix
+    from opentinker.eval.report import cross_play_matrix
 
     ev = {f"eval/a/vs_{o}/chips": 0.0 for o in ("a__s10", "base", "a__s2", "random", "b", "kuhn_equilibrium")}
     assert cross_play_matrix([("x", ev)], ["a", "b"])[1] == [

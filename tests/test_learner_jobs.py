@@ -14,8 +14,8 @@ import pytest
 from conftest import DEVICE
 
 from opentinker.config import JobConfig
-from opentinker.learner import check_job
-from opentinker.runtime import Job
+from opentinker.training.learner import check_job
+from opentinker.control.runtime import Job
 
 GAME = "kuhn_poker_v0"
 POLICIES = {

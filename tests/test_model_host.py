@@ -19,7 +19,7 @@ ADAM = AdamParams(lr=0.05)
 
 @pytest.fixture(scope="module")
 def host(tiny_path):
-    from opentinker.model_host import ModelHost
+    from opentinker.engine.host import ModelHost
 
     return ModelHost(tiny_path, threads=2, device=DEVICE)
 
@@ -87,7 +87,7 @@ def test_drop_adapter_frees_weights_and_optimizer(host) -> None:
     host.drop_adapter("dropme")
     assert "dropme" not in host.adapters and "dropme" not in host.model.peft_config
     assert not any(".dropme." in n for n, _ in host.model.named_parameters())
-    from opentinker.model_host import UnknownAdapterError
+    from opentinker.engine.host import UnknownAdapterError
 
     with pytest.raises(UnknownAdapterError, match="unknown adapter 'dropme'"):
         host.drop_adapter("dropme")
@@ -365,7 +365,7 @@ def test_dpo_pairs_stay_whole_across_chunks_and_use_the_base_as_reference(host) 
 
 def test_vocabulary_projection_in_row_blocks_is_exact(host, monkeypatch) -> None:
     """The head runs HEAD_ROWS rows at a time (checkpointed): same loss, gradient, entropy."""
-    from opentinker import shared_forward
+    from opentinker.engine import shared_forward
 
     name = "blocks_pol"
     _trained(host, name)

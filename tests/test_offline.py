@@ -14,7 +14,7 @@ from conftest import DEVICE
 from rich.console import Console
 
 from learners import pair_datums, preference_pairs, sft_datums
-from opentinker import trajectory_log
+from opentinker.training import trajectory_log
 from opentinker.config import JobConfig
 from opentinker.run import read_learner_states, run_job
 from protocols.messages import (
@@ -158,7 +158,7 @@ def test_a_pair_drawn_twice_in_one_batch_counts_as_two_pairs() -> None:
     import torch
 
     from learners import LOSSES
-    from opentinker.offline import renumber_pairs
+    from opentinker.training.offline import renumber_pairs
 
     pair = pair_datums(preference_pairs([_traj(1, 0, 1.0, [11]), _traj(0, 0, -1.0, [10])]), first_id=4)
     one, twice = pair, renumber_pairs([*pair, *pair])

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from opentinker.config import JobConfig
-from opentinker.runtime import Job
+from opentinker.control.runtime import Job
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

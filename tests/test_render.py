@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from opentinker.render import SeatRenderer
+from opentinker.rollout.render import SeatRenderer
 
 
 def test_turn_deltas_rebuild_the_templated_conversation(tiny_path, chat_tok):

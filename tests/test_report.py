@@ -8,7 +8,7 @@ import math
 
 from conftest import read_tensorboard
 
-from opentinker.report import MetricsLog
+from opentinker.eval.report import MetricsLog
 
 
 def test_metrics_go_to_jsonl_and_tensorboard_and_a_resume_purges_the_rest(tmp_path):
@@ -48,7 +48,7 @@ def _eval(values: dict[str, tuple[float, float]]) -> dict[str, float]:
 def test_cross_play_matrix_rows_columns_and_values(tmp_path):
     import numpy as np
 
-    from opentinker.report import cross_play_matrix, plot_cross_play, summary_table
+    from opentinker.eval.report import cross_play_matrix, plot_cross_play, summary_table
 
     first = _eval({"a/vs_random": (-0.9, 0.1), "a/vs_base": (0.0, 0.2), "b/vs_random": (-0.8, 0.1),
                    "a/vs_b": (0.05, 0.3), "b/vs_a": (-0.05, 0.3)})

@@ -10,7 +10,7 @@ import pytest
 from conftest import DEVICE, read_tensorboard
 from safetensors.numpy import load_file
 
-from opentinker.checkpoints import latest_checkpoint
+from opentinker.control.checkpoints import latest_checkpoint
 from opentinker.cli import main
 from opentinker.config import JobConfig
 from opentinker.run import run_job

@@ -9,8 +9,8 @@ import pytest
 from conftest import DEVICE
 
 from opentinker.config import JobConfig
-from opentinker.episodes import train_episodes
-from opentinker.runtime import Job
+from opentinker.rollout.episodes import train_episodes
+from opentinker.control.runtime import Job
 from protocols.messages import PolicyKind
 
 

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from conftest import DEVICE, run
 from opentinker.bus import Client, RemoteError
-from opentinker.render import SeatRenderer
+from opentinker.rollout.render import SeatRenderer
 from protocols.messages import (
     AdamParams, CreateAdapter, Datum, DropAdapter, ErrorCode, ForwardBackward, LoadAdapter,
     LogprobsRequest, LoraSpec, OptimStep, SampleRequest, SamplingParams, SaveAdapter,
@@ -157,7 +157,7 @@ def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat
 
 
 def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
-    from opentinker.model_host import ModelHost
+    from opentinker.engine.host import ModelHost
 
     host = ModelHost(tiny_path, threads=2, device=DEVICE)
     host.create_adapter("alpha", LoraSpec(rank=4))
@@ -255,7 +255,7 @@ def test_adapter_lifecycle_over_the_bus(scheduler, chat_tok, tmp_path):
 def test_a_sequence_that_prefixes_all_others_scores_as_if_alone(tiny_path):
     """Shared-prefix forwards keep every sequence's tail non-empty: [A, A + more] (e.g. a DPO
     pair where one hand ended a turn earlier) gives each row what it gets alone."""
-    from opentinker.model_host import ModelHost
+    from opentinker.engine.host import ModelHost
 
     host = ModelHost(tiny_path, threads=1, device=DEVICE)
     host.create_adapter("p", LoraSpec(rank=4, seed=1, value_head=True))
@@ -280,7 +280,7 @@ def test_the_trainer_scores_at_the_sampling_temperature(tiny_path, chat_tok):
     """Replies sampled at T = 0.5 carry log-probs of softmax(logits / 0.5); forward_backward
     with loss_config temperature 0.5 scores the same distribution (sampler = trainer), while
     scoring at T = 1 would put every on-policy ratio away from 1."""
-    from opentinker.model_host import ModelHost
+    from opentinker.engine.host import ModelHost
 
     host = ModelHost(tiny_path, threads=1, device=DEVICE)
     host.create_adapter("t", LoraSpec(rank=4))

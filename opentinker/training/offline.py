@@ -1,7 +1,7 @@
 """Offline jobs (``[offline]`` in a job config): SFT or DPO/IPO on trajectories a run recorded.
 
 No game is played. The job reads ``trajectories/<policy>.jsonl`` files
-(:mod:`opentinker.trajectory_log`), builds SFT sequences or preference pairs with the pure
+(:mod:`opentinker.training.trajectory_log`), builds SFT sequences or preference pairs with the pure
 functions of :mod:`learners.offline`, starts only the scheduler, and trains the first policy's
 adapter through it (``CreateAdapter``, then ``ForwardBackward`` with the ``sft`` / ``dpo`` /
 ``ipo`` loss and ``OptimStep`` per step, then ``SaveAdapter``), exactly as online learners do.
@@ -30,10 +30,10 @@ from learners import (
     preference_pairs,
     sft_datums,
 )
-from opentinker import trajectory_log
+from opentinker.training import trajectory_log
 from opentinker.bus import SyncClient
 from opentinker.config import JobConfig
-from opentinker.report import MetricsLog
+from opentinker.eval.report import MetricsLog
 from protocols.messages import (
     AdamParams,
     CreateAdapter,
@@ -113,7 +113,7 @@ def dataset_loss(
 def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog) -> dict[str, Any]:
     """Train ``cfg.policies[0]`` offline; write ``metrics.jsonl`` rows and the adapter under
     ``run_dir``. Returns the summary (also written to ``summary.json``)."""
-    from opentinker.runtime import Job
+    from opentinker.control.runtime import Job
 
     oc = cfg.offline_job()
     assert oc is not None

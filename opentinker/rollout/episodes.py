@@ -3,7 +3,7 @@ step) and how one is played (:func:`play_episode`, shared by the env runner and 
 single-process baseline of ``benchmarks/pipeline_pace.py``).
 
 The game is driven through the PettingZoo AEC loop; scripted seats act inside the runner;
-each LLM seat keeps a :class:`~opentinker.render.SeatRenderer`, so a turn adds only its delta
+each LLM seat keeps a :class:`~opentinker.rollout.render.SeatRenderer`, so a turn adds only its delta
 tokens, and every sample is seeded from the episode (seed, id, seat, turn).
 """
 
@@ -19,7 +19,7 @@ import games
 from games.kuhn_poker import DEALS
 from games.scripted import SCRIPTED
 from opentinker.config import JobConfig, league_pool
-from opentinker.render import ChatTokenizer, SeatRenderer
+from opentinker.rollout.render import ChatTokenizer, SeatRenderer
 from protocols.messages import (
     EpisodeSpec,
     EpisodeSummary,

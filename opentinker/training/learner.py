@@ -40,7 +40,7 @@ from learners import (
     sort_trajectories,
     trajectory_tokens,
 )
-from opentinker import trajectory_log
+from opentinker.training import trajectory_log
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
 from opentinker.config import JobConfig
 from protocols.messages import (

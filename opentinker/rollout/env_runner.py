@@ -19,8 +19,8 @@ import numpy as np
 
 import games
 from opentinker.bus import LOOPBACK, Client, LoopThread, Pusher, Server
-from opentinker.episodes import play_episode
-from opentinker.render import ChatTokenizer
+from opentinker.rollout.episodes import play_episode
+from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
     EpisodesDone,
     Message,

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from games import kuhn_poker
-from opentinker.render import ChatTokenizer, SeatRenderer
+from opentinker.rollout.render import ChatTokenizer, SeatRenderer
 
 
 def stratified_mean_ci(strata: Sequence[Sequence[float]], z: float = 1.96) -> tuple[float, float]:

@@ -19,7 +19,7 @@ def gather(
 ) -> dict[str, torch.Tensor]:
     """``{key: float32[N]}``: each datum's ``loss_inputs[key]`` at the positions where its
     mask is nonzero (position 0 never counts), flat in (datum, position) order, the order
-    of :meth:`opentinker.shared_forward.Hidden.at`."""
+    of :meth:`opentinker.engine.shared_forward.Hidden.at`."""
     positions = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
     return {
         k: torch.as_tensor(

@@ -7,7 +7,7 @@ the sampler's log-probs, per-turn rewards, the group, seed and seat). Decoding i
 Log-probs are float32 values written as JSON floats, which read back to the same float32.
 
 The learner appends each step's trajectories in ``(episode_id, seat)`` order after the step
-has trained; offline jobs (:mod:`opentinker.offline`) read them back as
+has trained; offline jobs (:mod:`opentinker.training.offline`) read them back as
 :class:`protocols.messages.Trajectory` for :mod:`learners.offline`.
 """
 

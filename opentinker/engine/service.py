@@ -62,7 +62,7 @@ class _Job:
 
 
 class Scheduler:
-    """Owns a :class:`~opentinker.model_host.ModelHost` and serves it on the bus."""
+    """Owns a :class:`~opentinker.engine.host.ModelHost` and serves it on the bus."""
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class Scheduler:
 
     def start(self) -> str:
         """Load the model, start the compute thread and the server; return the endpoint."""
-        from opentinker.model_host import ModelHost
+        from opentinker.engine.host import ModelHost
 
         self.host = ModelHost(self.model_path, device=self.device, threads=self.threads)
         self._worker = threading.Thread(target=self._work, name="scheduler-compute", daemon=True)

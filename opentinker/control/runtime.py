@@ -23,10 +23,10 @@ from protocols.messages import AdamParams
 log = logging.getLogger(__name__)
 
 _KINDS = {
-    "scheduler": "opentinker.scheduler:Scheduler",
-    "env_runner": "opentinker.env_runner:EnvRunner",
-    "learner": "opentinker.learner:Learner",
-    "coordinator": "opentinker.coordinator:Coordinator",
+    "scheduler": "opentinker.engine.service:Scheduler",
+    "env_runner": "opentinker.rollout.env_runner:EnvRunner",
+    "learner": "opentinker.training.learner:Learner",
+    "coordinator": "opentinker.control.coordinator:Coordinator",
 }
 
 
@@ -99,7 +99,7 @@ class Job:
 
     def __init__(self, cfg: JobConfig, model_path: str, run_dir: str = "", scheduler_only: bool = False) -> None:
         if not scheduler_only:
-            from opentinker.learner import check_job
+            from opentinker.training.learner import check_job
 
             check_job(cfg)  # a bad algorithm name fails here, not inside an actor
         self.cfg = cfg
@@ -198,7 +198,7 @@ class Job:
         return h.call(method, *args)
 
     def learner_states(self) -> dict[str, dict[str, Any]]:
-        """Policy -> its learner's :meth:`~opentinker.learner.Learner.state_dict`."""
+        """Policy -> its learner's :meth:`~opentinker.training.learner.Learner.state_dict`."""
         return {p.name: self.call(f"learner_{p.name}", "state_dict") for p in self.cfg.policies}
 
     def load_learner_states(self, states: dict[str, dict[str, Any]]) -> None:

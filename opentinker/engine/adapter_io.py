@@ -1,6 +1,6 @@
 """Files of a saved adapter: what :meth:`ModelHost.save` writes and :meth:`ModelHost.load` reads.
 
-A saved adapter is a folder::
+A saved adapter is a folder (:func:`save` writes it, :func:`load` reads it into a registry)::
 
     adapter_config.json        PEFT format: ``peft.PeftModel.from_pretrained`` loads these two
     adapter_model.safetensors
@@ -21,12 +21,16 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
-from opentinker import value_head
+from opentinker.engine import value_head
 from protocols.messages import LoraSpec
+
+if TYPE_CHECKING:
+    from opentinker.engine.registry import AdapterRegistry
 
 FORMAT = 1
 META = "opentinker.json"
@@ -223,3 +227,45 @@ def restore(
         p.copy_(weights[key])
     if optimizer is not None:
         restore_optimizer(optimizer, named, moments, str(folder / OPTIMIZER))
+
+
+def save(registry: AdapterRegistry, adapter: str, path: str) -> int:
+    """Write ``adapter`` to the folder ``path`` atomically (temporary folder, then rename):
+    PEFT format, its value head if it has one, its AdamW state, its version and the base
+    model's name and fingerprint. Returns its version."""
+    state = registry.get(adapter)
+    meta = AdapterMeta(
+        format=FORMAT, version=state.version, spec=state.spec,
+        base_model=registry.model_path, base_fingerprint=registry.base_fingerprint,
+    )
+    write_adapter(Path(path), registry.model, adapter, state.named, state.optimizer, meta)
+    return state.version
+
+
+@torch.no_grad()
+def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True) -> int:
+    """Load a folder written by :func:`save` as adapter ``name``: weights (and value head),
+    AdamW state (for a trainable adapter) and version (returned).
+
+    Raises:
+        ValueError: naming ``path`` and the fault: no such folder, a missing or corrupt
+            file, a base model other than the registry's, weights that do not fit the spec.
+            Nothing is left behind: the registry keeps serving as before.
+    """
+    folder = Path(path)
+    meta = read_meta(folder)
+    if meta.base_fingerprint != registry.base_fingerprint:
+        raise ValueError(
+            f"{folder}: saved on base model {meta.base_model!r} (fingerprint "
+            f"{meta.base_fingerprint}); this host serves {registry.model_path!r} "
+            f"(fingerprint {registry.base_fingerprint})"
+        )
+    weights, moments = read_adapter(folder, meta.spec, trainable)
+    state = registry.add(name, meta.spec, trainable=trainable)
+    try:
+        restore(folder, meta.spec, state.named, state.optimizer, weights, moments)
+    except Exception:
+        registry.drop_adapter(name)
+        raise
+    state.version = meta.version
+    return state.version

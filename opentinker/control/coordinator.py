@@ -20,13 +20,13 @@ from games.kuhn_poker import exploitability
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.config import JobConfig, league_pool
-from opentinker.episodes import KUHN, game_agents, strata_episodes, train_episodes
-from opentinker.evaluation import (
+from opentinker.rollout.episodes import KUHN, game_agents, strata_episodes, train_episodes
+from opentinker.eval.evaluation import (
     kuhn_policy_from_logprobs,
     kuhn_policy_sequences,
     stratified_mean_ci,
 )
-from opentinker.render import ChatTokenizer
+from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
     CreateAdapter,
     DropAdapter,

@@ -1,0 +1,1 @@
+"""Control: the coordinator, launching components, and checkpoints (decides what runs next)."""

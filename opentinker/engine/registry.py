@@ -1,0 +1,206 @@
+"""The adapter registry: one resident base model and every named LoRA adapter on it.
+
+:class:`AdapterRegistry` holds the base model (PEFT injects the LoRA layers into it in
+place), each adapter's parameters (:class:`AdapterState`: its portable parameter table, its
+AdamW, its version) and the adapter lifecycle: create, drop, snapshot (a frozen copy). The
+model runner (:mod:`opentinker.engine.runner`), the trainer (:mod:`opentinker.engine.trainer`)
+and the adapter files (:mod:`opentinker.engine.adapter_io`) read and change adapters only
+through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from opentinker.engine import adapter_io, value_head
+from protocols.messages import LoraSpec
+
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+
+
+class UnknownAdapterError(LookupError, ValueError):
+    """A request named an adapter the host does not have; the bus answers ``not_found``
+    (a ``LookupError``), and callers that expect a ``ValueError`` still catch it."""
+
+
+@dataclass
+class AdapterState:
+    spec: LoraSpec
+    named: dict[str, torch.nn.Parameter]
+    """Portable parameter name (PEFT's saved key, or ``value_head.*``) -> parameter."""
+    optimizer: torch.optim.AdamW | None
+    """``None`` for a frozen adapter."""
+    version: int = 0
+    pending_grad: bool = False
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.named.values())
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    def critic(self, name: str, op: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameter table, checked to hold a value head (``ValueError`` naming
+        ``op`` and the adapter otherwise)."""
+        if not self.spec.value_head:
+            raise ValueError(f"{op}: adapter {name!r} has no value head (create it with "
+                             "LoraSpec.value_head = true)")
+        return self.named
+
+
+class AdapterRegistry:
+    """A base model resident on one device, with named LoRA adapters."""
+
+    def __init__(self, model_path: str, device: str = "cpu", threads: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            # Ray sets OMP_NUM_THREADS=1 in actors; the scheduler is the one actor that computes.
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.model_path = model_path
+        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.base.to(self.device).eval()
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.model = self.base  # becomes a PeftModel with the first adapter
+        self.adapters: dict[str, AdapterState] = {}
+        self.pad_id = int(self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0)
+        self.base_fingerprint = adapter_io.fingerprint(self.base)
+        """Identifies the base weights in saved adapters (:func:`opentinker.engine.adapter_io.fingerprint`)."""
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def create_adapter(self, name: str, spec: LoraSpec) -> int:
+        """Add a zero-initialised (B = 0) LoRA adapter; returns its version (0). Creating an
+        existing adapter with the same spec returns its version (idempotent)."""
+        if name in self.adapters:
+            if self.adapters[name].spec != spec:
+                raise ValueError(f"adapter {name!r} exists with another spec")
+            return self.adapters[name].version
+        self.add(name, spec, trainable=True)
+        return 0
+
+    def add(self, name: str, spec: LoraSpec, trainable: bool) -> AdapterState:
+        """Inject a new adapter ``name`` into the model (PEFT's initialisation, seeded by
+        ``spec.seed``) and register it; ``trainable=False`` gives it no optimizer."""
+        from peft import LoraConfig, get_peft_model
+
+        if not name.isidentifier() or name == BASE or name in "lora_":
+            # PEFT keys adapter weights by name inside "lora_A.<name>": a name that is part of
+            # "lora_" would be reinitialised when the saved adapter is loaded.
+            raise ValueError(f"invalid adapter name {name!r}: use an identifier that is not part of 'lora_'")
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} already exists")
+        if spec.rank < 1:
+            raise ValueError(f"LoraSpec.rank must be >= 1, got {spec.rank}")
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=list(spec.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        torch.manual_seed(spec.seed)
+        try:
+            if self.model is self.base:
+                self.model = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.model.add_adapter(name, config)
+        except ValueError as e:  # PEFT: "Target modules ... not found in the base model"
+            raise ValueError(f"LoraSpec.target_modules {spec.target_modules}: {e}") from None
+        self.model.eval()
+        named = {
+            adapter_io.portable_name(n, name): p
+            for n, p in self.model.named_parameters()
+            if ("lora_A." + name + ".") in n or ("lora_B." + name + ".") in n
+        }
+        if not named:
+            self.model.delete_adapter(name)
+            raise ValueError(f"LoraSpec.target_modules {spec.target_modules} matched no module")
+        for p in named.values():
+            p.requires_grad_(False)
+        if spec.value_head:
+            named.update(value_head.new_value_head(self.base.config.hidden_size, self.device))
+        optimizer = torch.optim.AdamW(list(named.values()), lr=0.0) if trainable else None
+        self.adapters[name] = state = AdapterState(spec=spec, named=named, optimizer=optimizer)
+        return state
+
+    def drop_adapter(self, name: str) -> None:
+        """Free ``name``'s weights, value head and optimizer state. :class:`UnknownAdapterError`
+        (a ``ValueError``) naming an unknown adapter."""
+        self.get(name)
+        del self.adapters[name]
+        self.model.delete_adapter(name)
+
+    @torch.no_grad()
+    def snapshot(self, src: str, new_name: str) -> int:
+        """Freeze a copy of ``src`` (its value head too) under ``new_name``, at ``src``'s
+        current version (returned).
+
+        The copy samples, scores and values exactly as ``src`` did at this moment, whatever
+        ``src`` trains afterwards; ``forward_backward`` and ``optim_step`` on it are refused.
+        """
+        source = self.get(src)
+        state = self.add(new_name, source.spec, trainable=False)
+        for key, p in state.named.items():
+            p.copy_(source.named[key])
+        state.version = source.version
+        return state.version
+
+    # ----------------------------------------------------------------------------- lookups
+
+    def get(self, name: str) -> AdapterState:
+        """The adapter ``name``; :class:`UnknownAdapterError` naming the known ones otherwise."""
+        if name not in self.adapters:
+            raise UnknownAdapterError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
+        return self.adapters[name]
+
+    def trainable(self, name: str, op: str) -> AdapterState:
+        """The adapter ``name``, checked to be trainable (``ValueError`` naming ``op``)."""
+        state = self.get(name)
+        if not state.trainable:
+            raise ValueError(f"{op}: adapter {name!r} is frozen (a snapshot, or loaded with "
+                             "trainable=False) and cannot be trained")
+        return state
+
+    def version(self, name: str | None) -> int:
+        return -1 if name is None else self.get(name).version
+
+    def check_tokens(self, seqs: Sequence[np.ndarray], where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` for an empty sequence or an id outside the vocabulary."""
+        vocab = self.base.config.vocab_size
+        for i, s in enumerate(seqs):
+            if len(s) == 0:
+                raise ValueError(f"{where}[{i}] is empty")
+            if int(np.min(s)) < 0 or int(np.max(s)) >= vocab:
+                raise ValueError(f"{where}[{i}]: token id out of range [0, {vocab})")
+
+    # ----------------------------------------------------------------------------- activation
+
+    def select(self, adapter: str | None):
+        """Context in which the model computes with ``adapter`` (``None``: the base)."""
+        if self.model is self.base:
+            if adapter is not None:
+                self.get(adapter)
+            return contextlib.nullcontext()
+        if adapter is None:
+            return self.model.disable_adapter()
+        self.get(adapter)
+        self.model.set_adapter(adapter)
+        for n, p in self.model.named_parameters():  # set_adapter may flip requires_grad
+            p.requires_grad_(False)
+        return contextlib.nullcontext()
+
+    def inner(self) -> torch.nn.Module:
+        """The causal LM (``.model`` body, ``.lm_head``): PEFT injects the LoRA layers into
+        ``self.base`` in place, so it computes with whichever adapter is active."""
+        return self.base

@@ -1,0 +1,134 @@
+"""The model runner: sampling, teacher-forced log-probs and critic values on the registry's
+model, in one forward pass per batch.
+
+Sampling mixes adapters in one batch through PEFT's ``adapter_names``
+(:func:`opentinker.engine.peft_sampler.sample_rows`). Log-probs are computed only at the
+positions asked for: the transformer body runs on the whole sequence (shared prefixes once,
+:mod:`opentinker.engine.shared_forward`), the vocabulary projection only on the hidden states
+that predict a selected token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from opentinker.engine import value_head
+from opentinker.engine.peft_sampler import SampledRow, sample_rows, validate_params
+from opentinker.engine.registry import BASE, AdapterRegistry
+from opentinker.engine.shared_forward import (
+    Hidden,
+    Selected,
+    project_logprobs,
+    selected_hidden,
+    selected_logprobs,
+)
+from protocols.messages import SamplingParams
+
+
+class ModelRunner:
+    """Runs the registry's model: ``sample``, ``logprobs``, ``values`` (no gradients) and the
+    hidden-state and log-prob passes the trainer differentiates."""
+
+    def __init__(self, registry: AdapterRegistry) -> None:
+        self.registry = registry
+        self.device = registry.device
+        self.share_prefix = True
+        """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
+
+    # ----------------------------------------------------------------------------- sampling
+
+    def sample(
+        self,
+        adapters: Sequence[str | None],
+        prompts: Sequence[np.ndarray],
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+    ) -> list[SampledRow]:
+        """One reply per row; each row with its own adapter (``None``: base), in one batch."""
+        reg = self.registry
+        for p in set(params):
+            validate_params(p)
+        for a in set(adapters):
+            if a is not None:
+                reg.get(a)
+        reg.check_tokens(prompts, "SampleRequest.prompts")
+        names = [BASE if a is None else a for a in adapters]
+        # PEFT's mixed batches split every LoRA layer by adapter; one adapter needs no split.
+        mixed = reg.model is not reg.base and len(set(names)) > 1
+
+        def forward(ids, mask, pos, past, rows):
+            kwargs = {
+                "input_ids": ids, "attention_mask": mask, "position_ids": pos, "cache": past,
+                "use_cache": True, "logits_to_keep": 1,
+            }
+            if mixed:
+                kwargs["adapter_names"] = [names[r] for r in rows]
+            out = reg.model(**kwargs)
+            return out.logits[:, -1, :], out.cache
+
+        with (reg.select(adapters[0]) if not mixed else contextlib.nullcontext()):
+            return sample_rows(forward, prompts, params, seeds, reg.pad_id, self.device, keys=names)
+
+    # ----------------------------------------------------------------------------- log-probs
+
+    def logp_at(
+        self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True,
+        entropy: bool = False, entropy_grad: bool = False, temperature: float = 1.0,
+    ) -> Selected:
+        """Log-probs (and optionally entropies) at the masked positions of ``seqs`` with the
+        active adapter, of ``softmax(logits / temperature)`` (see
+        :func:`opentinker.engine.shared_forward.selected_logprobs`)."""
+        inner = self.registry.inner()
+        return selected_logprobs(inner.model, scaled(inner.lm_head, temperature), seqs, masks,
+                                 self.registry.pad_id, self.device, share, entropy=entropy,
+                                 entropy_grad=entropy_grad)
+
+    def hidden_at(self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> Hidden:
+        """Final hidden states before the masked positions, with the active adapter."""
+        return selected_hidden(self.registry.inner().model, seqs, masks, self.registry.pad_id, self.device,
+                               self.share_prefix)
+
+    @torch.no_grad()
+    def _along(
+        self, adapter: str | None, seqs: Sequence[np.ndarray], per_row: Callable[[Hidden], torch.Tensor], chunk: int,
+    ) -> list[np.ndarray]:
+        """``float32[T_i]`` per sequence: ``per_row`` of the hidden state before every token
+        (entry 0 is 0), ``chunk`` sequences at a time."""
+        out: list[np.ndarray] = []
+        with self.registry.select(adapter):
+            for start in range(0, len(seqs), chunk):
+                part = [np.asarray(s) for s in seqs[start : start + chunk]]
+                hidden = self.hidden_at(part, [np.ones(len(s)) for s in part])
+                per_U = per_row(hidden).float().cpu().numpy() if len(hidden.tokens_U) else np.zeros(0, np.float32)
+                for rows, pos, s in zip(hidden.rows, hidden.taken, part):
+                    row = np.zeros(len(s), dtype=np.float32)
+                    row[pos] = per_U[rows]
+                    out.append(row)
+        return out
+
+    def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
+        """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0)."""
+        self.registry.check_tokens(seqs, "LogprobsRequest.sequences")
+        head = self.registry.inner().lm_head
+        return self._along(adapter, seqs, lambda h: project_logprobs(
+            head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk)
+
+    def values(self, adapter: str, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
+        """The critic's ``float32[T_i]`` values along each sequence: entry ``t`` is the value
+        head on the final hidden state at ``t - 1`` (the state before token ``t``, having read
+        tokens ``< t``, adapter on); entry 0 is 0. No vocabulary projection runs."""
+        named = self.registry.get(adapter).critic(adapter, "ValuesRequest")
+        self.registry.check_tokens(seqs, "ValuesRequest.sequences")
+        return self._along(adapter, seqs, lambda h: value_head.apply(named, h.h_U_H), chunk)
+
+
+def scaled(lm_head: torch.nn.Module, temperature: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``lm_head``, or ``logits / temperature`` when the sampler drew at another temperature
+    (its log-probs are of ``softmax(logits / T)``: the trainer must score the same policy)."""
+    if temperature == 1.0:
+        return lm_head
+    return lambda h: lm_head(h) / temperature

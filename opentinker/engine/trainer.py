@@ -1,0 +1,204 @@
+"""The trainer: ``forward_backward`` with a loss from ``learners`` and AdamW ``optim_step``
+on one adapter of the registry.
+
+Log-probs for training are computed only at the positions the loss needs: the transformer
+body runs on the whole sequence (through the model runner, shared prefixes once), the 49k-row
+vocabulary projection only on the hidden states that predict a loss token. A loss that needs
+the reference (a KL penalty, DPO) gets the base model's log-probs at the same positions,
+computed with the adapter off and no gradient. An adapter's critic
+(:mod:`opentinker.engine.value_head`) is trained by the ``value`` loss from the same hidden
+states as the policy's log-probs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from learners import (
+    LOSSES,
+    LossKind,
+    compute_loss,
+    explained_variance,
+    logprob_mismatch,
+    split_terms,
+)
+from opentinker.engine import value_head
+from opentinker.engine.registry import AdapterRegistry, AdapterState
+from opentinker.engine.runner import ModelRunner, scaled
+from opentinker.engine.shared_forward import project_logprobs
+from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, gather
+from protocols.messages import AdamParams, Datum
+
+
+class Trainer:
+    """Gradients and optimizer steps for the registry's trainable adapters."""
+
+    def __init__(self, registry: AdapterRegistry, runner: ModelRunner) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.device = registry.device
+
+    def check_datums(self, datums: Sequence[Datum], needs: Sequence[str] = ("mask",)) -> None:
+        self.registry.check_tokens([d.tokens for d in datums], "ForwardBackward.datums.tokens")
+        keys = set(datums[0].loss_inputs) if datums else set()
+        for i, d in enumerate(datums):
+            missing = [k for k in needs if k not in d.loss_inputs]
+            if missing:
+                raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs needs {missing} "
+                                 f"(has {sorted(d.loss_inputs)})")
+            if set(d.loss_inputs) != keys:
+                raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs has keys "
+                                 f"{sorted(d.loss_inputs)}, datums[0] has {sorted(keys)}")
+            for k, v in d.loss_inputs.items():
+                if len(v) != len(d.tokens):
+                    raise ValueError(f"Datum.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
+
+    def forward_backward(
+        self,
+        adapter: str,
+        datums: Sequence[Datum],
+        loss: str,
+        loss_config: Mapping[str, float],
+        normalizer: float,
+        chunk: int = 64,
+        value_normalizer: float = 0.0,
+    ) -> tuple[float, dict[str, float]]:
+        """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``.
+
+        ``loss`` is a name in ``learners.LOSSES``. Terms ride in ``loss_config`` under their
+        own names with their coefficients (:func:`learners.losses.split_terms`): penalties
+        (``{"kl_k3": 0.05, "entropy": 0.01}``) share the normalizer; ``value`` (the critic's
+        clipped loss on the adapter's value head, ``value_clip`` in ``loss_config``) is
+        divided by ``value_normalizer`` (0: ``normalizer``). The value loss may also be the
+        main loss (a critic-only step). Inputs the losses need and the datums lack are
+        computed here: ``ref_logprobs`` (the base model, adapter off, no gradient, at the
+        loss positions only) and ``entropy`` (full-vocabulary, from logits that exist anyway).
+        Policy losses always get ``entropy`` for their diagnostics.
+
+        Log-probs are taken where ``mask`` is nonzero, values where ``value_mask`` is (with
+        ``value_targets`` and ``old_values`` there), from ONE pass of the body over the union
+        of those positions; only log-prob positions go through the vocabulary projection.
+
+        Returns the normalised loss (all terms) and metrics: the main loss's diagnostics
+        (token-weighted over chunks, or pair-weighted; the log-prob mismatch quantiles and
+        the critic's ``explained_variance`` are exact over the whole call), each term's as
+        ``<term>/<metric>``, and each term's normalised loss as ``term/<name>``.
+        """
+        if not normalizer > 0:
+            raise ValueError(f"ForwardBackward.normalizer must be > 0, got {normalizer}")
+        if not value_normalizer >= 0:
+            raise ValueError(f"ForwardBackward.value_normalizer must be >= 0, got {value_normalizer}")
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r}; known: {sorted(LOSSES)}")
+        spec = LOSSES[loss]
+        if spec.kind is LossKind.PENALTY:
+            raise ValueError(f"loss {loss!r} ({spec.kind.value}) cannot be the main loss of "
+                             "forward_backward (a penalty is added to another loss through loss_config)")
+        loss_config = dict(loss_config)
+        temperature = float(loss_config.pop("temperature", 1.0))
+        if not temperature > 0:
+            raise ValueError(f"loss_config temperature must be > 0, got {temperature}")
+        config, terms = split_terms(loss_config)
+        if loss in terms:
+            raise ValueError(f"loss_config names the main loss {loss!r} as a term")
+        state = self.registry.trainable(adapter, "forward_backward")
+        norms = {LossKind.VALUE: value_normalizer or normalizer}
+        # (name, config, metric prefix, normalizer): the main loss, then each term.
+        jobs = [(loss, config, "", norms.get(spec.kind, normalizer))] + [
+            (t, {**config, "coef": c} if LOSSES[t].kind is LossKind.VALUE else {"coef": c}, f"{t}/",
+             norms.get(LOSSES[t].kind, normalizer)) for t, c in terms.items()]
+        on_values = [j for j in jobs if LOSSES[j[0]].kind is LossKind.VALUE]
+        on_logp = [j for j in jobs if LOSSES[j[0]].kind is not LossKind.VALUE]
+        named = state.critic(adapter, "forward_backward with the 'value' loss") if on_values else {}
+        self.check_datums(datums, ("mask", *(VALUE_INPUTS if on_values else ())))
+        given = set(datums[0].loss_inputs) if datums else set()
+        needs = set().union(*(LOSSES[j[0]].needs for j in on_logp))
+        want_ref = "ref_logprobs" in needs and "ref_logprobs" not in given
+        policy = spec.kind is LossKind.POLICY
+        want_entropy = bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given
+        acc = MetricSums()
+        seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
+        lm_head = scaled(self.registry.inner().lm_head, temperature)
+        for part in chunks(datums, chunk):
+            seqs = [d.tokens for d in part]
+            masks = [np.asarray(d.loss_inputs["mask"]) if on_logp else np.zeros(len(d.tokens)) for d in part]
+            vmasks = [np.asarray(d.loss_inputs["value_mask"]) if on_values else np.zeros(len(d.tokens))
+                      for d in part]
+            ref_N = None
+            if want_ref:
+                with torch.no_grad(), self.registry.select(None):
+                    ref_N = self.runner.logp_at(seqs, masks, self.runner.share_prefix, temperature=temperature).logp_N
+            with self.registry.select(adapter), grad_on(state):
+                hidden = self.runner.hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
+                if len(hidden.tokens_U) == 0:
+                    continue
+                total_loss = torch.zeros((), device=self.device)
+                outputs: list[tuple[list, torch.Tensor, dict[str, torch.Tensor]]] = []
+                if on_logp:
+                    logp_N, entropy_N = project_logprobs(lm_head, hidden, hidden.at(masks), want_entropy,
+                                                         "entropy" in terms)
+                    inputs = gather(part, masks, given - {"mask", *VALUE_INPUTS}, self.device)
+                    if ref_N is not None:
+                        inputs["ref_logprobs"] = ref_N
+                    if entropy_N is not None:
+                        inputs["entropy"] = entropy_N
+                    outputs.append((on_logp, logp_N, inputs))
+                    if policy:
+                        seen["logp"].append(logp_N.detach())
+                        seen["sampler"].append(inputs["sampler_logprobs"])
+                if on_values:
+                    values_N = value_head.apply(named, hidden.h_U_H[hidden.at(vmasks)])
+                    vinputs = gather(part, vmasks, ("value_targets", "old_values"), self.device)
+                    outputs.append((on_values, values_N, vinputs))
+                    seen["values"].append(values_N.detach())
+                    seen["targets"].append(vinputs["value_targets"])
+                for todo, first_N, inputs in outputs:
+                    for name, cfg, prefix, norm in todo:
+                        out = compute_loss(name, first_N, inputs, cfg)
+                        total_loss = total_loss + out.loss_sum / norm
+                        acc.add(prefix, out.metrics, term=(name, out.loss_sum, norm))
+                total_loss.backward()
+        state.pending_grad = True
+        metrics = acc.result()
+        if policy and seen["logp"]:
+            metrics.update(logprob_mismatch(torch.cat(seen["logp"]), torch.cat(seen["sampler"])))
+        for _, _, prefix, _ in on_values:
+            if seen["values"]:
+                metrics[prefix + "explained_variance"] = explained_variance(
+                    torch.cat(seen["values"]), torch.cat(seen["targets"]))
+        return sum(v for k, v in metrics.items() if k.startswith("term/")), metrics
+
+    def optim_step(self, adapter: str, hp: AdamParams) -> tuple[int, float]:
+        """AdamW on the accumulated gradients; zero them; bump and return the version."""
+        state = self.registry.trainable(adapter, "optim_step")
+        assert state.optimizer is not None
+        if not hp.lr >= 0:
+            raise ValueError(f"AdamParams.lr must be >= 0, got {hp.lr}")
+        grads = [p.grad for p in state.params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        if hp.grad_clip > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(state.params, hp.grad_clip)
+        for g in state.optimizer.param_groups:
+            g.update(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.version += 1
+        state.pending_grad = False
+        return state.version, grad_norm
+
+
+@contextlib.contextmanager
+def grad_on(state: AdapterState) -> Iterator[None]:
+    """Parameters of ``state`` require grad inside (only while its loss is computed, so a
+    sample batch never builds a graph)."""
+    for p in state.params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in state.params:
+            p.requires_grad_(False)

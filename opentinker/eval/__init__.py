@@ -1,0 +1,1 @@
+"""Evaluation: statistics, reports and plots (the only place that draws pictures)."""
