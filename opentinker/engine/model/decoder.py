@@ -1,0 +1,270 @@
+"""The engine's own decoder forward for the Llama family, Qwen2 and Qwen3, on flat tokens.
+
+Design (after nano-vllm's ``models/qwen3.py``): the model sees N flat tokens of all rows with
+their positions; everything about how rows are laid out in memory lives in the attention
+backend (:mod:`.attention`), everything about which adapter a token uses lives in the
+:class:`~.lora.LoraBatch`. Parameters carry the Hugging Face checkpoint's names
+(``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``), so an HF state dict
+loads as is and PEFT adapter names map one to one. The vocabulary projection is a separate
+call, :meth:`Decoder.logits`, made only for the rows a caller needs (at every position it is
+the dominant CPU cost).
+
+Numerics follow transformers exactly: RMSNorm in fp32 then cast back and scaled by the weight;
+RoPE inverse frequencies computed once in fp32 on CPU (as transformers does at init, so the
+same bits), cos/sin built per forward from ``pos_N`` in fp32 and cast to the compute dtype;
+matmuls in the weights' dtype (fp32 or bf16); SiLU-gated MLP.
+
+Hazards: base weights are frozen (``requires_grad=False``) so a trainer's backward reaches only
+adapters; a full-parameter policy takes :meth:`Decoder.copy` with ``trainable=True``. With tied
+embeddings ``lm_head.weight`` *is* ``model.embed_tokens.weight`` (one Parameter, two names in
+the state dict; a checkpoint may store only the embedding).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .config import DecoderSpec, spec_from_hf_config
+from .lora import LoraBatch
+
+__all__ = ["Decoder", "rope_inv_freq"]
+
+
+class _Linear(nn.Module):
+    """``y = x W^T + b`` with uninitialised storage (weights are always loaded or set)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(d_out, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class _Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim, dtype=dtype, device=device))
+
+
+class _SelfAttn(nn.Module):
+    def __init__(self, s: DecoderSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.q_proj = _Linear(s.hidden_size, q, s.qkv_bias, dtype, device)
+        self.k_proj = _Linear(s.hidden_size, kv, s.qkv_bias, dtype, device)
+        self.v_proj = _Linear(s.hidden_size, kv, s.qkv_bias, dtype, device)
+        self.o_proj = _Linear(q, s.hidden_size, s.o_bias, dtype, device)
+        if s.qk_norm:
+            self.q_norm = _RMSNorm(s.head_dim, s.rms_norm_eps, dtype, device)
+            self.k_norm = _RMSNorm(s.head_dim, s.rms_norm_eps, dtype, device)
+
+
+class _MLP(nn.Module):
+    def __init__(self, s: DecoderSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = _Linear(s.hidden_size, s.intermediate_size, s.mlp_bias, dtype, device)
+        self.up_proj = _Linear(s.hidden_size, s.intermediate_size, s.mlp_bias, dtype, device)
+        self.down_proj = _Linear(s.intermediate_size, s.hidden_size, s.mlp_bias, dtype, device)
+
+
+class _Layer(nn.Module):
+    def __init__(self, s: DecoderSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = _SelfAttn(s, dtype, device)
+        self.mlp = _MLP(s, dtype, device)
+        self.input_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, device)
+
+
+class _Body(nn.Module):
+    def __init__(self, s: DecoderSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = _Embedding(s.vocab_size, s.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(_Layer(s, dtype, device) for _ in range(s.num_layers))
+        self.norm = _RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, device)
+
+
+def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
+    """RoPE inverse frequencies ``inv_freq_D2`` (fp32, CPU), as transformers' default, linear
+    and llama3 (Llama 3.1) rope initialisers compute them, op for op."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    sc = spec.rope_scaling
+    if sc is None:
+        return inv_freq
+    if sc.rope_type == "linear":
+        return inv_freq / sc.factor
+    old = sc.original_max_position_embeddings
+    low_freq_wavelen = old / sc.low_freq_factor
+    high_freq_wavelen = old / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / sc.factor, inv_freq)
+    smooth = (old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / sc.factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Decoder(nn.Module):
+    """A decoder-only transformer built from a :class:`DecoderSpec`, with HF parameter names."""
+
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        """Uninitialised weights (load them, or :meth:`init_random_`), frozen."""
+        super().__init__()
+        device = torch.device(device)
+        self.spec = spec
+        self.model = _Body(spec, dtype, device)
+        self.lm_head = _Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Not a buffer: ``.to(torch.bfloat16)`` would round the frequencies (positions of a few
+        # thousand then rotate by visibly wrong angles). Kept in fp32, one copy per device.
+        self._inv_freq = {device: rope_inv_freq(spec).to(device)}
+        self.requires_grad_(False)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> Decoder:
+        """Load ``config.json`` and every ``*.safetensors`` file of a checkpoint folder (one file
+        or a sharded set) with ``safetensors``, without building a transformers model.
+        :class:`~.config.UnsupportedArchitecture` for a family the engine does not run."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        spec = spec_from_hf_config(json.loads((folder / "config.json").read_text()))
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        dec = cls(spec, dtype=dtype, device=device)
+        seen: set[str] = set()
+        for f in files:
+            seen |= dec._load_tensors(load_file(str(f), device=str(torch.device(device))))
+        dec._check_complete(seen)
+        return dec
+
+    @classmethod
+    def from_hf_model(cls, model: Any) -> Decoder:
+        """Copy the weights of a loaded transformers ``*ForCausalLM`` (same dtype and device)."""
+        spec = spec_from_hf_config(model.config)
+        p = next(model.parameters())
+        dec = cls(spec, dtype=p.dtype, device=p.device)
+        dec._check_complete(dec._load_tensors(dict(model.state_dict())))
+        return dec
+
+    @torch.no_grad()
+    def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        own = dict(self.named_parameters(remove_duplicate=False))
+        for name, t in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints saved the buffer; ours is recomputed
+            if name not in own:
+                raise ValueError(f"unexpected tensor {name!r} for a {self.spec.family} decoder")
+            if own[name].shape != t.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != {tuple(own[name].shape)}")
+            own[name].copy_(t)
+        return set(tensors)
+
+    def _check_complete(self, seen: set[str]) -> None:
+        names = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+        if self.spec.tie_word_embeddings and "lm_head.weight" not in seen:
+            seen = seen | {"lm_head.weight"}
+        missing = sorted(names - seen)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @torch.no_grad()
+    def init_random_(self, seed: int = 0, std: float = 0.02) -> Decoder:
+        """Random weights (normal(0, std) matrices, zero biases, unit norms) for tests and
+        benchmarks; returns self."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def copy(self, trainable: bool = False) -> Decoder:
+        """An independent deep copy of every weight (ties kept); ``trainable=True`` makes all of
+        them ``requires_grad`` (a full-parameter policy's private copy)."""
+        dup = copy.deepcopy(self)
+        dup.requires_grad_(trainable)
+        return dup
+
+    # ---- forward --------------------------------------------------------------------------
+    def rope(self, pos_N: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos_N_1_D, sin_N_1_D)`` for positions ``pos_N``, built in fp32, cast to ``dtype``."""
+        inv_freq = self._inv_freq.get(pos_N.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[pos_N.device] = rope_inv_freq(self.spec).to(pos_N.device)
+        freqs_N_D2 = pos_N[:, None].float() * inv_freq
+        emb_N_D = torch.cat((freqs_N_D2, freqs_N_D2), dim=-1)
+        return emb_N_D.cos().to(dtype)[:, None], emb_N_D.sin().to(dtype)[:, None]
+
+    def forward(self, ids_N: torch.Tensor, pos_N: torch.Tensor, attn: Attention,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, ``h_N_H``, for N flat tokens ``ids_N`` at
+        positions ``pos_N``; ``attn`` places them in rows, ``lora`` gives each its adapter."""
+        s = self.spec
+        N = ids_N.shape[0]
+        x_N_H = F.embedding(ids_N, self.model.embed_tokens.weight)
+        cos, sin = self.rope(pos_N, x_N_H.dtype)
+
+        def proj(i: int, name: str, lin: _Linear, h: torch.Tensor) -> torch.Tensor:
+            y = lin(h)
+            return y if lora is None else lora.apply(i, name, h, y)
+
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x_N_H)
+            q = proj(i, "q_proj", a.q_proj, h).view(N, s.num_heads, s.head_dim)
+            k = proj(i, "k_proj", a.k_proj, h).view(N, s.num_kv_heads, s.head_dim)
+            v = proj(i, "v_proj", a.v_proj, h).view(N, s.num_kv_heads, s.head_dim)
+            if s.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            o = attn(i, q, k, v).reshape(N, s.num_heads * s.head_dim)
+            x_N_H = x_N_H + proj(i, "o_proj", a.o_proj, o)
+            m = layer.mlp
+            h = layer.post_attention_layernorm(x_N_H)
+            g = F.silu(proj(i, "gate_proj", m.gate_proj, h)) * proj(i, "up_proj", m.up_proj, h)
+            x_N_H = x_N_H + proj(i, "down_proj", m.down_proj, g)
+        return self.model.norm(x_N_H)
+
+    def logits(self, h_R_H: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection ``logits_R_V`` of the rows a caller needs."""
+        return F.linear(h_R_H, self.lm_head.weight)
