@@ -42,6 +42,17 @@ class ModelConfig(_Config):
     """Torch device of the scheduler (``cpu``, ``cuda``, ``cuda:1``)."""
     threads: NonNegInt = 0
     """Torch threads of the scheduler; 0: every core of the machine."""
+    engine: Literal["auto", "own", "peft"] = "auto"
+    """``auto``: the engine's own forward (continuous batching, prefix cache, batched LoRA)
+    for the families it runs (Llama, SmolLM2, Qwen2, Qwen3), PEFT for the rest; ``own``:
+    insist on it; ``peft``: whole-request batches through PEFT, no prefix reuse (a resumed run
+    is bit-for-bit only on this path: the engine's rows share steps by arrival time)."""
+    kv_budget_mb: PosInt = 256
+    """Memory for the engine's KV blocks, in MiB."""
+    kv_block_size: PosInt = 8
+    """Tokens per KV block: a turn recomputes at most this many tokens it could have reused."""
+    max_batch_tokens: PosInt = 2048
+    """Tokens one engine step computes at most (prefill chunks + one per decoding row)."""
 
 
 class PolicyConfig(_Config):
@@ -51,6 +62,10 @@ class PolicyConfig(_Config):
     """Opponent mix: weight per ``self`` (the policy in both seats), ``base`` (the base model),
     ``past`` (a league snapshot of itself, :class:`LeagueConfig`), a scripted policy of
     ``games`` (``random``, ``kuhn_equilibrium``, ...) or another policy's name."""
+    kind: Literal["lora", "full"] = "lora"
+    """``lora``: an adapter on the shared base model; ``full``: a private copy of every base
+    weight on the same scheduler, AdamW on all of them (LoRA and full-parameter training on
+    the same job; needs ``model.engine`` other than ``peft``, and a learning rate near 1e-5)."""
     lora_rank: PosInt = 8
     lora_alpha: PosFloat = 16.0
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -322,7 +337,7 @@ class JobConfig(_Config):
         seed, with a value head when the policy trains a critic (:attr:`TrainConfig.critic`)."""
         (p,) = [p for p in self.policies if p.name == policy]
         return LoraSpec(rank=p.lora_rank, alpha=p.lora_alpha, target_modules=tuple(p.target_modules),
-                        seed=self.seed, value_head=self.train_for(policy).critic)
+                        seed=self.seed, value_head=self.train_for(policy).critic, full=p.kind == "full")
 
     def run_name(self) -> str:
         """``{game}__{name}__{seed}__{time}``, as CleanRL names runs."""

@@ -19,7 +19,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -105,6 +105,25 @@ class SampleRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     params: SamplingParams
     client: str = ""
     """Name of the requesting component, for batch accounting."""
+    stream: bool = False
+    """Also send :class:`SampleChunk` partials while the rows are drawn (the final
+    :class:`SampleResult` carries the whole result either way)."""
+
+
+class SampleChunk(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A partial result of a running ``SampleRequest(stream=True)``: the tokens some of its
+    rows drew since their previous chunk. Sent with the request's id, any number of times,
+    all before its final reply; a chunk may be dropped when the client does not keep up,
+    which ``seq`` shows as a gap (the final reply still has every token)."""
+
+    rows: list[int]
+    """Row indices within the request (its ``prompts``) that drew tokens."""
+    tokens: list[np.ndarray]
+    """Per listed row, the ``int32[t]`` ids it drew since its previous chunk."""
+    logprobs: list[np.ndarray]
+    """Per listed row, ``float32[t]`` sampler log-probs of those ids."""
+    seq: int
+    """Chunk number of this request, from 0: consecutive unless chunks were dropped."""
 
 
 class SampleResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -183,6 +202,10 @@ class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Give the adapter a critic: a linear value head on the final hidden state (a shared
     actor-critic trunk), trained, saved, snapshotted and dropped with the adapter; read with
     :class:`ValuesRequest`, trained with the ``value`` loss."""
+    full: bool = False
+    """A full-parameter policy instead of a LoRA adapter: a private copy of every base weight
+    on the same scheduler, trained with AdamW on all of them and saved as safetensors (rank,
+    alpha, dropout and target_modules are ignored). Needs the engine's own forward."""
 
 
 class AdamParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -494,6 +517,7 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 Message = Union[
     SampleRequest,
+    SampleChunk,
     SampleResult,
     LogprobsRequest,
     LogprobsResult,
@@ -532,3 +556,6 @@ STATE_CHANGING: tuple[type, ...] = (
 )
 """Requests whose replies are remembered by request id, so a retry is never applied twice."""
 
+PARTIALS: tuple[type, ...] = (SampleChunk,)
+"""Partial results: a message of these types carries the request id of a request still
+running and is never its final reply; any other message with that id is the final one."""

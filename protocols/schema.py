@@ -56,6 +56,12 @@ SERVED_BY: dict[type, str] = {
     m.LearnerStep: "learner",
 }
 
+PARTIAL_OF: dict[type, tuple[type, str]] = {
+    m.SampleChunk: (m.SampleRequest, "stream"),
+}
+"""Partial message -> (the request it answers in part, the request's field that asks for it);
+every type of ``messages.PARTIALS`` is here."""
+
 ONE_WAY: dict[type, str] = {
     m.Trajectory: "env runner -> learner (PUSH/PULL)",
     m.Metrics: "env runner -> the driver's progress bar (PUSH/PULL, to RunEpisodes.progress)",
@@ -150,7 +156,10 @@ def markdown(sch: dict[str, Any]) -> str:
         lines.append(f"| [{req.__name__}](#{req.__name__.lower()}) | {SERVED_BY[req]} | "
                      f"[{rep.__name__}](#{rep.__name__.lower()}) | {changing} |")
     lines += ["", "Any request may be answered with [Error](#error) instead.", "",
-              "### One-way messages", "", "| message | from -> to |", "|---|---|"]
+              "### Partial results", "", "| partial | of request | sent when the request sets |", "|---|---|---|"]
+    lines += [f"| [{p.__name__}](#{p.__name__.lower()}) | [{req.__name__}](#{req.__name__.lower()}) | "
+              f"`{flag}: true` |" for p, (req, flag) in PARTIAL_OF.items()]
+    lines += ["", "### One-way messages", "", "| message | from -> to |", "|---|---|"]
     lines += [f"| [{t.__name__}](#{t.__name__.lower()}) | {way} |" for t, way in ONE_WAY.items()]
     lines += ["", "### Messages and their fields", ""]
     for name, d in sch["$defs"].items():

@@ -35,3 +35,56 @@ def test_codec_benchmark(tmp_path):
     rows = {x["message"]: x for x in r["results"]}
     assert [x["arrays"] for x in rows.values()] == [1, 16, 256]  # the script checked every round trip
     assert all(x[k] > 0 for x in rows.values() for k in ("encode_us", "decode_us", "encode_vs_pickle", "decode_vs_pickle"))
+
+
+def test_multiplex_benchmark(tmp_path, tiny_path):
+    r = _run(["benchmarks/multiplex.py", "--quick"], tmp_path)
+    assert r["machine"]["torch_threads"] >= 1 and r["machine"]["mm_gflops_per_s"] > 0
+    rows = {(x["method"], x["K"], x["batch"]): x for x in r["rows"]}
+    methods = ("engine", "peft_mixed", "swap", "copies")
+    assert set(rows) == {(m, k, 8) for m in methods for k in (1, 4)} and len(r["rows"]) == 8
+    for x in rows.values():
+        assert "error" not in x, x
+        assert x["generated_tokens"] == 8 * 4 and x["prompt_tokens"] == 8 * 16  # no early stop
+        assert x["tokens_per_s"] > 0 and x["peak_bytes"] > x["rss_before_model_bytes"] > 0
+    for k in (1, 4):
+        eng, cop = rows["engine", k, 8], rows["copies", k, 8]
+        assert len({rows[m, k, 8]["flops"] for m in methods}) == 1  # one FLOP estimate for the same work
+        assert cop["weights_bytes"] == k * eng["weights_bytes"] and cop["kv_pool_bytes"] == k * eng["kv_pool_bytes"]
+        assert eng["adapter_bytes"] == cop["adapter_bytes"] == rows["peft_mixed", k, 8]["adapter_bytes"]
+        # KV is reserved per row (prompt + max_tokens): the same however rows are split over adapters or copies
+        assert 0 < eng["kv_peak_bytes"] == cop["kv_peak_bytes"] == rows["engine", 1, 8]["kv_peak_bytes"]
+    assert rows["engine", 4, 8]["adapter_bytes"] == 4 * rows["engine", 1, 8]["adapter_bytes"]
+
+
+def test_rollout_benchmark(tmp_path, tiny_path):
+    from opentinker.config import load_config
+    from opentinker.rollout.episodes import game_agents, train_episodes
+    from protocols.messages import PolicyKind
+
+    r = _run(["benchmarks/rollout.py", "--quick", "--threads", "1"], tmp_path)
+    assert {"cpu", "cpu_capability", "cores", "torch", "date"} <= set(r["machine"])
+    games = ["kuhn_poker_v0", "negotiation_v0"]
+    assert [(x["path"], x["game"]) for x in r["rows"]] == [(p, g) for g in games for p in ("before", "engine")]
+    # --quick: 1 step of 2 groups x 2 episodes. Every episode's first mover (player_0) plays;
+    # the other LLM seats may not (a tiny-random reply can end the game: a forfeit).
+    seats = {}
+    for job, game in zip(("default", "negotiation"), games):
+        cfg = load_config(job, {"model": {"base": "tiny-random"}, "train": {"groups_per_step": 2, "group_size": 2}})
+        specs = train_episodes(cfg, 1)
+        first = game_agents(cfg.game)[0]
+        seats[game] = (sum(s.seats[first].kind is not PolicyKind.SCRIPTED for s in specs),
+                       sum(ref.kind is not PolicyKind.SCRIPTED for s in specs for ref in s.seats.values()))
+    for x in r["rows"]:
+        assert x["steps"] == 1 and len(x["step_s"]) == 1 and x["episodes"] == 4
+        lo, hi = seats[x["game"]]
+        assert 0 < lo <= x["llm_seats"] <= hi and x["llm_turns"] >= x["llm_seats"]
+        assert 0 < x["new_tokens"] <= x["prompt_tokens"] and 0 < x["prefill_tokens"] <= x["prompt_tokens"]
+        for k in ("s_per_step", "prefill_tokens_per_turn", "new_tokens_per_turn", "prefill_over_new", "speedup"):
+            assert isinstance(x[k], float), k
+        if x["path"] == "engine":  # the engine's own counters agree with the prompts and replies played
+            e = x["engine_stats"]
+            assert e["prompt_tokens"] == x["prompt_tokens"] == e["prefill_tokens"] + e["cached_tokens"]
+            assert e["decode_tokens"] == x["reply_tokens"] and e["prefill_tokens"] == x["prefill_tokens"]
+        else:
+            assert x["prefill_tokens"] <= x["padded_prefill_tokens"]

@@ -242,7 +242,7 @@ def _check_against_peft(peft: torch.nn.Module, dec: Decoder, named: dict[str, di
             assert (t.grad - grads[pn]).abs().max().item() < 1e-5, pn
 
 
-@pytest.mark.parametrize("method", ["segments", "stacked"])
+@pytest.mark.parametrize("method", ["segments", "stacked", "bgmv"])
 def test_batched_lora_equals_peft_values_and_gradients(method: str) -> None:
     peft, dec, named = _peft_with_adapters()
     # Stacked needs no row order, so it gets an unsorted one.

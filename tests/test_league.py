@@ -22,7 +22,8 @@ from protocols.messages import PolicyKind
 def _cfg(tmp_path, steps: int, **league) -> JobConfig:
     return msgspec.convert({
         "name": "league", "out_dir": str(tmp_path),
-        "model": {"base": "tiny-random", "threads": 1, "device": DEVICE},
+        # Bit-for-bit resume holds on the PEFT path (the engine batches rows by arrival time).
+        "model": {"base": "tiny-random", "threads": 1, "device": DEVICE, "engine": "peft"},
         "runtime": {"backend": "local", "env_runners": 1, "timeout_s": 120},
         "train": {"steps": steps, "checkpoint_every": 1, "groups_per_step": 4, "group_size": 2, "lr": 1e-2,
                   "advantage": "gae"},  # a critic: nonzero updates even when every reply forfeits

@@ -21,7 +21,7 @@ ADAM = AdamParams(lr=0.05)
 def host(tiny_path):
     from opentinker.engine.host import ModelHost
 
-    return ModelHost(tiny_path, threads=2, device=DEVICE)
+    return ModelHost(tiny_path, threads=2, device=DEVICE, engine="peft")  # checks PEFT internals; tests/test_engine_host.py holds the engine to it
 
 
 def _datums(seed: int = 0, n: int = 5) -> list[Datum]:

@@ -90,8 +90,9 @@ def test_schema_and_protocol_doc_are_current():
 
     from protocols import messages as m
 
-    covered = set(sch.REPLIES) | set(sch.REPLIES.values()) | set(sch.ONE_WAY) | {m.Error}
+    covered = set(sch.REPLIES) | set(sch.REPLIES.values()) | set(sch.ONE_WAY) | set(sch.PARTIAL_OF) | {m.Error}
     assert set(typing.get_args(m.Message)) == covered
+    assert set(sch.PARTIAL_OF) == set(m.PARTIALS)
     assert current["$defs"]["LogprobsResult"]["properties"]["logprobs"]["items"] == {"$ref": "#/$defs/ArrayRef"}
     assert "`prompts` | list[array] | required | One ``int32[T]`` token array per row." in doc
 

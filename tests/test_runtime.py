@@ -69,6 +69,10 @@ def test_training_steps_bump_versions_and_count_bus_messages(job):
     assert got == pushed
     assert delta("scheduler", "recv/SampleRequest") == samples
     assert delta("scheduler", "ForwardBackward") == delta("scheduler", "OptimStep") == 2
+    # The engine's metrics of the step: every sampled token counted, rows shared steps.
+    assert m["perf/engine/decode_tokens"] == delta("scheduler", "engine/decode_tokens") > 0
+    assert m["perf/engine/rows_per_step"] >= 1 and 0 <= m["perf/engine/prefix_hit_rate"] < 1
+    assert m["perf/engine/adapters_resident"] == 2 and m["perf/engine/adapters_spilled"] == 0
 
 
 def test_two_env_runners_share_forward_passes(job):

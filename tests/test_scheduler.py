@@ -179,9 +179,21 @@ def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
     assert grads[0][1].abs().sum() > 0
 
 
-def test_a_cancelled_queued_optim_step_never_runs(scheduler, chat_tok):
-    """While the compute thread samples a long reply, an OptimStep waits in the queue; its
-    caller gives up, the scheduler drops it, and the adapter's version never moves."""
+@pytest.fixture()
+def peft_scheduler(tiny_path):
+    from opentinker.engine.service import Scheduler
+
+    s = Scheduler(tiny_path, threads=1, device=DEVICE, engine="peft")
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_a_cancelled_queued_optim_step_never_runs(peft_scheduler, chat_tok):
+    """PEFT path: while the compute thread samples a long reply, an OptimStep waits in the
+    queue; its caller gives up, the scheduler drops it, and the adapter's version never moves.
+    (The engine's step loop runs operations between steps: tests/test_engine.py.)"""
+    scheduler = peft_scheduler
     prompt = _prompt(chat_tok)
     long = SamplingParams(max_tokens=150, seed=3)  # no stop token: 150 forward steps
 

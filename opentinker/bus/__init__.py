@@ -5,7 +5,11 @@
   typed ``Error`` replies and counters for every bad frame.
 * :class:`Client` (asyncio) and :class:`SyncClient` (blocking): many requests in flight,
   per-request timeouts that cancel on the server, ``PeerLost`` after 3 silent heartbeats,
-  and polling for fast replies (:class:`ReplyPolling`).
+  polling for fast replies (:class:`ReplyPolling`), and an ``on_partial`` callback per
+  request for streamed partial results.
+* :class:`Emitter` (``stream.py``): what a handler gets from :meth:`Server.emitter` to send
+  partial results (``SampleChunk``) of its request, from any thread, bounded and never
+  blocking; the final reply always comes last.
 * :class:`Pusher` / :class:`Puller` (``pipeline.py``): one-way messages (trajectories); PUSH
   round-robins and never fans out, so each learner binds its own PULL.
 * :class:`LoopThread` (``loop.py``): an asyncio loop in a daemon thread, so a component serves the bus
@@ -36,6 +40,7 @@ from opentinker.bus.common import (
 from opentinker.bus.loop import LoopThread, new_event_loop
 from opentinker.bus.pipeline import Puller, Pusher
 from opentinker.bus.server import Handler, Server
+from opentinker.bus.stream import Emitter, wants_stream
 from opentinker.bus.sync import SyncClient
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "Client",
     "Counters",
     "CurveKeys",
+    "Emitter",
     "Handler",
     "LoopThread",
     "PeerLost",
@@ -61,4 +67,5 @@ __all__ = [
     "is_loopback",
     "new_event_loop",
     "next_request_id",
+    "wants_stream",
 ]

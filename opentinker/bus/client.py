@@ -15,6 +15,11 @@ descriptor stays watched throughout). A reply that comes within that window is r
 the wake-up from the descriptor, for some more CPU; once a message type's round trips
 average more than ``spin_s`` (sampling, a training step), its requests are not polled for
 (:class:`~opentinker.bus.common.ReplyPolling`).
+
+Partial results (``SampleChunk`` for ``SampleRequest(stream=True)``) go to the request's
+``on_partial`` callback, in order, on the client's loop; they are never taken for the reply
+(nor timed as one), and those of a request without a callback, or of no pending request,
+are counted (``stream/ignored``, ``stream/unknown``) and dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -43,6 +49,7 @@ from opentinker.bus.common import (
     check_welcome,
     configure,
     plain_context,
+    PartialCallbackFailed,
     read_reply,
     yield_cpu,
 )
@@ -53,6 +60,7 @@ from opentinker.bus.loop import (
 )
 from protocols.codec import DEFAULT_MAX_BYTES, encode
 from protocols.messages import (
+    PARTIALS,
     PROTOCOL_VERSION,
     Cancel,
     Error,
@@ -64,6 +72,7 @@ from protocols.messages import (
 )
 
 log = logging.getLogger(__name__)
+_PARTIALS = frozenset(PARTIALS)
 
 
 _ids = itertools.count(1)
@@ -112,6 +121,8 @@ class Client:
         self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
         self._sock.connect(endpoint)
         self._pending: dict[int, asyncio.Future] = {}
+        self._on_partial: dict[int, Callable[[Message], None]] = {}
+        """Request id -> its partial-result callback, while it is pending."""
         self._io: SocketReader | None = None
         self._beater: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
@@ -153,8 +164,15 @@ class Client:
         if self._io is None:
             self._io = SocketReader(self._sock, self._on_frames)
 
-    async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None) -> Message:
+    async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None,
+                      on_partial: Callable[[Message], None] | None = None) -> Message:
         """Send ``msg`` and return the reply.
+
+        ``on_partial(m)`` is called on this client's loop for each partial result of the
+        request (e.g. ``SampleChunk`` when ``msg`` is a ``SampleRequest(stream=True)``), in
+        the order the server sent them, before this returns; the reply is the final message,
+        complete whether or not partials were read. An exception from ``on_partial`` fails
+        the request with that exception (and cancels it on the server).
 
         Raises:
             RemoteError: the server answered ``Error`` (e.g. ``invalid``, ``busy``).
@@ -172,7 +190,7 @@ class Client:
                 await self._slot()
             self._inflight += 1
             try:
-                reply = await self._roundtrip(msg, rid, timeout)
+                reply = await self._roundtrip(msg, rid, timeout, on_partial)
             finally:
                 self._inflight -= 1
                 self._pass_slot()
@@ -206,10 +224,13 @@ class Client:
                 waiter.set_result(None)
                 return
 
-    async def _roundtrip(self, msg: Message, rid: int, timeout: float) -> Message:
+    async def _roundtrip(self, msg: Message, rid: int, timeout: float,
+                         on_partial: Callable[[Message], None] | None = None) -> Message:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending[rid] = fut
+        if on_partial is not None:
+            self._on_partial[rid] = on_partial
         self.counters[f"sent/{type(msg).__name__}"] += 1
         if self._deadlines is None:
             self._deadlines = _Deadlines(loop)
@@ -243,9 +264,13 @@ class Client:
         except asyncio.CancelledError:
             self._cancel_remote(rid)
             raise
+        except PartialCallbackFailed as failed:
+            self._cancel_remote(rid)
+            raise failed.error from None
         finally:
             _Deadlines.done(deadline)
             self._pending.pop(rid, None)
+            self._on_partial.pop(rid, None)
 
     async def _send_when_room(self, frames: list, fut: asyncio.Future) -> None:
         """The queue is full (the high-water mark): retry, backing off, until the request's
@@ -295,9 +320,26 @@ class Client:
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.beats.heard()
         rid, reply = read_reply(frames, self.max_bytes, self.counters)
+        if type(reply) in _PARTIALS:  # never the reply
+            self._partial(rid, reply)
+            return
         fut = self._pending.get(rid) if rid is not None else None
         if fut is not None and not fut.done():
             fut.set_result(reply)
+
+    def _partial(self, rid: int | None, msg: Message) -> None:
+        """A partial result: to its request's callback, or counted and dropped."""
+        if rid is None or (callback := self._on_partial.get(rid)) is None:
+            self.counters["stream/ignored" if rid in self._pending else "stream/unknown"] += 1
+            return
+        try:
+            callback(msg)
+        except Exception as e:  # noqa: BLE001 - the caller's error, raised from its request
+            self.counters["stream/callback_error"] += 1
+            del self._on_partial[rid]
+            fut = self._pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(PartialCallbackFailed(e))
 
     async def _beat(self, interval: float) -> None:
         while True:

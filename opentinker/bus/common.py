@@ -51,6 +51,15 @@ class ProtocolMismatch(ConnectionError):
     """The peer speaks another ``PROTOCOL_VERSION``; raised when connecting."""
 
 
+class PartialCallbackFailed(Exception):
+    """A request's ``on_partial`` callback raised ``error``: the clients fail that request
+    with ``error`` (and cancel it on the server)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class Counters(collections.Counter):
     """Message counters by kind, e.g. ``recv/SampleRequest``, ``error/bad_frame``."""
 

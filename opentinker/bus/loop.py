@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextvars
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Generator
@@ -153,9 +154,11 @@ def run_eager(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -
     task that carries on from there (and can be cancelled like any task, also before it has
     taken a step).
 
-    On Python 3.12+ this is an eager task (the coroutine runs in its own task from the start,
-    so ``asyncio.timeout`` and ``wait_for`` work in its first part); on 3.11 the first part
-    runs in the caller's context (no current task) and the rest in a task.
+    Either way the coroutine runs in a context of its own (a copy of the caller's), so what
+    it sets in a ``ContextVar`` stays its own. On Python 3.12+ this is an eager task (the
+    coroutine runs in its own task from the start, so ``asyncio.timeout`` and ``wait_for``
+    work in its first part); on 3.11 the first part runs with no current task and the rest in
+    a task.
     """
     if sys.version_info >= (3, 12):
         task = asyncio.Task(coro, loop=loop, eager_start=True)
@@ -163,11 +166,12 @@ def run_eager(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -
             task.result()  # re-raise what the coroutine raised, as the 3.11 path does
             return None
         return task
+    ctx = contextvars.copy_context()
     try:
-        pending = coro.send(None)
+        pending = ctx.run(coro.send, None)
     except StopIteration:
         return None
-    return loop.create_task(_Resume(coro, pending))
+    return loop.create_task(_Resume(coro, pending), context=ctx)
 
 
 class LoopThread:

@@ -20,7 +20,13 @@ request before ``Hello``          ``Error(no_handshake)``
 a request while ``max_inflight``  ``Error(busy)``: bounded work instead of unbounded memory
 are running
 a retried state-changing request  the first request's reply, never applied twice
+a request with ``stream`` set     any number of partials (``SampleChunk``) the handler emits
+                                  through :meth:`Server.emitter`, then the final reply
 ===============================  ===========================================================
+
+A final reply that finds the peer's queue full waits until there is room (the socket routes
+with ``ROUTER_MANDATORY``, so a full queue is seen rather than silently dropped); partials are
+dropped instead (:mod:`opentinker.bus.stream`).
 
 :meth:`Server.tick` counts heartbeats of every peer (called each ``heartbeat_s`` by the
 server's own loop, or by a test); a peer silent for 3 ticks is lost: its requests are
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -51,8 +58,10 @@ from opentinker.bus.common import (
     plain_context,
 )
 from opentinker.bus.loop import SocketReader, run_eager
+from opentinker.bus.stream import DEFAULT_BACKLOG, Emitter, Outbox, Parked, wants_stream
 from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
 from protocols.messages import (
+    PARTIALS,
     PROTOCOL_VERSION,
     STATE_CHANGING,
     Ack,
@@ -72,6 +81,12 @@ Handler = Callable[[Message], Awaitable[Message]]
 
 _SESSION = frozenset({Hello, Heartbeat, Cancel, Shutdown})
 """Messages the server answers itself (never passed to the handler)."""
+_PARTIALS = frozenset(PARTIALS)
+
+_SERVING: contextvars.ContextVar[tuple[Server, Emitter | None] | None] = contextvars.ContextVar(
+    "opentinker_bus_serving", default=None)
+"""In a request's task (each has its own context): its server and its emitter (None unless the
+request asked for a stream)."""
 
 
 @dataclass
@@ -79,6 +94,8 @@ class _Peer:
     name: str
     beats: BeatCounter
     inflight: dict[int, asyncio.Task] = field(default_factory=dict)
+    streams: dict[int, Emitter] = field(default_factory=dict)
+    """Emitters of its streamed requests in flight, by request id (closed on Cancel)."""
 
 
 class Server:
@@ -95,6 +112,8 @@ class Server:
         heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
         keys: CURVE keys; ``keys.allowed_clients`` restricts who may connect.
         on_shutdown: called after a ``Shutdown`` request is acknowledged.
+        stream_backlog: partials of one request waiting to be sent, at most (more are
+            dropped, see :mod:`opentinker.bus.stream`).
     """
 
     def __init__(
@@ -111,6 +130,7 @@ class Server:
         keys: CurveKeys | None = None,
         hwm: int = DEFAULT_HWM,
         on_shutdown: Callable[[], Any] | None = None,
+        stream_backlog: int = DEFAULT_BACKLOG,
     ) -> None:
         check_bind(endpoint, keys)
         self.handler = handler
@@ -122,6 +142,7 @@ class Server:
         self.keys = keys
         self.hwm = hwm
         self.on_shutdown = on_shutdown
+        self.stream_backlog = stream_backlog
         self.counters = Counters()
         self._bind_to = endpoint
         self._sock: zmq.Socket | None = None
@@ -141,7 +162,9 @@ class Server:
         self._loop = asyncio.get_running_loop()
         sock = configure(plain_context(ctx).socket(zmq.ROUTER), hwm=self.hwm, max_bytes=self.max_bytes,
                          keys=self.keys, server=True)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A reply to a peer whose queue is full fails (EAGAIN) instead of vanishing: partials
+        # are then dropped and counted, a final reply waits for room (Parked).
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.keys is not None and self.keys.allowed_clients:
             self._auth = _allow_clients(ctx, self.name, self.keys.allowed_clients)
             sock.zap_domain = self.name.encode()
@@ -149,9 +172,25 @@ class Server:
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._io = SocketReader(sock, self._on_frames, self._loop)
+        self._outbox = Outbox(self._loop, self._route, self.counters, self.stream_backlog)
+        self._parked = Parked(self._loop, self._route, self._peers.__contains__, self.counters,
+                              limit=self.max_inflight)
         if self.heartbeat_s:
             self._tasks.append(asyncio.create_task(self._beat(self.heartbeat_s)))
         return self.endpoint
+
+    def emitter(self) -> Emitter | None:
+        """The :class:`~opentinker.bus.stream.Emitter` of the request the calling handler
+        serves, or None when that request did not ask for partials (no ``stream=True``).
+
+        Call it in the handler (in its task, before or after an ``await``), then call the
+        emitter from any thread: ``emit(SampleChunk(...))``. Raises RuntimeError outside a
+        handler of this server.
+        """
+        serving = _SERVING.get()
+        if serving is None or serving[0] is not self:
+            raise RuntimeError(f"{self.name}: Server.emitter() is for this server's handler, while it serves a request")
+        return serving[1]
 
     @property
     def peers(self) -> dict[str, int]:
@@ -183,6 +222,8 @@ class Server:
                         self.name, peer.name, peer.beats.limit, len(peer.inflight))
             for task in peer.inflight.values():
                 task.cancel()
+            for em in peer.streams.values():
+                self._outbox.close(em)
         return names
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
@@ -226,6 +267,9 @@ class Server:
                                            message=f"no request {msg.request_id} in flight"), rid)
             else:
                 self.counters["cancelled"] += 1
+                em = peer.streams.get(msg.request_id)
+                if em is not None:  # no partial of it after the Ack
+                    self._outbox.close(em)
                 task.cancel()
                 self._send(identity, Ack(), rid)
         elif isinstance(msg, Shutdown):
@@ -255,11 +299,16 @@ class Server:
             return
         old = self._peers.get(identity)
         self._peers[identity] = _Peer(name=msg.peer or identity.hex(), beats=BeatCounter(),
-                                      inflight=old.inflight if old else {})
+                                      inflight=old.inflight if old else {},
+                                      streams=old.streams if old else {})
         self.counters["handshakes"] += 1
         self._send(identity, Welcome(version=PROTOCOL_VERSION, peer=self.name, heartbeat_s=self.heartbeat_s or 0.0), rid)
 
     async def _request(self, identity: bytes, peer: _Peer, rid: int, msg: Message) -> None:
+        em = None
+        if wants_stream(msg):
+            em = peer.streams[rid] = self._outbox.emitter(identity, rid)
+        _SERVING.set((self, em))  # this task's own context (run_eager): read by emitter()
         try:
             if isinstance(msg, STATE_CHANGING):
                 reply = await self._once(rid, msg)
@@ -273,7 +322,14 @@ class Server:
         finally:
             self._running -= 1
             peer.inflight.pop(rid, None)
-        self._send(identity, reply, rid)
+            if em is not None:  # its queued partials go first, none after the final
+                peer.streams.pop(rid, None)
+                self._outbox.finish(em)
+        if type(reply) in _PARTIALS:  # a client would wait on for the final reply
+            self.counters["error/internal"] += 1
+            log.error("%s: the handler answered %s with a partial %s", self.name, type(msg).__name__, type(reply).__name__)
+            reply = Error(code=ErrorCode.INTERNAL, message=f"the handler answered with a partial {type(reply).__name__}")
+        self._send(identity, reply, rid, final=True)
 
     async def _once(self, rid: int, msg: Message) -> Message:
         """A state-changing request, applied once per request id: a retry waits for (or gets)
@@ -315,15 +371,31 @@ class Server:
         log.error("%s: handler failed", self.name, exc_info=e)
         return Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
 
-    def _send(self, identity: bytes, reply: Message, rid: int) -> None:
+    def _send(self, identity: bytes, reply: Message, rid: int, final: bool = False) -> None:
+        """Send ``reply``; a ``final`` reply to a request waits for room in a full queue."""
         if self._sock is None or self._sock.closed:
             return
         self.counters[f"sent/{type(reply).__name__}"] += 1
+        frames = [identity, *encode(reply, rid)]
+        why = self._route(frames)
+        if why is None or (why == "full" and final and self._parked.add(frames)):
+            return
+        self.counters["error/send"] += 1  # the peer is gone, or its queue is full: dropped
+        (log.debug if why == "unroutable" else log.warning)(
+            "%s: %s to %s dropped: %s", self.name, type(reply).__name__, identity.hex(), why)
+
+    def _route(self, frames: list[Any]) -> str | None:
+        """Send ``[identity, *frames]`` now: None, or why it could not go (``full``: the
+        peer's queue is at its high-water mark; ``unroutable``: no such peer, or stopped)."""
+        if self._sock is None or self._sock.closed:
+            return "unroutable"
         try:
-            self._io.send([identity, *encode(reply, rid)])
-        except zmq.ZMQError as e:  # the peer is gone or its queue is full: the reply is dropped
-            self.counters["error/send"] += 1
-            log.warning("%s: reply to %s dropped: %s", self.name, identity.hex(), e)
+            self._io.send(frames)
+        except zmq.Again:
+            return "full"
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer disconnected
+            return "unroutable"
+        return None
 
     def _shutdown(self) -> None:
         asyncio.ensure_future(self.stop())
@@ -337,7 +409,10 @@ class Server:
         for peer in self._peers.values():
             for t in peer.inflight.values():
                 t.cancel()
+            for em in peer.streams.values():
+                self._outbox.close(em)
         if self._sock is not None:
+            self._parked.clear()
             self._io.close()
         if self._auth is not None:
             self._auth.stop()

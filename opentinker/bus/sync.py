@@ -8,11 +8,18 @@ three intervals with no frame from the server raise
 for up to ``spin_s`` before it blocks on the socket
 (:class:`~opentinker.bus.common.ReplyPolling`). Not thread-safe (a ZeroMQ socket is not): use
 one per thread.
+
+Partial results (``SampleChunk`` for ``SampleRequest(stream=True)``) go to the request's
+``on_partial`` callback, in order, on the caller's thread, as the client reads them: while
+:meth:`SyncClient.result` waits for that request or for another one. They are never taken for
+the reply; those of a request without a callback (yet), or of no outstanding request, are
+counted (``stream/ignored``, ``stream/unknown``) and dropped.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -24,6 +31,7 @@ from opentinker.bus.common import (
     BeatCounter,
     Counters,
     CurveKeys,
+    PartialCallbackFailed,
     PeerLost,
     RemoteError,
     ReplyPolling,
@@ -35,6 +43,7 @@ from opentinker.bus.common import (
 from opentinker.bus.loop import NOBLOCK, recv_frames, send_frames
 from protocols.codec import DEFAULT_MAX_BYTES, encode
 from protocols.messages import (
+    PARTIALS,
     PROTOCOL_VERSION,
     Cancel,
     Error,
@@ -44,6 +53,9 @@ from protocols.messages import (
     Message,
     Welcome,
 )
+
+_PARTIALS = frozenset(PARTIALS)
+PartialCallback = Callable[[Message], None]
 
 
 class SyncClient:
@@ -86,7 +98,9 @@ class SyncClient:
         self._rcvtimeo = -1
         self._outstanding: dict[int, Message] = {}
         """Request id -> the request, until its reply is taken (resent after a re-Hello)."""
-        self._replies: dict[int, Message] = {}
+        self._replies: dict[int, Message | PartialCallbackFailed] = {}
+        self._on_partial: dict[int, PartialCallback] = {}
+        """Request id -> its partial-result callback, while it is outstanding."""
         self._sent_at: dict[int, float] = {}
         """Request id -> when it was last sent (``time.perf_counter``), until its reply."""
         self._waiting_since = 0.0
@@ -110,17 +124,28 @@ class SyncClient:
         self.welcome = reply = check_welcome(reply, f"{self.name} -> {self.endpoint}")
         return reply
 
-    def submit(self, msg: Message, request_id: int | None = None) -> int:
-        """Send ``msg`` without waiting; returns its request id for :meth:`result`."""
-        return self._send(msg, next_request_id() if request_id is None else request_id)
+    def submit(self, msg: Message, request_id: int | None = None, on_partial: PartialCallback | None = None) -> int:
+        """Send ``msg`` without waiting; returns its request id for :meth:`result`.
+        ``on_partial`` gets every partial result of it read from now on (see :meth:`result`)."""
+        rid = next_request_id() if request_id is None else request_id
+        if on_partial is not None:
+            self._on_partial[rid] = on_partial
+        return self._send(msg, rid)
 
-    def result(self, request_id: int, timeout: float = 600.0) -> Message:
+    def result(self, request_id: int, timeout: float = 600.0, on_partial: PartialCallback | None = None) -> Message:
         """The reply to request ``request_id``, waiting up to ``timeout`` s (then the request
         is cancelled on the server and :class:`TimeoutError` raised). Raises
         :class:`RemoteError` for an ``Error`` reply and :class:`PeerLost` when the server went
-        silent."""
+        silent.
+
+        ``on_partial(m)`` (instead of the one given to :meth:`submit`) is called on this thread
+        for each partial result of the request read from now on, in the server's order; an
+        exception from it fails the request with that exception (raised here) and cancels it
+        on the server."""
         if request_id not in self._outstanding:
             raise KeyError(f"request {request_id} was not submitted, or its result was taken")
+        if on_partial is not None:
+            self._on_partial[request_id] = on_partial
         msg = self._outstanding[request_id]
         for attempt in range(2):
             reply = self._wait(request_id, timeout)
@@ -130,13 +155,17 @@ class SyncClient:
                 continue
             break
         self._outstanding.pop(request_id, None)
+        self._on_partial.pop(request_id, None)
+        if isinstance(reply, PartialCallbackFailed):
+            raise reply.error
         if isinstance(reply, Error):
             raise RemoteError(reply, f"{self.name} -> {self.endpoint} ({type(msg).__name__})")
         return reply
 
-    def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None) -> Message:
+    def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None,
+                on_partial: PartialCallback | None = None) -> Message:
         """Send ``msg`` and return its reply (see :meth:`result`)."""
-        return self.result(self.submit(msg, request_id), timeout)
+        return self.result(self.submit(msg, request_id, on_partial), timeout)
 
     def _send(self, msg: Message, rid: int) -> int:
         self._outstanding[rid] = msg
@@ -145,7 +174,7 @@ class SyncClient:
         self._sent_at[rid] = time.perf_counter()
         return rid
 
-    def _wait(self, rid: int, timeout: float) -> Message:
+    def _wait(self, rid: int, timeout: float) -> Message | PartialCallbackFailed:
         """Block on the socket until ``rid``'s reply; each ``heartbeat_s`` with no frame is a
         heartbeat tick."""
         deadline = time.monotonic() + timeout
@@ -159,6 +188,7 @@ class SyncClient:
             if left <= 0:
                 self._outstanding.pop(rid, None)
                 self._sent_at.pop(rid, None)
+                self._on_partial.pop(rid, None)
                 self._cancel_remote(rid)
                 raise TimeoutError(f"{self.name}: no reply to request {rid} from {self.endpoint} in {timeout:.3g} s")
             wait_ms = max(1, int(1000 * min(left, self.heartbeat_s)))
@@ -188,15 +218,33 @@ class SyncClient:
             self._take(frames)
 
     def _take(self, frames: list[zmq.Frame]) -> None:
-        """Keep a reply to a request still outstanding; count everything."""
+        """Keep a reply to a request still outstanding, pass a partial result to its
+        callback; count everything."""
         self.beats.heard()
         rid, reply = read_reply(frames, self.max_bytes, self.counters)
+        if type(reply) in _PARTIALS:  # never the reply, nor timed as one
+            self._partial(rid, reply)
+            return
         sent = self._sent_at.pop(rid, None) if rid is not None else None
-        if rid in self._outstanding:
+        if rid in self._outstanding and rid not in self._replies:  # a failed callback's error stays
             self._replies[rid] = reply
             if sent is not None:
                 waited = time.perf_counter() - max(sent, self._waiting_since)
                 self.polling.record(type(self._outstanding[rid]), waited)
+
+    def _partial(self, rid: int | None, msg: Message) -> None:
+        if rid is None or (callback := self._on_partial.get(rid)) is None:
+            self.counters["stream/ignored" if rid in self._outstanding else "stream/unknown"] += 1
+            return
+        try:
+            callback(msg)
+        except Exception as e:  # noqa: BLE001 - the caller's error, raised from result()
+            self.counters["stream/callback_error"] += 1
+            del self._on_partial[rid]
+            if rid not in self._replies:
+                self._replies[rid] = PartialCallbackFailed(e)
+                self._sent_at.pop(rid, None)
+                self._cancel_remote(rid)
 
     def tick(self) -> bool:
         """One heartbeat interval passed with no frame: send a ``Heartbeat``; True (and the

@@ -110,7 +110,10 @@ class Job:
         self.backend = cfg.runtime.backend
         self._handles: dict[str, Any] = {}
         threads = cfg.model.threads or os.cpu_count() or 1
-        sched_kwargs = {"model_path": model_path, "device": cfg.model.device, "threads": threads}
+        m = cfg.model
+        sched_kwargs = {"model_path": model_path, "device": m.device, "threads": threads, "engine": m.engine,
+                        "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
+                                           "max_batch_tokens": m.max_batch_tokens}}
         if self.backend == "ray":
             self._start_ray(sched_kwargs)
         else:

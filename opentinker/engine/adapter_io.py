@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 FORMAT = 1
 META = "opentinker.json"
 WEIGHTS = "adapter_model.safetensors"
+FULL_WEIGHTS = "model.safetensors"
+"""A full-parameter policy's weights (with ``config.json``: a checkpoint transformers loads)."""
 OPTIMIZER = "optimizer.safetensors"
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -177,15 +179,10 @@ def save_tensors(folder: Path, name: str, tensors: Mapping[str, torch.Tensor]) -
     save_file(dict(tensors), str(folder / name))
 
 
-def write_adapter(
-    final: Path, model: torch.nn.Module, adapter: str, named: Mapping[str, torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer | None, meta: AdapterMeta,
-) -> None:
-    """Write adapter ``adapter`` of the PEFT ``model`` to the folder ``final`` atomically
-    (:func:`write_folder`): PEFT files, value head (if ``named`` holds one), AdamW state of
-    the ``named`` parameters, and ``meta``."""
+def peft_model_files(model: torch.nn.Module, adapter: str) -> Callable[[Path], None]:
+    """A writer of adapter ``adapter``'s PEFT files from a PEFT ``model`` into a folder."""
 
-    def fill(tmp: Path) -> None:
+    def write(tmp: Path) -> None:
         peft_dir = tmp / "peft"
         model.save_pretrained(str(peft_dir), selected_adapters=[adapter])
         # PEFT writes a non-"default" adapter into a subfolder named after it.
@@ -193,6 +190,20 @@ def write_adapter(
         for f in src.iterdir():
             f.rename(tmp / f.name)
         shutil.rmtree(peft_dir)
+
+    return write
+
+
+def write_adapter(
+    final: Path, write_peft: Callable[[Path], None], named: Mapping[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None, meta: AdapterMeta,
+) -> None:
+    """Write an adapter to the folder ``final`` atomically (:func:`write_folder`): its PEFT
+    files (``write_peft(folder)``), value head (if ``named`` holds one), AdamW state of the
+    ``named`` parameters, and ``meta``."""
+
+    def fill(tmp: Path) -> None:
+        write_peft(tmp)
         _, head = value_head.split(dict(named))
         if head:
             save_tensors(tmp, value_head.FILE, {k: p.detach().cpu() for k, p in head.items()})
@@ -206,7 +217,7 @@ def read_adapter(folder: Path, spec: LoraSpec, trainable: bool) -> tuple[dict[st
     """``(weights, optimizer moments)`` of a saved adapter (moments only when ``trainable``);
     the weights include the value head when ``spec`` has one. ``ValueError`` naming a missing
     or corrupt file."""
-    weights = read_tensors(folder, WEIGHTS)
+    weights = read_tensors(folder, FULL_WEIGHTS if spec.full else WEIGHTS)
     if spec.value_head:
         weights.update(read_tensors(folder, value_head.FILE))
     return weights, (read_tensors(folder, OPTIMIZER) if trainable else {})
@@ -222,7 +233,7 @@ def restore(
     for key, p in named.items():
         if key not in weights or weights[key].shape != p.shape:
             got = tuple(weights[key].shape) if key in weights else "missing"
-            file = value_head.FILE if key.startswith(value_head.PREFIX) else WEIGHTS
+            file = value_head.FILE if key.startswith(value_head.PREFIX) else (FULL_WEIGHTS if spec.full else WEIGHTS)
             raise ValueError(f"{folder / file}: {key} is {got}, the spec {spec} needs {tuple(p.shape)}")
         p.copy_(weights[key])
     if optimizer is not None:
@@ -238,7 +249,12 @@ def save(registry: AdapterRegistry, adapter: str, path: str) -> int:
         format=FORMAT, version=state.version, spec=state.spec,
         base_model=registry.model_path, base_fingerprint=registry.base_fingerprint,
     )
-    write_adapter(Path(path), registry.model, adapter, state.named, state.optimizer, meta)
+    if hasattr(registry, "write_peft_files"):
+        def write_peft(tmp: Path) -> None:
+            registry.write_peft_files(adapter, tmp)
+    else:
+        write_peft = peft_model_files(registry.model, adapter)
+    write_adapter(Path(path), write_peft, state.named, state.optimizer, meta)
     return state.version
 
 

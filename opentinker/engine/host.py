@@ -19,11 +19,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 
 from opentinker.engine import adapter_io
+from opentinker.engine.lora_registry import LoraRegistry
+from opentinker.engine.model import UnsupportedArchitecture
 from opentinker.engine.peft_sampler import SampledRow
-from opentinker.engine.registry import BASE, AdapterRegistry, AdapterState, UnknownAdapterError
+from opentinker.engine.registry import (
+    BASE,
+    AdapterRegistry,
+    AdapterState,
+    UnknownAdapterError,
+)
 from opentinker.engine.runner import ModelRunner
+from opentinker.engine.step_loop import Engine
 from opentinker.engine.trainer import Trainer
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 
@@ -33,9 +42,36 @@ __all__ = ["BASE", "AdapterState", "ModelHost", "UnknownAdapterError"]
 class ModelHost:
     """A base model resident on one device, with named LoRA adapters."""
 
-    def __init__(self, model_path: str, device: str = "cpu", threads: int | None = None) -> None:
-        self.registry = AdapterRegistry(model_path, device=device, threads=threads)
-        self.runner = ModelRunner(self.registry)
+    def __init__(self, model_path: str, device: str = "cpu", threads: int | None = None,
+                 engine: str = "auto", engine_options: Mapping[str, object] | None = None) -> None:
+        """``engine``: ``"auto"`` runs the engine's own forward (continuous batching, prefix
+        cache, batched LoRA) for the families it supports and PEFT for the rest; ``"own"``
+        insists on it (``UnsupportedArchitecture`` otherwise); ``"peft"`` is the PEFT path
+        (whole-request batches, no prefix reuse). ``engine_options`` go to
+        :class:`~opentinker.engine.step_loop.Engine` (``kv_budget_bytes``, ``block_size``,
+        ``max_batch_tokens``, ``max_rows``, ``lora_method``), plus ``dtype`` (``"float32"`` or
+        ``"bfloat16"``: base weights and activations; LoRA weights and optimizer states stay
+        fp32) and ``device_budget_bytes`` (weights + KV + adapters with optimizer states;
+        adapters beyond it spill to host memory)."""
+        if engine not in ("auto", "own", "peft"):
+            raise ValueError(f"engine must be 'auto', 'own' or 'peft', got {engine!r}")
+        self.engine: Engine | None = None
+        self.registry: AdapterRegistry | LoraRegistry
+        if engine != "peft":
+            options = dict(engine_options or {})
+            dtype = _DTYPES[str(options.pop("dtype", "float32"))]
+            budget = options.pop("device_budget_bytes", None)
+            try:
+                self.registry = LoraRegistry(model_path, device=device, threads=threads, dtype=dtype)
+                self.engine = Engine(self.registry, **options)
+                if budget:
+                    self.registry.memory.budget_bytes = _adapter_budget(int(budget), self.registry, self.engine)
+            except UnsupportedArchitecture:
+                if engine == "own":
+                    raise
+        if self.engine is None:
+            self.registry = AdapterRegistry(model_path, device=device, threads=threads)
+        self.runner = ModelRunner(self.registry, self.engine)
         self.trainer = Trainer(self.registry, self.runner)
         self.device = self.registry.device
         self.model_path = model_path
@@ -51,6 +87,7 @@ class ModelHost:
 
     @property
     def model(self):
+        """The PEFT model (PEFT path only)."""
         return self.registry.model
 
     @property
@@ -75,6 +112,8 @@ class ModelHost:
 
     def drop_adapter(self, name: str) -> None:
         self.registry.drop_adapter(name)
+        if self.engine is not None:
+            self.engine.retire(name)
 
     def snapshot(self, src: str, new_name: str) -> int:
         return self.registry.snapshot(src, new_name)
@@ -100,7 +139,11 @@ class ModelHost:
                                              value_normalizer)
 
     def optim_step(self, adapter: str, hp: AdamParams) -> tuple[int, float]:
-        return self.trainer.optim_step(adapter, hp)
+        out = self.trainer.optim_step(adapter, hp)
+        if self.engine is not None:  # its cached prefixes belong to the old weights
+            self.engine.retire(adapter)
+            self.registry.memory.resize(adapter, self.registry.adapters[adapter])  # AdamW moments now exist
+        return out
 
     # Files.
     def save(self, adapter: str, path: str) -> int:
@@ -108,3 +151,17 @@ class ModelHost:
 
     def load(self, path: str, name: str, trainable: bool = True) -> int:
         return adapter_io.load(self.registry, path, name, trainable)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _adapter_budget(device_budget: int, registry: LoraRegistry, engine: Engine) -> int:
+    """What a device budget leaves for adapters once the base weights and the KV pool are in."""
+    weights = sum(p.numel() * p.element_size() for p in registry.decoder.parameters())
+    left = device_budget - weights - engine.pool.nbytes
+    if left <= 0:
+        raise ValueError(f"device budget of {device_budget} bytes holds neither the base weights "
+                         f"({weights} bytes) and the KV blocks ({engine.pool.nbytes} bytes) with room "
+                         "for one adapter: raise it, or lower the KV budget")
+    return left

@@ -85,8 +85,10 @@ class KVPool:
     ) -> None:
         """Allocate ``k`` and ``v``, each ``[num_layers, num_blocks * block_size, Hkv, D]``.
 
-        Zero-filled rather than empty: a masked slot that held NaN garbage would still poison an
-        attention kernel that multiplies by a zero weight.
+        Allocated empty, so on a CPU the operating system backs only the pages that KV is
+        written to (memory grows with the KV in use, not the budget). The only slot ever read
+        before being written is slot 0 (attention pads every row's context with it, at weight
+        0), and it is zeroed: NaN garbage there would poison the padded rows (0 x NaN = NaN).
         """
         if min(num_layers, num_kv_heads, head_dim, block_size, num_blocks) < 1:
             raise ValueError("every KVPool dimension must be >= 1")
@@ -97,8 +99,10 @@ class KVPool:
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * block_size
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, 0].zero_()
+        self.v[:, 0].zero_()
         self.bytes_per_block = KVPool.block_bytes(
             num_layers, num_kv_heads, head_dim, block_size, dtype
         )

@@ -56,7 +56,84 @@ class AdapterState:
         return self.named
 
 
-class AdapterRegistry:
+class AdapterTable:
+    """What every registry shares: the table of named adapters with versions, lookups, and
+    the checks on names, specs and token ids. Subclasses add the adapters' weights
+    (:meth:`add`, :meth:`drop_adapter`) and the model that computes with them."""
+
+    adapters: dict[str, AdapterState]
+    vocab_size: int
+
+    def add(self, name: str, spec: LoraSpec, trainable: bool) -> AdapterState:
+        raise NotImplementedError
+
+    def drop_adapter(self, name: str) -> None:
+        raise NotImplementedError
+
+    def create_adapter(self, name: str, spec: LoraSpec) -> int:
+        """Add a zero-initialised (B = 0) adapter; returns its version (0). Creating an
+        existing adapter with the same spec returns its version (idempotent)."""
+        if name in self.adapters:
+            if self.adapters[name].spec != spec:
+                raise ValueError(f"adapter {name!r} exists with another spec")
+            return self.adapters[name].version
+        self.add(name, spec, trainable=True)
+        return 0
+
+    def check_new(self, name: str, spec: LoraSpec) -> None:
+        """``ValueError`` for a name or spec a new adapter may not have."""
+        if not name.isidentifier() or name == BASE or name in "lora_":
+            # PEFT keys adapter weights by name inside "lora_A.<name>": a name that is part of
+            # "lora_" would be reinitialised when the saved adapter is loaded.
+            raise ValueError(f"invalid adapter name {name!r}: use an identifier that is not part of 'lora_'")
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} already exists")
+        if spec.rank < 1:
+            raise ValueError(f"LoraSpec.rank must be >= 1, got {spec.rank}")
+
+    @torch.no_grad()
+    def snapshot(self, src: str, new_name: str) -> int:
+        """Freeze a copy of ``src`` (its value head too) under ``new_name``, at ``src``'s
+        current version (returned).
+
+        The copy samples, scores and values exactly as ``src`` did at this moment, whatever
+        ``src`` trains afterwards; ``forward_backward`` and ``optim_step`` on it are refused.
+        """
+        spec = self.get(src).spec
+        state = self.add(new_name, spec, trainable=False)
+        source = self.get(src)  # after the copy exists: adding it may have spilled the source
+        for key, p in state.named.items():
+            p.copy_(source.named[key])
+        state.version = source.version
+        return state.version
+
+    def get(self, name: str) -> AdapterState:
+        """The adapter ``name``; :class:`UnknownAdapterError` naming the known ones otherwise."""
+        if name not in self.adapters:
+            raise UnknownAdapterError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
+        return self.adapters[name]
+
+    def trainable(self, name: str, op: str) -> AdapterState:
+        """The adapter ``name``, checked to be trainable (``ValueError`` naming ``op``)."""
+        state = self.get(name)
+        if not state.trainable:
+            raise ValueError(f"{op}: adapter {name!r} is frozen (a snapshot, or loaded with "
+                             "trainable=False) and cannot be trained")
+        return state
+
+    def version(self, name: str | None) -> int:
+        return -1 if name is None else self.get(name).version
+
+    def check_tokens(self, seqs: Sequence[np.ndarray], where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` for an empty sequence or an id outside the vocabulary."""
+        for i, s in enumerate(seqs):
+            if len(s) == 0:
+                raise ValueError(f"{where}[{i}] is empty")
+            if int(np.min(s)) < 0 or int(np.max(s)) >= self.vocab_size:
+                raise ValueError(f"{where}[{i}]: token id out of range [0, {self.vocab_size})")
+
+
+class AdapterRegistry(AdapterTable):
     """A base model resident on one device, with named LoRA adapters."""
 
     def __init__(self, model_path: str, device: str = "cpu", threads: int | None = None) -> None:
@@ -74,34 +151,21 @@ class AdapterRegistry:
         self.model = self.base  # becomes a PeftModel with the first adapter
         self.adapters: dict[str, AdapterState] = {}
         self.pad_id = int(self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0)
+        self.vocab_size = int(self.base.config.vocab_size)
         self.base_fingerprint = adapter_io.fingerprint(self.base)
         """Identifies the base weights in saved adapters (:func:`opentinker.engine.adapter_io.fingerprint`)."""
 
     # ----------------------------------------------------------------------------- lifecycle
-
-    def create_adapter(self, name: str, spec: LoraSpec) -> int:
-        """Add a zero-initialised (B = 0) LoRA adapter; returns its version (0). Creating an
-        existing adapter with the same spec returns its version (idempotent)."""
-        if name in self.adapters:
-            if self.adapters[name].spec != spec:
-                raise ValueError(f"adapter {name!r} exists with another spec")
-            return self.adapters[name].version
-        self.add(name, spec, trainable=True)
-        return 0
 
     def add(self, name: str, spec: LoraSpec, trainable: bool) -> AdapterState:
         """Inject a new adapter ``name`` into the model (PEFT's initialisation, seeded by
         ``spec.seed``) and register it; ``trainable=False`` gives it no optimizer."""
         from peft import LoraConfig, get_peft_model
 
-        if not name.isidentifier() or name == BASE or name in "lora_":
-            # PEFT keys adapter weights by name inside "lora_A.<name>": a name that is part of
-            # "lora_" would be reinitialised when the saved adapter is loaded.
-            raise ValueError(f"invalid adapter name {name!r}: use an identifier that is not part of 'lora_'")
-        if name in self.adapters:
-            raise ValueError(f"adapter {name!r} already exists")
-        if spec.rank < 1:
-            raise ValueError(f"LoraSpec.rank must be >= 1, got {spec.rank}")
+        self.check_new(name, spec)
+        if spec.full:
+            raise ValueError("LoraSpec.full: full-parameter policies need the engine's own forward "
+                             "(model.engine = 'auto' or 'own', on a Llama, Qwen2 or Qwen3 model)")
         config = LoraConfig(
             r=spec.rank,
             lora_alpha=spec.alpha,
@@ -141,48 +205,7 @@ class AdapterRegistry:
         del self.adapters[name]
         self.model.delete_adapter(name)
 
-    @torch.no_grad()
-    def snapshot(self, src: str, new_name: str) -> int:
-        """Freeze a copy of ``src`` (its value head too) under ``new_name``, at ``src``'s
-        current version (returned).
-
-        The copy samples, scores and values exactly as ``src`` did at this moment, whatever
-        ``src`` trains afterwards; ``forward_backward`` and ``optim_step`` on it are refused.
-        """
-        source = self.get(src)
-        state = self.add(new_name, source.spec, trainable=False)
-        for key, p in state.named.items():
-            p.copy_(source.named[key])
-        state.version = source.version
-        return state.version
-
     # ----------------------------------------------------------------------------- lookups
-
-    def get(self, name: str) -> AdapterState:
-        """The adapter ``name``; :class:`UnknownAdapterError` naming the known ones otherwise."""
-        if name not in self.adapters:
-            raise UnknownAdapterError(f"unknown adapter {name!r}; known: {sorted(self.adapters)}")
-        return self.adapters[name]
-
-    def trainable(self, name: str, op: str) -> AdapterState:
-        """The adapter ``name``, checked to be trainable (``ValueError`` naming ``op``)."""
-        state = self.get(name)
-        if not state.trainable:
-            raise ValueError(f"{op}: adapter {name!r} is frozen (a snapshot, or loaded with "
-                             "trainable=False) and cannot be trained")
-        return state
-
-    def version(self, name: str | None) -> int:
-        return -1 if name is None else self.get(name).version
-
-    def check_tokens(self, seqs: Sequence[np.ndarray], where: str) -> None:
-        """Raise ``ValueError`` naming ``where`` for an empty sequence or an id outside the vocabulary."""
-        vocab = self.base.config.vocab_size
-        for i, s in enumerate(seqs):
-            if len(s) == 0:
-                raise ValueError(f"{where}[{i}] is empty")
-            if int(np.min(s)) < 0 or int(np.max(s)) >= vocab:
-                raise ValueError(f"{where}[{i}]: token id out of range [0, {vocab})")
 
     # ----------------------------------------------------------------------------- activation
 

@@ -11,7 +11,9 @@ that predict a selected token.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ import torch
 from opentinker.engine import value_head
 from opentinker.engine.peft_sampler import SampledRow, sample_rows, validate_params
 from opentinker.engine.registry import BASE, AdapterRegistry
+from opentinker.engine.sequence import Sequence
 from opentinker.engine.shared_forward import (
     Hidden,
     Selected,
@@ -28,14 +31,20 @@ from opentinker.engine.shared_forward import (
 )
 from protocols.messages import SamplingParams
 
+if TYPE_CHECKING:
+    from opentinker.engine.lora_registry import LoraRegistry
+    from opentinker.engine.step_loop import Engine
+
 
 class ModelRunner:
     """Runs the registry's model: ``sample``, ``logprobs``, ``values`` (no gradients) and the
     hidden-state and log-prob passes the trainer differentiates."""
 
-    def __init__(self, registry: AdapterRegistry) -> None:
+    def __init__(self, registry: AdapterRegistry | LoraRegistry, engine: Engine | None = None) -> None:
         self.registry = registry
         self.device = registry.device
+        self.engine = engine
+        """The step loop that samples (the engine's own forward); ``None``: PEFT's mixed batches."""
         self.share_prefix = True
         """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
 
@@ -43,19 +52,22 @@ class ModelRunner:
 
     def sample(
         self,
-        adapters: Sequence[str | None],
-        prompts: Sequence[np.ndarray],
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
+        adapters: Seq[str | None],
+        prompts: Seq[np.ndarray],
+        params: Seq[SamplingParams],
+        seeds: Seq[int],
     ) -> list[SampledRow]:
-        """One reply per row; each row with its own adapter (``None``: base), in one batch."""
+        """One reply per row; each row with its own adapter (``None``: base), in one batch
+        (the engine's step loop when there is one, to completion)."""
         reg = self.registry
-        for p in set(params):
-            validate_params(p)
-        for a in set(adapters):
-            if a is not None:
-                reg.get(a)
-        reg.check_tokens(prompts, "SampleRequest.prompts")
+        self.check_sample(adapters, prompts, params)
+        if self.engine is not None:
+            seqs = [self.engine.add(a, p, q, s) for a, p, q, s in zip(adapters, prompts, params, seeds)]
+            self.engine.run_until_done(seqs)
+            for s in seqs:
+                if s.error is not None:
+                    raise s.error
+            return [sampled_row(s) for s in seqs]
         names = [BASE if a is None else a for a in adapters]
         # PEFT's mixed batches split every LoRA layer by adapter; one adapter needs no split.
         mixed = reg.model is not reg.base and len(set(names)) > 1
@@ -73,10 +85,30 @@ class ModelRunner:
         with (reg.select(adapters[0]) if not mixed else contextlib.nullcontext()):
             return sample_rows(forward, prompts, params, seeds, reg.pad_id, self.device, keys=names)
 
+    def check_sample(self, adapters: Seq[str | None], prompts: Seq[np.ndarray], params: Seq[SamplingParams]) -> None:
+        """Raise ``ValueError`` (an unknown adapter: ``UnknownAdapterError``) naming what is
+        wrong with a sample request: its parameters, adapters, token arrays (1-D integers in
+        the vocabulary), or a row the engine can never run (longer than the context or the
+        KV budget)."""
+        for p in set(params):
+            validate_params(p)
+        for a in set(adapters):
+            if a is not None:
+                self.registry.get(a)
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"SampleRequest.prompts[{i}] must be a 1-D integer array, got "
+                                 f"{arr.ndim}-D {arr.dtype}")
+        self.registry.check_tokens(prompts, "SampleRequest.prompts")
+        if self.engine is not None:
+            for p, q in zip(prompts, params):
+                self.engine.check(np.asarray(p), q)
+
     # ----------------------------------------------------------------------------- log-probs
 
     def logp_at(
-        self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray], share: bool = True,
+        self, seqs: Seq[np.ndarray], masks: Seq[np.ndarray], share: bool = True,
         entropy: bool = False, entropy_grad: bool = False, temperature: float = 1.0,
     ) -> Selected:
         """Log-probs (and optionally entropies) at the masked positions of ``seqs`` with the
@@ -87,14 +119,14 @@ class ModelRunner:
                                  self.registry.pad_id, self.device, share, entropy=entropy,
                                  entropy_grad=entropy_grad)
 
-    def hidden_at(self, seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> Hidden:
+    def hidden_at(self, seqs: Seq[np.ndarray], masks: Seq[np.ndarray]) -> Hidden:
         """Final hidden states before the masked positions, with the active adapter."""
         return selected_hidden(self.registry.inner().model, seqs, masks, self.registry.pad_id, self.device,
                                self.share_prefix)
 
     @torch.no_grad()
     def _along(
-        self, adapter: str | None, seqs: Sequence[np.ndarray], per_row: Callable[[Hidden], torch.Tensor], chunk: int,
+        self, adapter: str | None, seqs: Seq[np.ndarray], per_row: Callable[[Hidden], torch.Tensor], chunk: int,
     ) -> list[np.ndarray]:
         """``float32[T_i]`` per sequence: ``per_row`` of the hidden state before every token
         (entry 0 is 0), ``chunk`` sequences at a time."""
@@ -110,14 +142,14 @@ class ModelRunner:
                     out.append(row)
         return out
 
-    def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
+    def logprobs(self, adapter: str | None, seqs: Seq[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
         """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0)."""
         self.registry.check_tokens(seqs, "LogprobsRequest.sequences")
         head = self.registry.inner().lm_head
         return self._along(adapter, seqs, lambda h: project_logprobs(
             head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk)
 
-    def values(self, adapter: str, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
+    def values(self, adapter: str, seqs: Seq[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
         """The critic's ``float32[T_i]`` values along each sequence: entry ``t`` is the value
         head on the final hidden state at ``t - 1`` (the state before token ``t``, having read
         tokens ``< t``, adapter on); entry 0 is 0. No vocabulary projection runs."""
@@ -132,3 +164,10 @@ def scaled(lm_head: torch.nn.Module, temperature: float) -> Callable[[torch.Tens
     if temperature == 1.0:
         return lm_head
     return lambda h: lm_head(h) / temperature
+
+
+def sampled_row(seq: Sequence) -> SampledRow:
+    """A finished engine row as the sampler's result type."""
+    return SampledRow(tokens=np.asarray(seq.out_tokens, dtype=np.int32),
+                      logprobs=np.asarray(seq.out_logprobs, dtype=np.float32),
+                      stop_reason=seq.stop_reason)

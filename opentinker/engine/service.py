@@ -1,12 +1,24 @@
 """The scheduler: one base model per device, many LoRA adapters, served over the bus.
 
 Requests arrive on an asyncio ROUTER (:class:`opentinker.bus.Server`) and queue for a single
-compute thread, so the bus keeps answering while a training step runs. The compute thread
-takes the oldest request; when it is a sample request it also takes every other sample
-request waiting (from any client, for any adapter) and serves all their rows in one forward
-pass per token. Training requests run in arrival order between sample batches, so neither
-kind starves. State-changing requests are idempotent by request id (the bus remembers their
-replies).
+compute thread, so the bus keeps answering while a training step runs. State-changing
+requests are idempotent by request id (the bus remembers their replies).
+
+With the engine's own forward (:class:`~opentinker.engine.step_loop.Engine`), the compute
+thread runs a step loop: the rows of every ``SampleRequest`` join the running batch at the next
+step, whoever sent them and whichever adapter they use, and leave when they finish; a
+cancelled request frees its rows at the next step; a request with ``stream=True`` gets a
+``SampleChunk`` of its new tokens after every step that drew some. Every other operation
+(training, log-probs, adapter lifecycle) runs between steps, round-robin over adapters, under
+a fairness policy: while both kinds wait, operations get ``train_share`` of the compute time
+(decayed over ``fair_window_s``), so a steady stream of sampling cannot starve a
+``forward_backward``, nor the reverse. An operation that changes an adapter's weights waits
+until that adapter's running rows finish (no reply straddles two versions); meanwhile new rows
+of that adapter are held back.
+
+Without it (architectures the engine does not run, or ``engine="peft"``) the compute thread
+takes the oldest request; a sample request takes every other waiting sample request with it
+and serves all their rows in one batch.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentinker.bus import LOOPBACK, LoopThread, Server
+from opentinker.bus.stream import wants_stream
 from protocols.messages import (
     AdapterInfo,
     CreateAdapter,
@@ -59,6 +72,12 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     started: bool = False
     """Taken by the compute thread (under the queue's lock): too late to cancel."""
+    emit: Any = None
+    """Sends partial results (a ``SampleRequest`` with ``stream=True``), else None."""
+    cancelled: bool = False
+    """Its caller cancelled while the engine ran its rows: they leave at the next step."""
+    dropped: bool = False
+    """Its caller cancelled before it started: it never runs."""
 
 
 class Scheduler:
@@ -73,7 +92,19 @@ class Scheduler:
         batch_window_s: float = 0.005,
         max_batch_wait_s: float = 0.05,
         max_batch_rows: int = 512,
+        engine: str = "auto",
+        engine_options: dict[str, Any] | None = None,
+        train_share: float = 0.5,
+        fair_window_s: float = 10.0,
     ) -> None:
+        """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
+        ``train_share``: the share of compute time operations get while sampling also waits
+        (decayed over ``fair_window_s``). ``batch_window_s``, ``max_batch_wait_s`` and
+        ``max_batch_rows`` shape the PEFT path's whole-request batches."""
+        self.engine = engine
+        self.engine_options = engine_options
+        self.train_share = train_share
+        self.fair_window_s = fair_window_s
         self.model_path = model_path
         self.device = device
         self.threads = threads
@@ -94,8 +125,14 @@ class Scheduler:
         """Load the model, start the compute thread and the server; return the endpoint."""
         from opentinker.engine.host import ModelHost
 
-        self.host = ModelHost(self.model_path, device=self.device, threads=self.threads)
-        self._worker = threading.Thread(target=self._work, name="scheduler-compute", daemon=True)
+        self.host = ModelHost(self.model_path, device=self.device, threads=self.threads, engine=self.engine,
+                              engine_options=self.engine_options)
+        target = self._work
+        if self.host.engine is not None:
+            from opentinker.engine.step_worker import StepWorker
+
+            target = StepWorker(self, self.train_share, self.fair_window_s).run
+        self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
         self._worker.start()
         self.loop = LoopThread("scheduler-bus")
         self.server = Server(self._handle, self._bind, name="scheduler")
@@ -111,6 +148,8 @@ class Scheduler:
             raise TypeError(f"the scheduler does not serve {type(msg).__name__}")
         loop = asyncio.get_running_loop()
         job = _Job(msg, loop.create_future(), loop)
+        if isinstance(msg, SampleRequest) and wants_stream(msg):
+            job.emit = self.server.emitter()
         with self._cv:
             self._jobs.append(job)
             self._cv.notify()
@@ -119,8 +158,15 @@ class Scheduler:
         except asyncio.CancelledError:
             with self._cv:
                 if not job.started:  # still queued: it never runs
-                    self._jobs.remove(job)
+                    job.dropped = True
+                    if job in self._jobs:
+                        self._jobs.remove(job)
                     self.compute_counters["cancelled_queued"] += 1
+                    raise
+                if isinstance(msg, SampleRequest) and self.host.engine is not None:
+                    job.cancelled = True  # the step loop frees its rows at the next step
+                    self.compute_counters["cancelled_running"] += 1
+                    self._cv.notify()
                     raise
             # Already computing: a state-changing op will have happened, so finish it and
             # reply (the bus keeps the reply for retries) rather than pretend it was cancelled.
@@ -251,10 +297,17 @@ class Scheduler:
             return AdapterInfo(name=msg.name, version=host.load(msg.path, msg.name, trainable=msg.trainable))
         raise ValueError(f"unexpected {type(msg).__name__}")
 
+    def _reply(self, job: _Job, value: Any) -> None:
+        """Hand ``value`` (a message or an exception) to the request's waiting handler."""
+        job.loop.call_soon_threadsafe(_set_result, job.future, value)
+
     def counters(self) -> dict[str, int]:
         """Bus counters (``recv/SampleRequest``, ``error/...``) and compute counters."""
         out = dict(self.server.counters) if hasattr(self, "server") else {}
         out.update(self.compute_counters)
+        engine = self.host.engine if self.host is not None else None
+        if engine is not None:
+            out.update(engine.metrics())
         return out
 
     def stop(self) -> None:

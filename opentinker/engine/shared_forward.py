@@ -28,6 +28,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from opentinker.engine.model import DenseCache
+
 
 def _lcp(seqs: Sequence[np.ndarray]) -> int:
     n = min(len(s) for s in seqs)
@@ -221,7 +223,10 @@ def selected_hidden(
         sub = None
         if cache is not None:
             idx = ctx_rows.to(device)
-            sub = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx)) for k, v, *_ in cache])
+            if isinstance(cache, DenseCache):  # the engine's own forward
+                sub = cache.index_select(idx)
+            else:
+                sub = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx)) for k, v, *_ in cache])
         out = body(
             input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
             cache=sub, use_cache=sub is not None,

@@ -53,9 +53,15 @@ class Trainer:
             if set(d.loss_inputs) != keys:
                 raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs has keys "
                                  f"{sorted(d.loss_inputs)}, datums[0] has {sorted(keys)}")
+            if np.asarray(d.tokens).ndim != 1:
+                raise ValueError(f"ForwardBackward.datums[{i}].tokens must be 1-D, got shape {np.shape(d.tokens)}")
             for k, v in d.loss_inputs.items():
                 if len(v) != len(d.tokens):
                     raise ValueError(f"Datum.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
+                bad = np.nonzero(~np.isfinite(np.asarray(v, dtype=np.float64)))[0]
+                if len(bad):
+                    raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs[{k!r}] is not finite at "
+                                     f"positions {bad[:5].tolist()}")
 
     def forward_backward(
         self,

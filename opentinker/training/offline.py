@@ -129,7 +129,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
     try:
         with SyncClient(job.scheduler_endpoint, "offline") as client:
             spec = LoraSpec(rank=policy.lora_rank, alpha=policy.lora_alpha,
-                            target_modules=tuple(policy.target_modules), seed=cfg.seed)
+                            target_modules=tuple(policy.target_modules), seed=cfg.seed, full=policy.kind == "full")
             client.request(CreateAdapter(name=name, spec=spec), timeout)
             seqs = [d.tokens for unit in units for d in unit]
             ref_lp = []

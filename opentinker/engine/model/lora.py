@@ -54,14 +54,22 @@ from protocols.messages import LoraSpec
 
 from .config import DecoderSpec
 
-__all__ = ["LoraWeights", "LoraBatch", "LoraStackCache", "MODULES", "peft_name", "DEFAULT_METHOD"]
+__all__ = ["LoraWeights", "LoraBatch", "LoraStackCache", "MODULES", "METHODS", "peft_name", "DEFAULT_METHOD"]
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """LoRA-able projections, in the order PEFT meets them in a decoder layer."""
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _NAME = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+METHODS: tuple[str, ...] = ("segments", "stacked", "bgmv")
 DEFAULT_METHOD = "segments"
+_SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
+                 "v_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                 "gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""Projections of one layer that read the same input (bgmv multiplies x by their A's at once)."""
+_CHUNK_COST = 3
+"""bgmv's plan: a chunk beyond one per adapter costs about ``_CHUNK_COST * max rank`` padded
+token rows (the copy of its adapter's A and B into the chunk batch)."""
 
 
 def peft_name(layer: int, module: str, ab: str) -> str:
@@ -196,7 +204,7 @@ class LoraBatch:
                  method: str = DEFAULT_METHOD, stack_cache: LoraStackCache | None = None) -> None:
         if len(adapters) != len(row_tokens):
             raise ValueError(f"{len(adapters)} adapters for {len(row_tokens)} rows")
-        if method not in ("segments", "stacked"):
+        if method not in METHODS:
             raise ValueError(f"unknown LoRA method {method!r}")
         self.method, self.stack_cache = method, stack_cache
         self.N = int(sum(row_tokens))
@@ -226,6 +234,8 @@ class LoraBatch:
         self._aid_N: torch.Tensor | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
         self._stacks: dict | None = None
+        if method == "bgmv":
+            self._plan_bgmv(runs)
 
     def _token_aid(self, device: torch.device) -> torch.Tensor:
         if self._aid_N is None:
@@ -247,6 +257,8 @@ class LoraBatch:
     def apply(self, layer: int, module: str, x_N_in: torch.Tensor, y_N_out: torch.Tensor) -> torch.Tensor:
         """``y_N_out`` plus every token's LoRA term on this projection (``y`` may be updated in
         place: it must be a fresh matmul output)."""
+        if self.method == "bgmv":
+            return self._bgmv(layer, module, x_N_in, y_N_out)
         if self.method == "segments":
             return self._segments(layer, module, x_N_in, y_N_out)
         return self._stacked(layer, module, x_N_in, y_N_out)
@@ -286,6 +298,177 @@ class LoraBatch:
             self._stacks[key] = (torch.cat([A for A, _ in pairs]).to(dtype),
                                  torch.cat([B for _, B in pairs], 1).to(dtype))
         return self._stacks[key]
+
+
+    # ---- bgmv ---------------------------------------------------------------------------
+    def _plan_bgmv(self, runs: list[list[int]]) -> None:
+        """Token layout of the bgmv batch, once per forward (Python ints; no tensor op when the
+        rows are sorted by adapter with equal token counts, the engine's usual decode step).
+
+        The tokens of adapter k (in flat order) are cut into chunks of ``Lt`` tokens, the last
+        padded; chunk c of adapter ``chunk_aid[c]`` is row c of a ``[C, Lt, d]`` batch. ``Lt`` is
+        the longest adapter's token count (C = K: the stacks are used as they are) unless
+        shorter chunks pad much less (a long prefill next to a few decode rows)."""
+        K = len(self.distinct)
+        self._rmax = max((a.rank for a in self.distinct), default=0)
+        self._bg_view: tuple[int, int, int] | None = None
+        self._bg_dev: dict[torch.device, tuple] = {}
+        self._bg_shared: tuple | None = None
+        self._bg_grad: bool | None = None
+        if K == 0:
+            return
+        lengths = [e - s for _, s, e in runs]
+        if (len(runs) == K and all(r[0] == k for k, r in enumerate(runs)) and len(set(lengths)) == 1
+                and all(runs[k][1] == runs[0][1] + k * lengths[0] for k in range(K))):
+            self._bg_view = (runs[0][1], K, lengths[0])  # x[s0 : s0 + K*L] is [K, L, d] as is
+            return
+        per: list[list[tuple[int, int]]] = [[] for _ in range(K)]
+        for k, s, e in runs:
+            per[k].append((s, e))
+        n_k = [sum(e - s for s, e in r) for r in per]
+        Lmax = max(n_k)
+        best: tuple[int, int] | None = None
+        for Lt in sorted({Lmax} | {1 << j for j in range(max(Lmax - 1, 1).bit_length()) if 1 << j < Lmax}):
+            C = sum(-(-n // Lt) for n in n_k)
+            cost = C * Lt + (C * _CHUNK_COST * self._rmax if Lt < Lmax else 0)
+            if best is None or cost < best[0]:
+                best = (cost, Lt)
+        Lt = best[1]
+        index: list[torch.Tensor] = []
+        chunk_aid: list[int] = []
+        padded = False
+        for k, r in enumerate(per):
+            t = torch.cat([torch.arange(s, e) for s, e in r])
+            c = -(-n_k[k] // Lt)
+            if c * Lt > n_k[k]:
+                padded = True
+                t = torch.cat([t, torch.full((c * Lt - n_k[k],), -1, dtype=torch.long)])
+            index.append(t)
+            chunk_aid += [k] * c
+        idx = torch.cat(index)
+        self._bg_C, self._bg_Lt = len(chunk_aid), Lt
+        self._bg_valid = (idx >= 0).view(-1, Lt, 1) if padded else None
+        self._bg_index = idx.clamp(min=0)  # pad rows read token 0 and add exact zeros back
+        self._bg_chunk_aid = None if Lt == Lmax else torch.tensor(chunk_aid, dtype=torch.long)
+
+    def _bg_tensors(self, x: torch.Tensor) -> tuple:
+        """``(index, chunk_aid, valid mask)`` on x's device and dtype (built once per forward)."""
+        key = (x.device, x.dtype)
+        if key not in self._bg_dev:
+            dev = x.device
+            self._bg_dev[key] = (
+                self._bg_index.to(dev),
+                None if self._bg_chunk_aid is None else self._bg_chunk_aid.to(dev),
+                None if self._bg_valid is None else self._bg_valid.to(dev, x.dtype),
+            )
+        return self._bg_dev[key]
+
+    def _bg_info(self, layer: int, module: str) -> tuple[tuple[str, ...], int]:
+        """``(group, j)``: the projections of ``module``'s input group that some adapter has at
+        ``layer``, and ``module``'s place in it (-1: no adapter has ``module`` there)."""
+        group = tuple(m for m in _SHARED_INPUT[module] if any((layer, m) in a.pairs for a in self.distinct))
+        return group, group.index(module) if module in group else -1
+
+    def _bg_cache(self, x: torch.Tensor) -> dict | None:
+        """The stack cache's dict for this adapter set, or None (no cache, or gradients wanted:
+        a cached stack built under grad would carry a graph that the first backward frees)."""
+        if self.stack_cache is None:
+            return None
+        if torch.is_grad_enabled():
+            if self._bg_grad is None:
+                self._bg_grad = any(t.requires_grad for a in self.distinct for p in a.pairs.values() for t in p)
+            if self._bg_grad:
+                return None
+        if self._stacks is None:
+            self._stacks = self.stack_cache.lookup(self.distinct, x.dtype)
+        return self._stacks
+
+    def _bg_stack(self, cache: dict | None, kind: str, layer: int, mods: tuple[str, ...],
+                  dtype: torch.dtype) -> torch.Tensor:
+        """``"A"``: ``[K, len(mods) * rmax, d_in]`` (each adapter's A of every module of the group,
+        rank-padded with zeros); ``"B"``: ``[K, rmax, d_out]``, each adapter's ``scale * B^T``.
+        A missing pair is zeros (adds nothing). Kept in ``cache`` when there is one."""
+        if cache is None:
+            return self._bg_build(kind, [[a.pairs.get((layer, m)) for m in mods] for a in self.distinct], dtype)
+        key = ("bgmv", kind, layer, mods)
+        st = cache.get(key)
+        if st is None:
+            st = cache[key] = self._bg_build(kind, [[a.pairs.get((layer, m)) for m in mods] for a in self.distinct], dtype)
+        return st
+
+    def _bg_build(self, kind: str, pairs: list[list[tuple[torch.Tensor, torch.Tensor] | None]],
+                  dtype: torch.dtype) -> torch.Tensor:
+        R = self._rmax
+        full = all(p is not None and p[0].shape[0] == R for ps in pairs for p in ps)
+        if kind == "A":
+            if full:
+                return torch.stack([ps[0][0] if len(ps) == 1 else torch.cat([p[0] for p in ps]) for ps in pairs]).to(dtype)
+            ref = next(p[0] for ps in pairs for p in ps if p is not None)
+            out = ref.new_zeros(len(pairs), len(pairs[0]) * R, ref.shape[1], dtype=dtype)
+            for k, ps in enumerate(pairs):
+                for j, p in enumerate(ps):
+                    if p is not None:
+                        out[k, j * R:j * R + p[0].shape[0]] = p[0]
+            return out
+        scales = [a.scale for a in self.distinct]
+        if full:
+            out = torch.stack([ps[0][1].T for ps in pairs])
+        else:
+            ref = next(ps[0][1] for ps in pairs if ps[0] is not None)
+            out = ref.new_zeros(len(pairs), R, ref.shape[0])
+            for k, ps in enumerate(pairs):
+                if ps[0] is not None:
+                    out[k, :ps[0][1].shape[1]] = ps[0][1].T
+        if any(c != 1.0 for c in scales):
+            out = out * torch.tensor(scales, dtype=out.dtype, device=out.device)[:, None, None]
+        return out.to(dtype)
+
+    def _bgmv(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        cache = self._bg_cache(x)
+        if cache is None:
+            group, j = self._bg_info(layer, module)
+        else:
+            info = cache.get(("bgmv-info", layer, module))
+            if info is None:
+                info = cache[("bgmv-info", layer, module)] = self._bg_info(layer, module)
+            group, j = info
+        if j < 0:
+            return y
+        view = self._bg_view
+        shared = self._bg_shared
+        if (shared is not None and shared[0] == layer and shared[1] is x and shared[2] == group
+                and (x.is_inference() or shared[3] == x._version)):
+            u = shared[4]  # q, k, v (gate, up) of one layer: x @ A^T done once for the group
+        else:
+            A = self._bg_stack(cache, "A", layer, group, x.dtype)
+            if view is not None:
+                s0, C, L = view
+                xv = x if s0 == 0 and C * L == x.shape[0] else x[s0:s0 + C * L]
+                u = torch.bmm(xv.reshape(C, L, -1), A.transpose(1, 2))
+            else:
+                index, chunk_aid, valid = self._bg_tensors(x)
+                if chunk_aid is not None:
+                    A = A.index_select(0, chunk_aid)
+                u = torch.bmm(x.index_select(0, index).view(self._bg_C, self._bg_Lt, -1), A.transpose(1, 2))
+                if valid is not None:
+                    u = u * valid
+            if len(group) > 1:
+                self._bg_shared = (layer, x, group, None if x.is_inference() else x._version, u)
+        if len(group) > 1:
+            R = self._rmax
+            u = u[:, :, j * R:(j + 1) * R]
+        B = self._bg_stack(cache, "B", layer, (module,), x.dtype)
+        if not y.is_contiguous():
+            y = y.contiguous()
+        if view is not None:
+            s0, C, L = view
+            yv = y if s0 == 0 and C * L == y.shape[0] else y[s0:s0 + C * L]
+            yv.view(C, L, -1).baddbmm_(u, B)
+            return y
+        index, chunk_aid, _ = self._bg_tensors(x)
+        if chunk_aid is not None:
+            B = B.index_select(0, chunk_aid)
+        return y.index_add_(0, index, torch.bmm(u, B).view(-1, y.shape[1]))
 
 
 def benchmark(ks: Sequence[int] = (1, 4, 16), rows: int = 32, length: int = 64, repeats: int = 7) -> dict[str, float]:

@@ -1,0 +1,318 @@
+"""Throughput of one base model serving many LoRA adapters, four ways, in one run.
+
+K adapters (LoRA rank 8 on q/k/v/o, B drawn from N(0, 0.01) so they change the output) share a
+batch of distinct random prompts; row i uses adapter i % K; every row draws exactly
+``--new_tokens`` tokens (no stop tokens):
+
+* ``engine``: the engine's own forward (``ModelHost(engine="own")``), one ``sample`` call;
+* ``peft_mixed``: PEFT's mixed-adapter batch (``engine="peft"``), one call (today's path);
+* ``swap``: the PEFT host, one call per adapter with that adapter's rows, in turn;
+* ``copies``: K model copies (K ``engine="own"`` hosts with one adapter each), one call each,
+  in turn: what running a copy per adapter costs in memory.
+
+tokens/s = generated tokens / wall time of the calls (prefill included; each host is warmed
+up with a tiny call first, untimed). Each measurement runs in a fresh process (the script
+calls itself with ``--one METHOD K BATCH``), so ``peak_bytes`` (``ru_maxrss``) is that
+method's alone. FLOPs are estimated as 2 x the parameters each token touches (decoder
+linears + one adapter's LoRA for every forwarded token, prefill included; the vocabulary
+projection only for drawn tokens; attention scores and the embedding lookup left out) and
+compared with this machine's plain fp32 ``torch.mm`` rate at the same thread count.
+
+    python benchmarks/multiplex.py --json multiplex.json     # ~20 minutes on 2 cores
+    python benchmarks/multiplex.py --quick                   # tiny-random, < 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from opentinker.engine.host import ModelHost
+from opentinker.engine.model_specs import resolve_model
+from protocols.messages import LoraSpec, SamplingParams
+
+METHODS = ("engine", "peft_mixed", "swap", "copies")
+MM_SHAPE = (2048, 576, 1536)  # [M, K] x [K, N]: SmolLM2-135M's hidden and MLP widths
+ENV_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass
+class Args:
+    model: str = "smollm2-135m"
+    ks: str = "1,4,16"
+    batches: str = "32,64"
+    prompt_len: int = 64
+    new_tokens: int = 16
+    rank: int = 8
+    threads: int = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    device: str = "cpu"
+    mm_reps: int = 20
+    seed: int = 0
+    quick: bool = False
+    json: str = ""
+
+
+QUICK = {"model": "tiny-random", "ks": "1,4", "batches": "8", "prompt_len": 16, "new_tokens": 4, "mm_reps": 3}
+"""What ``--quick`` changes (flags given explicitly win)."""
+
+
+def parse() -> tuple[Args, list[str] | None]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for k, v in asdict(Args()).items():
+        if isinstance(v, bool):
+            p.add_argument(f"--{k}", action="store_true")
+        else:
+            p.add_argument(f"--{k}", type=type(v), default=v)
+    p.add_argument("--one", nargs=3, metavar=("METHOD", "K", "BATCH"), help=argparse.SUPPRESS)
+    ns = vars(p.parse_args())
+    one = ns.pop("one")
+    args = Args(**ns)
+    if args.quick:
+        default = Args()
+        args = replace(args, **{k: v for k, v in QUICK.items() if getattr(args, k) == getattr(default, k)})
+    return args, one
+
+
+# ------------------------------------------------------------------------ one measurement (child)
+
+def maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def model_config(path: str) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, length).astype(np.int32) for _ in range(batch)]
+    assert len({p.tobytes() for p in prompts}) == batch, "prompts must be distinct (no prefix sharing)"
+    return prompts
+
+
+def make_host(path: str, args: Args, engine: str, adapters: list[int]) -> ModelHost:
+    """A host with adapters ``a{j}``; adapter j has the same weights on every host and engine
+    (A from PEFT's seeded init, B from a generator seeded by j, in sorted-name order)."""
+    host = ModelHost(path, threads=args.threads, device=args.device, engine=engine)
+    for j in adapters:
+        host.create_adapter(f"a{j}", LoraSpec(rank=args.rank, seed=j))
+        g = torch.Generator().manual_seed(1000 + j)
+        named = host.adapters[f"a{j}"].named
+        with torch.no_grad():
+            for name in sorted(named):
+                if "lora_B" in name:
+                    named[name].copy_(torch.randn(named[name].shape, generator=g) * 0.01)
+    return host
+
+
+def base_module(host: ModelHost) -> torch.nn.Module:
+    return host.registry.decoder if host.engine is not None else host.base
+
+
+def weight_bytes(host: ModelHost) -> int:
+    """Bytes of the base weights (tied embeddings counted once; PEFT's injected LoRA excluded)."""
+    return sum(p.numel() * p.element_size() for n, p in base_module(host).named_parameters() if "lora_" not in n)
+
+
+def adapter_bytes(host: ModelHost) -> int:
+    return sum(p.numel() * p.element_size() for s in host.adapters.values() for p in s.named.values())
+
+
+def kv_peak_bytes(host: ModelHost, adapters: list[str], prompts, params, seeds) -> int:
+    """Most KV bytes in use at once, recorded after every step of an untimed replay of the
+    same rows driven step by step (the engine reserves each row's prompt + max_tokens blocks
+    at admission, so this is the timed call's peak too)."""
+    eng = host.engine
+    seqs = [eng.add(a, p, q, s) for a, p, q, s in zip(adapters, prompts, params, seeds)]
+    peak = 0
+    while not all(s.finished for s in seqs):
+        eng.step()
+        peak = max(peak, eng.blocks.stats().bytes_in_use)
+    return peak
+
+
+def run_one(args: Args, method: str, K: int, batch: int) -> dict:
+    path = resolve_model(args.model)
+    cfg = model_config(path)
+    rss_before = maxrss_bytes()
+    prompts = make_prompts(cfg["vocab_size"], batch, args.prompt_len, args.seed)
+    params = SamplingParams(max_tokens=args.new_tokens)  # no stop tokens: every row runs to the end
+    seeds = [args.seed + i for i in range(batch)]
+    groups = [[i for i in range(batch) if i % K == j] for j in range(K)]  # rows of adapter j
+    if method == "copies":
+        hosts = [make_host(path, args, "own", [j]) for j in range(K)]
+        calls = [(hosts[j], groups[j]) for j in range(K)]
+    else:
+        host = make_host(path, args, "own" if method == "engine" else "peft", list(range(K)))
+        hosts = [host]
+        calls = [(host, g) for g in groups] if method == "swap" else [(host, list(range(batch)))]
+    for h, rows in calls:  # warm-up: the same call pattern, one short row per adapter
+        firsts = sorted({i % K: i for i in reversed(rows)}.values())
+        h.sample([f"a{i % K}" for i in firsts], [prompts[i][:4] for i in firsts],
+                 [SamplingParams(max_tokens=2)] * len(firsts), [seeds[i] for i in firsts])
+    engines = [h.engine for h in hosts if h.engine is not None]
+    before = [e.metrics() for e in engines]
+    t0 = time.perf_counter()
+    outs = [h.sample([f"a{i % K}" for i in rows], [prompts[i] for i in rows], [params] * len(rows),
+                     [seeds[i] for i in rows]) for h, rows in calls]
+    wall = time.perf_counter() - t0
+    generated = sum(len(r.tokens) for out in outs for r in out)
+    assert generated == batch * args.new_tokens, (generated, batch * args.new_tokens)
+    # FLOPs: decoder linears (+ one adapter's LoRA) per forwarded token, lm_head per drawn token.
+    body = sum(p.numel() for n, p in base_module(hosts[0]).named_parameters()
+               if not any(s in n for s in ("embed_tokens", "lm_head", "lora_")))
+    lora = sum(p.numel() for p in hosts[0].adapters["a0"].named.values())
+    forwarded = batch * (args.prompt_len + args.new_tokens - 1)  # the last drawn token is never fed back
+    flops = 2 * (body + lora) * forwarded + 2 * cfg["vocab_size"] * cfg["hidden_size"] * generated
+    row = {
+        "method": method, "K": K, "batch": batch, "tokens_per_s": generated / wall, "wall_s": wall,
+        "generated_tokens": generated, "prompt_tokens": batch * args.prompt_len,
+        "peak_bytes": maxrss_bytes(), "rss_before_model_bytes": rss_before,
+        "weights_bytes": sum(weight_bytes(h) for h in hosts), "adapter_bytes": sum(adapter_bytes(h) for h in hosts),
+        "flops_per_forwarded_token": 2 * (body + lora), "flops": flops, "gflops_per_s": flops / wall / 1e9,
+    }
+    if engines:
+        after = [e.metrics() for e in engines]
+        row["engine_steps"] = sum(a["engine/steps"] - b["engine/steps"] for a, b in zip(after, before))
+        row["engine_forward_s"] = sum(a["engine/forward_ms"] - b["engine/forward_ms"] for a, b in zip(after, before)) / 1000
+        row["kv_pool_bytes"] = sum(e.pool.nbytes for e in engines)
+        # copies: the sum of each copy's peak (copies serving at once hold them all).
+        row["kv_peak_bytes"] = sum(kv_peak_bytes(h, [f"a{i % K}" for i in rows], [prompts[i] for i in rows],
+                                                 [params] * len(rows), [seeds[i] for i in rows]) for h, rows in calls)
+        row["kv_peak_how"] = "max of blocks.stats().bytes_in_use over the steps of an untimed replay"
+    if args.device.startswith("cuda"):
+        row["device_peak_bytes"] = torch.cuda.max_memory_allocated()
+    return row
+
+
+# ------------------------------------------------------------------------ the grid (parent)
+
+def mm_gflops(args: Args) -> float:
+    """Median GFLOP/s of fp32 ``torch.mm`` on ``MM_SHAPE`` at ``args.threads`` threads."""
+    torch.set_num_threads(args.threads)
+    M, Kd, N = MM_SHAPE
+    a, b = torch.randn(M, Kd, device=args.device), torch.randn(Kd, N, device=args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    times = []
+    for i in range(args.mm_reps + 2):
+        sync()
+        t = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        if i >= 2:  # two warm-up calls
+            times.append(time.perf_counter() - t)
+    return 2 * M * Kd * N / statistics.median(times) / 1e9
+
+
+def machine_info(args: Args, mm: float) -> dict:
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), cpu)
+    info = {
+        "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+        "torch_threads": args.threads, "device": args.device, "torch": torch.__version__,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
+        "mm_shape": list(MM_SHAPE), "mm_gflops_per_s": mm,
+    }
+    if args.device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def measure(args: Args, method: str, K: int, batch: int) -> dict:
+    """One row, in a fresh process; an ``error`` row if it failed (e.g. killed for memory)."""
+    fwd = [x for k, v in asdict(args).items() if k not in ("ks", "batches", "quick", "json")
+           for x in (f"--{k}", str(v))]
+    proc = subprocess.run([sys.executable, __file__, "--one", method, str(K), str(batch), *fwd],
+                          capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"method": method, "K": K, "batch": batch, "error": f"rc {proc.returncode}: {proc.stderr[-600:]}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def add_ratios(rows: list[dict], mm: float) -> None:
+    ok = {(r["method"], r["K"], r["batch"]): r for r in rows if "error" not in r}
+    for r in ok.values():
+        r["mm_share"] = r["gflops_per_s"] / mm
+        base = ok.get(("peft_mixed", r["K"], r["batch"]))
+        r["vs_peft_mixed"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        if r["method"] == "engine":
+            one = ok.get(("engine", 1, r["batch"]))
+            r["vs_engine_k1"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
+
+
+def table(args: Args, rows: list[dict], machine: dict) -> Table:
+    t = Table(title=f"{args.model}: K LoRA adapters, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+                    f"{args.threads} threads ({machine['cpu']}, {machine['cpu_capability']})")
+    for col in ("K", "batch", "method", "tokens/s", "vs peft_mixed", "engine vs K=1", "GFLOP/s", "% of mm",
+                "peak RSS MiB", "weights+adapters MiB", "KV peak/pool MiB"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    mib = 1 << 20
+    for r in rows:
+        if "error" in r:
+            t.add_row(str(r["K"]), str(r["batch"]), r["method"], "failed", *[""] * 7)
+            continue
+        ratio = lambda x: f"{x:.2f}x" if x else ""  # noqa: E731
+        mem = f"{r['weights_bytes'] / mib:.0f}+{r['adapter_bytes'] / mib:.2f}"
+        kv = f"{r['kv_peak_bytes'] / mib:.1f}/{r['kv_pool_bytes'] / mib:.0f}" if "kv_peak_bytes" in r else ""
+        t.add_row(str(r["K"]), str(r["batch"]), r["method"], f"{r['tokens_per_s']:.1f}", ratio(r["vs_peft_mixed"]),
+                  ratio(r.get("vs_engine_k1")), f"{r['gflops_per_s']:.2f}", f"{100 * r['mm_share']:.1f}%",
+                  f"{r['peak_bytes'] / mib:.0f}", mem, kv)
+    return t
+
+
+def main() -> None:
+    args, one = parse()
+    if one:
+        print("RESULT " + json.dumps(run_one(args, one[0], int(one[1]), int(one[2]))), flush=True)
+        return
+    resolve_model(args.model)  # build the cached folder once, before the children race for it
+    mm = mm_gflops(args)
+    machine = machine_info(args, mm)
+    grid = [(m, K, b) for K in map(int, args.ks.split(",")) for b in map(int, args.batches.split(",")) for m in METHODS]
+    rows: list[dict] = []
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 160)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=len(grid))
+        for method, K, batch in grid:
+            progress.update(task, description=f"K={K} batch={batch} {method}")
+            rows.append(measure(args, method, K, batch))
+            add_ratios(rows, mm)
+            if args.json:  # after every row: a killed run keeps what it measured
+                Path(args.json).write_text(json.dumps({"machine": machine, "args": asdict(args), "rows": rows}, indent=1))
+            progress.advance(task)
+    console.print(table(args, rows, machine))
+    print(f"plain fp32 torch.mm {MM_SHAPE[0]}x{MM_SHAPE[1]} @ {MM_SHAPE[1]}x{MM_SHAPE[2]}: {mm:.1f} GFLOP/s at "
+          f"{args.threads} threads. Model FLOPs = 2 x parameters touched per token (decoder linears + one "
+          "adapter's LoRA for every forwarded token, prefill included; lm_head for drawn tokens only).")
+    print("peak RSS: ru_maxrss of a fresh process per row. KV peak: most bytes in use, recorded step by step "
+          "in an untimed replay of the same rows; pool: the KV tensors each engine allocates up front, part of "
+          "peak RSS (copies: sums over copies).")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['method']} K={r['K']} batch={r['batch']} failed: {r['error']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""One sampling row of the engine: its tokens, its KV blocks and where it stands.
+
+A :class:`Sequence` is created per prompt row of a ``SampleRequest``. It waits until the step
+loop admits it (KV blocks for its prompt and every token it may draw are reserved at once, so
+a running row never runs out of blocks and nothing is preempted), then runs: each step
+computes a chunk of its not-yet-computed tokens (the prompt in chunks under the step's token
+budget, then one token per step) and, when the chunk reaches its last token, draws the next
+one. ``num_computed`` counts the tokens whose keys and values are in the pool; the token just
+drawn has none until the next step feeds it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from opentinker.engine.kv_cache import Allocation
+from protocols.messages import SamplingParams, StopReason
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A row being sampled. ``tokens`` is the prompt followed by every drawn token."""
+
+    seq_id: int
+    adapter: str | None
+    """Adapter name, ``None`` for the bare base model."""
+    prompt: np.ndarray
+    """``int32[P]``, P >= 1."""
+    params: SamplingParams
+    seed: int
+    """The row's seed: its randomness is a function of (seed, position) alone."""
+    owner: Any = None
+    """Whoever submitted it (the scheduler service: its request and row index)."""
+    tokens: list[int] = field(default_factory=list)
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    """Leading tokens whose K/V are in the pool (cached prefix included)."""
+    num_cached: int = 0
+    """Of those, how many came from the prefix cache at admission."""
+    streamed: int = 0
+    """Drawn tokens already reported as partial results."""
+    status: SeqStatus = SeqStatus.WAITING
+    stop_reason: StopReason | None = None
+    cancelled: bool = False
+    error: Exception | None = None
+    """Why it ended without a reply (an adapter dropped while it waited, or one that cannot
+    fit the memory budget): its request fails with this error."""
+    namespace: Hashable | None = None
+    """The prefix-cache key it was admitted under: (model copy, adapter, version)."""
+    version: int = -1
+    """The adapter's version at admission (-1: the base model)."""
+    alloc: Allocation | None = None
+    slots_S: torch.Tensor | None = None
+    """``int64[S]`` pool slot of every position it may fill (prompt + max_tokens), fixed at admission."""
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = [int(t) for t in self.prompt]
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to be computed before the next draw (1 for a decoding row)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,401 @@
+"""The engine's step loop: continuous batching over a paged, prefix-reusing KV cache, with
+every row's adapter applied by batched LoRA on the shared base weights.
+
+Each :meth:`Engine.step` is one forward pass of the decoder over a flat batch of tokens:
+
+1. cancelled rows leave (their blocks are freed at once);
+2. waiting rows are admitted in arrival order while KV blocks and row slots last: each
+   reserves blocks for its prompt plus ``max_tokens`` (so a running row never runs out and
+   nothing is ever preempted), reusing whatever prefix of its prompt is cached under its
+   (model copy, adapter, version) key;
+3. every decoding row gets one token and the prompts still being prefilled get chunks, oldest
+   first, within ``max_batch_tokens`` (decodes first: a long prompt never stalls the rows
+   already talking);
+4. rows are ordered by adapter (batched LoRA's segments) and run in ONE forward; only the last
+   position of each row that completes its chunk goes through the vocabulary projection;
+5. those rows draw their next token on the device (:mod:`opentinker.engine.sampling`: the
+   draw depends on (seed, position) only, so it does not matter which rows share the step);
+   finished rows free their blocks, which stay in the prefix index (least recently used
+   evicted first), so a seat's next turn, which extends this prompt and reply, prefills only
+   its new tokens.
+
+The step loop is synchronous and single-threaded (the scheduler service calls it from its
+compute thread, between training operations). The nano-vllm engine
+(GeeeekExplorer/nano-vllm, ``engine/scheduler.py``, ``block_manager.py``) has the same shape;
+unlike it, one step mixes prefill chunks and decodes (as vLLM v1 does), and blocks are
+reserved up front instead of preempting.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from opentinker.engine.kv_cache import BlockManager, KVPool
+from opentinker.engine.memory import OverBudget
+from opentinker.engine.model import PagedAttention, PagedLayout
+from opentinker.engine.model.lora import DEFAULT_METHOD, LoraBatch, LoraStackCache
+from opentinker.engine.registry import UnknownAdapterError
+from opentinker.engine.sampling import SamplingBatch
+from opentinker.engine.sequence import SeqStatus, Sequence
+from protocols.messages import SamplingParams, StopReason
+
+
+class RequestTooLarge(ValueError):
+    """A request that can never run: longer than the model's context, or needing more KV
+    blocks than the whole pool holds. The message says which, with the numbers."""
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (the scheduler's metrics read them)."""
+
+    steps: int = 0
+    rows: int = 0
+    """Sum over steps of rows in the step (mean rows per step = rows / steps)."""
+    prefill_tokens: int = 0
+    """Prompt tokens computed (cached prefixes excluded)."""
+    decode_tokens: int = 0
+    """Tokens drawn."""
+    cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache at admission."""
+    prompt_tokens: int = 0
+    """Prompt tokens admitted (cached or not)."""
+    forward_s: float = 0.0
+    finished: int = 0
+    cancelled: int = 0
+    deferred: int = 0
+    """Admissions put off by a step so a row could reuse another's prompt being computed."""
+    last_step_rows: int = 0
+    per_step_rows: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+
+
+class Engine:
+    """Continuous batching of sampling rows on one model copy with many adapters.
+
+    ``registry`` is a :class:`~opentinker.engine.lora_registry.LoraRegistry` (the decoder and
+    the adapters' LoRA tensors and versions)."""
+
+    def __init__(
+        self,
+        registry,
+        kv_budget_bytes: int = 256 << 20,
+        block_size: int = 8,
+        max_batch_tokens: int = 2048,
+        max_rows: int = 256,
+        lora_method: str = DEFAULT_METHOD,
+        copy_id: Hashable = 0,
+    ) -> None:
+        spec = registry.decoder.spec
+        self.registry = registry
+        self.device = registry.device
+        self.copy_id = copy_id
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.max_rows = int(max_rows)
+        if self.max_batch_tokens < 1 or self.max_rows < 1:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_rows ({max_rows}) must be >= 1")
+        self.max_context = int(registry.max_context)
+        dtype = registry.dtype
+        blocks = KVPool.blocks_for_budget(kv_budget_bytes, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                          block_size, dtype)
+        self.pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, blocks, dtype,
+                           self.device)
+        self.blocks = BlockManager(blocks, block_size, self.pool.bytes_per_block)
+        self.block_size = block_size
+        self.lora_method = lora_method
+        self._stacks = LoraStackCache()
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.held: set[str] = set()
+        """Adapters whose waiting rows are not admitted (an optimizer step waits for their
+        running rows to finish, so no row straddles two versions)."""
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        registry.pinned = lambda: {s.adapter for s in self.running if s.adapter is not None}
+
+    # ------------------------------------------------------------------------------- intake
+
+    def check(self, prompt: np.ndarray, params: SamplingParams) -> None:
+        """Raise :class:`RequestTooLarge` / ``ValueError`` for a row that can never run."""
+        need = len(prompt) + params.max_tokens
+        if need > self.max_context:
+            raise RequestTooLarge(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {need} "
+                                  f"exceeds the model's context of {self.max_context} tokens")
+        blocks = -(-need // self.block_size)
+        if blocks > self.blocks.num_blocks:
+            raise RequestTooLarge(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {blocks} KV blocks "
+                f"({blocks * self.pool.bytes_per_block} bytes); the KV budget holds {self.blocks.num_blocks} "
+                f"({self.pool.nbytes} bytes): raise the KV budget or lower max_tokens")
+
+    def add(self, adapter: str | None, prompt: np.ndarray, params: SamplingParams, seed: int,
+            owner: object = None) -> Sequence:
+        """Queue one row; it joins the running batch at a coming step."""
+        self.check(prompt, params)
+        if adapter is not None:
+            self.registry.get(adapter)
+        seq = Sequence(next(self._ids), adapter, np.asarray(prompt, dtype=np.int32), params, int(seed), owner)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seqs: Iterable[Sequence]) -> None:
+        """Mark rows cancelled: they leave at the next step, their blocks freed."""
+        for s in seqs:
+            s.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(s.adapter not in self.held for s in self.waiting)
+
+    def rows_of(self, adapter: str) -> int:
+        """Running rows of ``adapter``."""
+        return sum(1 for s in self.running if s.adapter == adapter)
+
+    def retire(self, adapter: str) -> None:
+        """Forget every cached prefix of ``adapter`` (after its weights changed)."""
+        self.blocks.retire_where(lambda ns: ns[1] == adapter)
+
+    # ------------------------------------------------------------------------------- the step
+
+    def _namespace(self, adapter: str | None) -> tuple[Hashable, str | None, int]:
+        """The prefix-cache key of a row: (model copy, adapter, version)."""
+        return (self.registry.decoder_for(adapter)[1], adapter, self.registry.version(adapter))
+
+    def _finish(self, seq: Sequence, reason: StopReason | None) -> None:
+        if seq.alloc is not None:
+            self.blocks.free(seq.alloc)
+            seq.alloc = None
+        seq.status = SeqStatus.FINISHED
+        seq.stop_reason = reason
+        if reason is None and seq.error is None:
+            self.stats.cancelled += 1
+        else:
+            self.stats.finished += 1
+
+    def _admit(self) -> list[Sequence]:
+        """Move waiting rows into the running set while blocks and row slots last."""
+        gone: list[Sequence] = []
+        keep: collections.deque[Sequence] = collections.deque()
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if seq.cancelled:
+                self._finish(seq, None)
+                gone.append(seq)
+                continue
+            if seq.adapter in self.held or len(self.running) >= self.max_rows:
+                keep.append(seq)
+                continue
+            if seq.adapter is not None and seq.adapter not in self.registry.adapters:
+                seq.error = UnknownAdapterError(f"adapter {seq.adapter!r} was dropped before its rows ran")
+                self._finish(seq, None)
+                gone.append(seq)
+                continue
+            if seq.adapter is not None:
+                try:
+                    self.registry.get(seq.adapter)  # resident now (others may spill)
+                except OverBudget as e:
+                    if self.running:  # it fits once rows of other adapters finish
+                        keep.append(seq)
+                        continue
+                    seq.error = e
+                    self._finish(seq, None)
+                    gone.append(seq)
+                    continue
+            ns = self._namespace(seq.adapter)
+            if self._prefilling_same_prefix(ns, seq):
+                keep.append(seq)  # joins next step, reusing that row's prompt instead of recomputing it
+                self.stats.deferred += 1
+                continue
+            if not self.blocks.can_allocate(ns, seq.tokens, seq.params.max_tokens):
+                keep.append(seq)
+                keep.extend(self.waiting)  # first come, first served: nobody jumps the queue
+                self.waiting.clear()
+                break
+            seq.alloc = self.blocks.allocate(ns, seq.tokens, seq.params.max_tokens)
+            seq.namespace = ns
+            seq.version = ns[2]
+            seq.num_computed = seq.num_cached = seq.alloc.num_cached_tokens
+            seq.slots_S = seq.alloc.slots_tensor(0, seq.alloc.num_tokens, self.device)
+            seq.status = SeqStatus.RUNNING
+            self.stats.cached_tokens += seq.num_cached
+            self.stats.prompt_tokens += seq.num_prompt
+            self.running.append(seq)
+        self.waiting = keep
+        return gone
+
+    def _prefilling_same_prefix(self, ns: Hashable, seq: Sequence) -> bool:
+        """Whether a running row of the same namespace is still computing at least one whole
+        block of ``seq``'s prompt that the prefix index does not hold yet: rows with the same
+        prompt (a group's first turns) then compute it once, not once each."""
+        _, cached = self.blocks.match(ns, seq.tokens)
+        prompt = seq.prompt
+        for other in self.running:
+            if other.namespace != ns or other.num_computed >= other.num_prompt:
+                continue
+            n = min(len(prompt), other.num_prompt)
+            differ = np.nonzero(other.prompt[:n] != prompt[:n])[0]
+            common = int(differ[0]) if len(differ) else n
+            if common - cached >= self.block_size:
+                return True
+        return False
+
+    def step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Run one step. Returns ``(progressed, finished)``: rows that drew a token this step,
+        and rows that ended (finished, cancelled or dropped), each once."""
+        finished: list[Sequence] = []
+        for seq in [s for s in self.running if s.cancelled]:
+            self.running.remove(seq)
+            self._finish(seq, None)
+            finished.append(seq)
+        finished += self._admit()
+        if not self.running:
+            return [], finished
+        # Decoding rows first, then prefill chunks in admission order, within the token budget.
+        budget = self.max_batch_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if seq.pending == 1 and budget > 0:
+                plan.append((seq, 1))
+                budget -= 1
+        for seq in self.running:
+            if seq.pending > 1 and budget > 0:
+                n = min(seq.pending, budget)
+                plan.append((seq, n))
+                budget -= n
+        plan.sort(key=lambda p: (p[0].adapter is not None, p[0].adapter or ""))
+        t0 = time.perf_counter()
+        drawn = self._forward(plan)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.rows += len(plan)
+        self.stats.last_step_rows = len(plan)
+        self.stats.per_step_rows.append(len(plan))
+        progressed: list[Sequence] = []
+        for (seq, n), tok_lp in zip(plan, drawn):
+            seq.num_computed += n
+            if seq.num_computed <= seq.num_prompt:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.prefill_tokens += max(0, seq.num_prompt - (seq.num_computed - n))
+            self.blocks.commit(seq.alloc, seq.tokens[: seq.num_computed])
+            if tok_lp is None:
+                continue
+            tok, lp = tok_lp
+            seq.tokens.append(tok)
+            seq.out_tokens.append(tok)
+            seq.out_logprobs.append(lp)
+            self.stats.decode_tokens += 1
+            progressed.append(seq)
+            reason = None
+            if tok in seq.params.stop_token_ids:
+                reason = StopReason.STOP
+            elif len(seq.out_tokens) >= seq.params.max_tokens:
+                reason = StopReason.LENGTH
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return progressed, finished
+
+    def _forward(self, plan: list[tuple[Sequence, int]]) -> list[tuple[int, float] | None]:
+        """The drawn (token, log-prob) of each planned row whose chunk reaches its last token,
+        else None: one forward per model copy in the plan (the base with its LoRA adapters,
+        and each full-parameter policy's private copy)."""
+        groups: dict[int, list[int]] = {}
+        for i, (seq, _) in enumerate(plan):
+            groups.setdefault(id(self.registry.decoder_for(seq.adapter)[0]), []).append(i)
+        if len(groups) == 1:
+            return self._forward_copy(plan)
+        out: list[tuple[int, float] | None] = [None] * len(plan)
+        for rows in groups.values():
+            for i, r in zip(rows, self._forward_copy([plan[i] for i in rows])):
+                out[i] = r
+        return out
+
+    @torch.no_grad()
+    def _forward_copy(self, plan: list[tuple[Sequence, int]]) -> list[tuple[int, float] | None]:
+        """One forward over the planned chunks of rows of one model copy."""
+        dev = self.device
+        ids, pos, q_start, q_len, ctx_len, slots_write, ctx_rows = [], [], [], [], [], [], []
+        start = 0
+        for seq, n in plan:
+            a, b = seq.num_computed, seq.num_computed + n
+            ids.append(torch.as_tensor(seq.tokens[a:b], dtype=torch.long))
+            pos.append(torch.arange(a, b, dtype=torch.long))
+            slots_write.append(seq.slots_S[a:b])
+            ctx_rows.append(seq.slots_S[:b])
+            q_start.append(start)
+            q_len.append(n)
+            ctx_len.append(b)
+            start += n
+        ids_N = torch.cat(ids).to(dev)
+        pos_N = torch.cat(pos).to(dev)
+        slot_mapping_N = torch.cat(slots_write)
+        ctx_slots_B_C = torch.nn.utils.rnn.pad_sequence(ctx_rows, batch_first=True)
+        layout = PagedLayout(slot_mapping_N, q_start, q_len, ctx_len, ctx_slots_B_C)
+        attn = PagedAttention(self.pool.k, self.pool.v, layout)
+        reg = self.registry
+        found = [reg.decoder_for(seq.adapter) for seq, _ in plan]
+        decoder = found[0][0]
+        adapters = [lora for _, _, lora in found]
+        lora = None if all(a is None for a in adapters) else LoraBatch(
+            adapters, q_len, method=self.lora_method, stack_cache=self._stacks)
+        h_N_H = decoder(ids_N, pos_N, attn, lora)
+        sampling = [i for i, (seq, n) in enumerate(plan) if seq.num_computed + n == len(seq.tokens)]
+        out: list[tuple[int, float] | None] = [None] * len(plan)
+        if not sampling:
+            return out
+        last = torch.as_tensor([q_start[i] + q_len[i] - 1 for i in sampling], dtype=torch.long, device=dev)
+        logits_R_V = decoder.logits(h_N_H.index_select(0, last))
+        rows = [plan[i][0] for i in sampling]
+        batch = SamplingBatch.from_params([s.params for s in rows], [s.seed for s in rows],
+                                          [len(s.tokens) for s in rows], dev)
+        tokens_R, logp_R = batch.sample(logits_R_V)
+        for i, t, lp in zip(sampling, tokens_R.tolist(), logp_R.float().tolist()):
+            out[i] = (int(t), float(lp))
+        return out
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def run_until_done(self, seqs: list[Sequence], on_step: Callable[[list[Sequence]], None] | None = None) -> None:
+        """Step until every row of ``seqs`` has finished (rows of others may share the steps)."""
+        while not all(s.finished for s in seqs):
+            progressed, _ = self.step()
+            if on_step is not None:
+                on_step(progressed)
+
+    def metrics(self) -> dict[str, int]:
+        """Integer counters (totals since start) and gauges: queue depth, running rows, steps
+        and rows over them, prompt tokens computed and taken from the prefix cache, tokens
+        drawn, forward time, KV blocks and bytes, weights and adapter bytes, adapters resident
+        and spilled. Rates are differences of totals (the coordinator logs them per step)."""
+        kv = self.blocks.stats()
+        st = self.stats
+        return {
+            "engine/queue_depth": len(self.waiting),
+            "engine/running_rows": len(self.running),
+            "engine/steps": st.steps,
+            "engine/rows": st.rows,
+            "engine/prefill_tokens": st.prefill_tokens,
+            "engine/decode_tokens": st.decode_tokens,
+            "engine/prompt_tokens": st.prompt_tokens,
+            "engine/cached_prompt_tokens": st.cached_tokens,
+            "engine/forward_ms": int(st.forward_s * 1000),
+            "engine/kv_blocks_total": kv.blocks_total,
+            "engine/kv_blocks_in_use": kv.blocks_in_use,
+            "engine/kv_blocks_cached": kv.blocks_cached,
+            "engine/kv_bytes_total": self.pool.nbytes,
+            "engine/kv_bytes_in_use": kv.bytes_in_use,
+            "engine/kv_evictions": kv.evictions,
+            "engine/weights_bytes": sum(p.numel() * p.element_size() for p in self.registry.decoder.parameters()),
+            "engine/adapters_resident": len(self.registry.memory.resident),
+            "engine/adapters_spilled": len(self.registry.memory.spilled),
+            "engine/adapter_bytes_resident": self.registry.memory.resident_bytes,
+            "engine/adapter_spills": self.registry.memory.spills,
+            "engine/adapter_restores": self.registry.memory.restores,
+        }

@@ -1,0 +1,278 @@
+"""The scheduler's compute thread when the engine runs its own forward: a step loop with
+training operations between steps, under a fairness policy.
+
+Each turn of :meth:`StepWorker.run` takes every newly queued request (sample rows join the
+engine at once; other operations queue per adapter), then does ONE unit of work: an engine
+step, or one operation. Which one, when both wait: operations run while their decayed share of
+compute time is below ``train_share`` (so neither a steady stream of sampling nor a queue of
+training steps can starve the other), and adapters take turns (round-robin), so one policy's
+long queue of ``forward_backward`` calls does not delay another's.
+
+An operation that changes an adapter's weights (``optim_step``, ``drop``, a ``load`` that
+replaces nothing but must not race a drop) waits until that adapter has no running rows,
+holding back its new rows meanwhile: a reply is drawn by one version from first token to last.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from opentinker.engine.runner import sampled_row
+from opentinker.engine.sequence import Sequence
+from protocols.messages import (
+    DropAdapter,
+    Message,
+    OptimStep,
+    SampleChunk,
+    SampleRequest,
+    SampleResult,
+)
+
+if TYPE_CHECKING:
+    from opentinker.engine.service import Scheduler, _Job
+
+
+log = logging.getLogger(__name__)
+
+CHANGES_WEIGHTS = (OptimStep, DropAdapter)
+"""Operations that wait for the adapter's running rows to finish."""
+
+
+def _adapter_of(msg: Message) -> str:
+    """The adapter an operation concerns (its round-robin key)."""
+    for attr in ("adapter", "name"):
+        value = getattr(msg, attr, None)
+        if isinstance(value, str):
+            return value
+    return ""
+
+
+@dataclass
+class _SampleJob:
+    job: Any
+    seqs: list[Sequence]
+    emit: Any = None
+    chunks: int = 0
+    done: bool = False
+
+
+@dataclass
+class FairShare:
+    """Decayed compute seconds of sampling steps and of operations; operations are due while
+    their share is below ``train_share``."""
+
+    train_share: float = 0.5
+    window_s: float = 10.0
+    sample_s: float = 0.0
+    ops_s: float = 0.0
+    _last: float = field(default_factory=time.perf_counter)
+
+    def _decay(self) -> None:
+        now = time.perf_counter()
+        k = math.exp(-(now - self._last) / self.window_s)
+        self.sample_s *= k
+        self.ops_s *= k
+        self._last = now
+
+    def charge(self, kind: str, seconds: float) -> None:
+        self._decay()
+        if kind == "sample":
+            self.sample_s += seconds
+        else:
+            self.ops_s += seconds
+
+    def ops_due(self) -> bool:
+        self._decay()
+        total = self.sample_s + self.ops_s
+        return total == 0 or self.ops_s <= self.train_share * total
+
+
+class StepWorker:
+    """Runs the scheduler's engine and operations on the compute thread."""
+
+    def __init__(self, scheduler: Scheduler, train_share: float = 0.5, fair_window_s: float = 10.0) -> None:
+        if not 0.0 < train_share < 1.0:
+            raise ValueError(f"train_share must be in (0, 1), got {train_share}")
+        self.s = scheduler
+        self.engine = scheduler.host.engine
+        self.fair = FairShare(train_share, fair_window_s)
+        self.ops: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()
+        self.sampling: dict[int, _SampleJob] = {}
+
+    # ----------------------------------------------------------------------------- intake
+
+    def _intake(self, block: bool) -> bool:
+        """Move queued requests in; False when the scheduler stops."""
+        s = self.s
+        with s._cv:
+            while block and not s._jobs and not s._stop:
+                s._cv.wait(timeout=1.0)
+            if s._stop:
+                return False
+            jobs = list(s._jobs)
+            s._jobs.clear()
+            for job in jobs:  # an operation starts when it runs; until then it can be cancelled
+                if isinstance(job.msg, SampleRequest):
+                    job.started = True
+        for job in jobs:
+            if isinstance(job.msg, SampleRequest):
+                self._add_sample(job)
+            else:
+                self.ops.setdefault(_adapter_of(job.msg), collections.deque()).append(job)
+        return True
+
+    def _add_sample(self, job: _Job) -> None:
+        m: SampleRequest = job.msg  # type: ignore[assignment]
+        host = self.s.host
+        try:
+            host.runner.check_sample([m.adapter] * len(m.prompts), m.prompts, [m.params] * len(m.prompts))
+            seqs = [self.engine.add(m.adapter, p, m.params, m.params.seed + i, owner=job) for i, p in enumerate(m.prompts)]
+        except (ValueError, KeyError) as e:  # one bad request never fails its batch-mates
+            self.s._reply(job, e)
+            return
+        self.sampling[id(job)] = _SampleJob(job, seqs, emit=job.emit)
+        self.s.compute_counters["SampleRequest"] += 1
+
+    # ----------------------------------------------------------------------------- work
+
+    def run(self) -> None:
+        while True:
+            idle = not self.engine.has_work() and not self.ops and not self.engine.running
+            if not self._intake(block=idle):
+                return
+            self._cancel_abandoned()
+            op = self._next_op()
+            if op is not None and (not self.engine.has_work() or self.fair.ops_due()):
+                self._run_op(op)
+            elif self.engine.has_work():
+                self._step()
+            elif op is None and self.ops:
+                # Every waiting operation waits for running rows that cannot run (held):
+                # nothing else can happen, so run the oldest regardless.
+                self._run_op(self._pop_any())
+
+    def _next_op(self) -> tuple[str, _Job] | None:
+        """The next operation in round-robin order whose adapter has no running rows if it
+        changes weights (such an adapter's new rows are held back meanwhile)."""
+        for adapter, queue in self.ops.items():
+            job = queue[0]
+            if isinstance(job.msg, CHANGES_WEIGHTS) and self.engine.rows_of(adapter):
+                self.engine.held.add(adapter)
+                continue
+            return adapter, job
+        return None
+
+    def _pop_any(self) -> tuple[str, _Job]:
+        adapter = next(iter(self.ops))
+        return adapter, self.ops[adapter][0]
+
+    def _run_op(self, op: tuple[str, _Job]) -> None:
+        adapter, job = op
+        queue = self.ops.pop(adapter)
+        queue.popleft()
+        if queue:
+            self.ops[adapter] = queue  # to the back: the next adapter's turn comes first
+        self.engine.held.discard(adapter)
+        with self.s._cv:
+            if job.dropped:
+                return
+            job.started = True
+        t0 = time.perf_counter()
+        try:
+            reply: Any = self.s._run(job.msg)
+        except Exception as e:
+            reply = e
+        dt = time.perf_counter() - t0
+        self.fair.charge("ops", dt)
+        self.s.compute_counters[f"compute_ms/{type(job.msg).__name__}"] += int(1000 * dt)
+        self.s._reply(job, reply)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            plan_clients = [getattr(q.owner.msg, "client", "") for q in self.engine.running]
+            progressed, finished = self.engine.step()
+        except Exception as e:
+            self._fail_running(e)
+            return
+        dt = time.perf_counter() - t0
+        self.fair.charge("sample", dt)
+        self.s.compute_counters["compute_ms/SampleRequest"] += int(1000 * dt)
+        self.s.compute_counters["engine_steps"] += 1
+        if plan_clients:
+            self.s.batches.append(plan_clients)
+        self._stream(progressed)
+        for seq in finished:
+            self._maybe_done(seq.owner)
+
+    def _stream(self, progressed: list[Sequence]) -> None:
+        by_job: dict[int, list[Sequence]] = {}
+        for seq in progressed:
+            entry = self.sampling.get(id(seq.owner))
+            if entry is not None and entry.emit is not None:
+                by_job.setdefault(id(seq.owner), []).append(seq)
+        for key, seqs in by_job.items():
+            entry = self.sampling[key]
+            rows = [entry.seqs.index(q) for q in seqs]
+            chunk = SampleChunk(
+                rows=rows,
+                tokens=[np.asarray(q.out_tokens[q.streamed:], dtype=np.int32) for q in seqs],
+                logprobs=[np.asarray(q.out_logprobs[q.streamed:], dtype=np.float32) for q in seqs],
+                seq=entry.chunks,
+            )
+            for q in seqs:
+                q.streamed = len(q.out_tokens)
+            entry.chunks += 1
+            entry.emit(chunk)
+
+    def _maybe_done(self, job: _Job) -> None:
+        entry = self.sampling.get(id(job))
+        if entry is None or not all(q.finished for q in entry.seqs):
+            return
+        del self.sampling[id(job)]
+        if any(q.cancelled for q in entry.seqs):
+            return  # its caller has gone
+        errors = [q.error for q in entry.seqs if q.error is not None]
+        if errors:
+            self.engine.cancel(entry.seqs)  # its other rows leave at the next step
+            self.s._reply(job, errors[0])
+            return
+        m: SampleRequest = job.msg  # type: ignore[assignment]
+        rows = [sampled_row(q) for q in entry.seqs]
+        versions = {q.version for q in entry.seqs}
+        self.s._batch_ids += 1
+        self.s.compute_counters["sample_rows"] += len(rows)
+        self.s._reply(job, SampleResult(
+            tokens=[r.tokens for r in rows], logprobs=[r.logprobs for r in rows],
+            stop_reasons=[r.stop_reason for r in rows],
+            adapter_version=max(versions) if m.adapter is not None else -1,
+            batch_id=self.s._batch_ids,
+        ))
+
+    def _cancel_abandoned(self) -> None:
+        """Rows of requests whose callers cancelled leave at the next step."""
+        for entry in list(self.sampling.values()):
+            if entry.job.cancelled and not entry.done:
+                entry.done = True
+                self.engine.cancel(entry.seqs)
+                self.s.compute_counters["cancelled_rows"] += len(entry.seqs)
+
+    def _fail_running(self, e: Exception) -> None:
+        """A step raised (a fault of the engine, not of one request): every request with rows
+        in the engine fails with that error, and the rows leave; the scheduler keeps serving."""
+        log.exception("engine step failed; failing the %d requests in it", len(self.sampling))
+        for entry in list(self.sampling.values()):
+            self.engine.cancel(entry.seqs)
+            del self.sampling[id(entry.job)]
+            self.s._reply(entry.job, e)
+        try:
+            self.engine.step()  # frees the cancelled rows' blocks (no row computes)
+        except Exception:
+            log.exception("engine step after a failure failed too")

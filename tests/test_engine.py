@@ -1,0 +1,462 @@
+"""The engine on the tiny-random model: continuous batching through the scheduler, prefix
+reuse across turns, batch-invariant seeded sampling, sampler = trainer, the engine against the
+PEFT path, streaming, cancellation, fairness between sampling and training, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq.asyncio
+
+from conftest import DEVICE, run
+from opentinker.bus import Client, RemoteError
+from protocols.messages import (
+    AdamParams, CreateAdapter, Datum, ErrorCode, ForwardBackward, LoraSpec, OptimStep,
+    SampleChunk, SampleRequest, SamplingParams, SchedulerStats, StopReason,
+)
+
+SPEC = LoraSpec(rank=4, seed=5)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 6, hi: int = 40) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 4000, size=int(rng.integers(lo, hi))).astype(np.int32) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_path):
+    """The engine's host and the PEFT host, with the same adapter weights (B nonzero)."""
+    from opentinker.engine.host import ModelHost
+
+    own = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                    engine_options={"kv_budget_bytes": 16 << 20, "block_size": 4})
+    peft = ModelHost(tiny_path, threads=1, device=DEVICE, engine="peft")
+    for h in (own, peft):
+        h.create_adapter("pol", SPEC)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, p in own.adapters["pol"].named.items():
+            if "lora_B" in k:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            peft.adapters["pol"].named[k].copy_(p)
+    return own, peft
+
+
+def test_engine_host_matches_the_peft_host(hosts):
+    """Same base fingerprint, same initial adapter, log-probs within 1e-5, forward_backward
+    gradients equal, saved adapters load across the two paths."""
+    own, peft = hosts
+    assert own.base_fingerprint == peft.base_fingerprint
+    seqs = _prompts(4, seed=1)
+    for a in ("pol", None):
+        for x, y in zip(own.logprobs(a, seqs), peft.logprobs(a, seqs)):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+    d = Datum(tokens=seqs[0], loss_inputs={"mask": np.r_[np.zeros(3), np.ones(len(seqs[0]) - 3)].astype(np.float32),
+                                           "advantages": np.ones(len(seqs[0]), np.float32),
+                                           "sampler_logprobs": np.full(len(seqs[0]), -10.8, np.float32)})
+    grads = []
+    for h in (own, peft):
+        h.forward_backward("pol", [d], "ppo", {}, 10.0)
+        grads.append({k: p.grad.clone() for k, p in h.adapters["pol"].named.items()})
+        for p in h.adapters["pol"].params:
+            p.grad = None
+        h.adapters["pol"].pending_grad = False
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-4)
+
+
+def test_adapters_saved_by_one_path_load_in_the_other(hosts, tmp_path):
+    own, peft = hosts
+    seq = _prompts(1, seed=2)
+    for src, dst, name in ((own, peft, "from_own"), (peft, own, "from_peft")):
+        src.save("pol", str(tmp_path / name))
+        dst.load(str(tmp_path / name), name)
+        np.testing.assert_allclose(dst.logprobs(name, seq)[0], src.logprobs("pol", seq)[0], atol=1e-5)
+        dst.drop_adapter(name)
+    from peft import PeftModel  # the files are PEFT's own format
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(own.model_path)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "from_own"))
+    ids = torch.as_tensor(seq[0][None].astype(np.int64))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    np.testing.assert_allclose(logp.numpy(), own.logprobs("pol", seq)[0][1:], atol=1e-5)
+
+
+def test_seeded_rows_draw_the_same_whatever_the_batch(hosts):
+    """A row draws the same tokens (log-probs within 1e-5) alone, among 31 others, and when it
+    joins a batch that is already running."""
+    own, _ = hosts
+    eng = own.engine
+    params = SamplingParams(max_tokens=10, temperature=1.3, top_p=0.95)
+    prompts = _prompts(32, seed=3)
+    target = prompts[7]
+    alone = eng.add("pol", target, params, seed=99)
+    eng.run_until_done([alone])
+    crowd = [eng.add("pol" if i % 3 else None, p, params, seed=1000 + i) for i, p in enumerate(prompts)]
+    among = eng.add("pol", target, params, seed=99)
+    eng.run_until_done(crowd + [among])
+    early = [eng.add(None, p, params, seed=2000 + i) for i, p in enumerate(prompts[:8])]
+    for _ in range(4):
+        eng.step()
+    late = eng.add("pol", target, params, seed=99)
+    eng.run_until_done(early + [late])
+    for other in (among, late):
+        assert other.out_tokens == alone.out_tokens
+        np.testing.assert_allclose(other.out_logprobs, alone.out_logprobs, atol=1e-5)
+    assert len({tuple(s.out_tokens) for s in crowd}) == len(crowd)  # rows have their own randomness
+
+
+def test_sampler_logprobs_equal_the_trainers(hosts):
+    own, _ = hosts
+    rows = own.sample(["pol", None, "pol"], _prompts(3, seed=4), [SamplingParams(max_tokens=8)] * 3, [1, 2, 3])
+    for a, p, r in zip(["pol", None, "pol"], _prompts(3, seed=4), rows):
+        teacher = own.logprobs(a, [np.concatenate([p, r.tokens])])[0][len(p):]
+        np.testing.assert_allclose(teacher, r.logprobs, atol=1e-5)
+
+
+def test_a_seats_next_turn_prefills_only_its_new_tokens(hosts):
+    own, _ = hosts
+    eng = own.engine
+    params = SamplingParams(max_tokens=6)
+    prompt = _prompts(1, seed=5, lo=60, hi=61)[0]
+    first = eng.add("pol", prompt, params, seed=1)
+    eng.run_until_done([first])
+    new_obs = np.arange(100, 113, dtype=np.int32)
+    turn2 = np.concatenate([prompt, np.asarray(first.out_tokens, np.int32), new_obs])
+    before = eng.stats.prefill_tokens
+    second = eng.add("pol", turn2, params, seed=2)
+    eng.run_until_done([second])
+    computed = eng.stats.prefill_tokens - before
+    new_tokens = len(new_obs) + 1  # plus the last sampled token, whose KV was never computed
+    assert new_tokens <= computed < new_tokens + eng.block_size
+    # Another adapter version never reuses it: after an optimizer step the prefix is gone.
+    assert second.num_cached > 0
+    d = Datum(tokens=turn2, loss_inputs={"mask": np.r_[np.zeros(len(turn2) - 3), np.ones(3)].astype(np.float32),
+                                         "advantages": np.ones(len(turn2), np.float32),
+                                         "sampler_logprobs": np.full(len(turn2), -10.8, np.float32)})
+    own.forward_backward("pol", [d], "ppo", {}, 3.0)
+    own.optim_step("pol", AdamParams(lr=1e-3))
+    third = eng.add("pol", turn2, params, seed=2)
+    eng.run_until_done([third])
+    assert third.num_cached == 0 and third.version == second.version + 1
+
+
+def test_bad_requests_get_typed_errors_and_the_engine_keeps_serving(hosts):
+    own, _ = hosts
+    ok = _prompts(1, seed=6)[0]
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        own.sample(["nope"], [ok], [SamplingParams()], [0])
+    with pytest.raises(ValueError, match="exceeds the model's context of 2048"):
+        own.sample([None], [np.full(2040, 5, np.int32)], [SamplingParams(max_tokens=16)], [0])
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        own.sample([None], [ok], [SamplingParams(max_tokens=0)], [0])
+    with pytest.raises(ValueError, match="1-D integer array"):
+        own.sample([None], [ok.astype(np.float32)], [SamplingParams()], [0])
+    bad = Datum(tokens=ok, loss_inputs={"mask": np.ones(len(ok), np.float32),
+                                        "advantages": np.full(len(ok), np.nan, np.float32),
+                                        "sampler_logprobs": np.zeros(len(ok), np.float32)})
+    with pytest.raises(ValueError, match=r"advantages.*not finite"):
+        own.forward_backward("pol", [bad], "ppo", {}, 1.0)
+    assert len(own.sample([None], [ok], [SamplingParams(max_tokens=3)], [0])[0].tokens) == 3
+
+
+def test_a_kv_budget_too_small_for_one_request_is_refused(tiny_path):
+    from opentinker.engine.host import ModelHost
+
+    host = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                     engine_options={"kv_budget_bytes": 64 * 1024, "block_size": 4})  # 32 blocks of 4
+    with pytest.raises(ValueError, match="KV blocks"):
+        host.sample([None], [np.arange(10, 150, dtype=np.int32)], [SamplingParams(max_tokens=8)], [0])
+    assert len(host.sample([None], [np.arange(10, 40, dtype=np.int32)], [SamplingParams(max_tokens=4)], [0])[0].tokens) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the scheduler's step loop
+
+
+@pytest.fixture()
+def sched(tiny_path):
+    from opentinker.engine.service import Scheduler
+
+    s = Scheduler(tiny_path, threads=1, device=DEVICE, engine="own", fair_window_s=0.5,
+                  engine_options={"kv_budget_bytes": 16 << 20, "block_size": 4})
+    s.start()
+    yield s
+    s.stop()
+
+
+async def _client(s, body):
+    ctx = zmq.asyncio.Context()
+    c = Client(ctx, s.endpoint, name="engine-test")
+    try:
+        return await body(c)
+    finally:
+        c.close()
+        ctx.destroy(0)
+
+
+def test_a_request_joins_a_running_batch_and_streams(sched):
+    """A short request sent while a long one runs finishes first (it joined the running batch);
+    streamed chunks arrive in order before the final reply and add up to it."""
+    long = SamplingParams(max_tokens=120, seed=1)
+    short = SamplingParams(max_tokens=4, seed=2)
+    chunks: list[SampleChunk] = []
+
+    async def body(c):
+        slow = asyncio.ensure_future(c.request(SampleRequest(adapter=None, prompts=_prompts(1, 7), params=long,
+                                                             client="slow")))
+        for _ in range(400):
+            if sched.compute_counters["engine_steps"] >= 3:
+                break
+            await asyncio.sleep(0.01)
+        fast = await c.request(SampleRequest(adapter=None, prompts=_prompts(2, 8), params=short, client="fast",
+                                             stream=True), on_partial=chunks.append)
+        assert not slow.done(), "the long request ended before the short one: no continuous batching"
+        return fast, await slow, await c.request(SchedulerStats())
+
+    fast, slow, stats = run(_client(sched, body))
+    assert [len(t) for t in slow.tokens] == [120] and [len(t) for t in fast.tokens] == [4, 4]
+    assert any(set(b) == {"slow", "fast"} for b in stats.batches)
+    assert [c.seq for c in chunks] == list(range(len(chunks))) and len(chunks) >= 2
+    for row in (0, 1):
+        got = np.concatenate([t for c in chunks for r, t in zip(c.rows, c.tokens) if r == row])
+        np.testing.assert_array_equal(got, fast.tokens[row])
+    assert stats.counters["engine/running_rows"] == 0 and stats.counters["engine/kv_blocks_in_use"] == 0
+
+
+def test_a_cancelled_request_frees_its_rows_at_the_next_step(sched):
+    long = SamplingParams(max_tokens=500, seed=1)
+
+    async def body(c):
+        task = asyncio.ensure_future(c.request(SampleRequest(adapter=None, prompts=_prompts(3, 9), params=long)))
+        for _ in range(400):
+            if sched.compute_counters["engine_steps"] >= 3:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        for _ in range(400):
+            if sched.host.engine.stats.cancelled == 3:
+                break
+            await asyncio.sleep(0.01)
+        return await c.request(SchedulerStats())
+
+    stats = run(_client(sched, body))
+    assert sched.host.engine.stats.cancelled == 3
+    assert stats.counters["engine/running_rows"] == 0 and stats.counters["engine/kv_blocks_in_use"] == 0
+    assert stats.counters["engine/decode_tokens"] < 3 * 500
+
+
+def _datum(n: int = 40) -> Datum:
+    tokens = np.arange(10, 10 + n, dtype=np.int32)
+    mask = np.r_[np.zeros(n // 2), np.ones(n - n // 2)].astype(np.float32)
+    return Datum(tokens=tokens, loss_inputs={"mask": mask, "advantages": mask,
+                                             "sampler_logprobs": np.full(n, -10.8, np.float32)})
+
+
+def test_sampling_and_training_do_not_starve_each_other(sched):
+    """A steady stream of sampling requests (always one waiting) does not keep a
+    forward_backward waiting until the stream ends, and a queue of forward_backwards does not
+    keep a sample request waiting until the queue is empty."""
+    stream = SamplingParams(max_tokens=40, seed=3)
+
+    async def body(c):
+        await c.request(CreateAdapter(name="pol", spec=SPEC))
+        stop = asyncio.Event()
+        served = []
+
+        async def sampler():
+            i = 0
+            while not stop.is_set() and i < 200:
+                await c.request(SampleRequest(adapter=None, prompts=_prompts(4, 100 + i), params=stream))
+                served.append(time.perf_counter())
+                i += 1
+
+        streams = [asyncio.ensure_future(sampler()) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        fb = await c.request(ForwardBackward(adapter="pol", datums=[_datum()] * 8, loss="ppo", normalizer=20.0))
+        n_during = len(served)
+        stop.set()
+        await asyncio.gather(*streams)
+        await asyncio.sleep(1.0)  # the sampling history decays (fair_window_s = 0.5)
+        # The reverse: many training calls queued, then one sample request.
+        fbs = [asyncio.ensure_future(c.request(ForwardBackward(adapter="pol", datums=[_datum(120)] * 16, loss="ppo",
+                                                               normalizer=20.0))) for _ in range(12)]
+        await asyncio.sleep(0.05)
+        sample = await c.request(SampleRequest(adapter=None, prompts=_prompts(1, 7), params=SamplingParams(max_tokens=4)))
+        pending = sum(not f.done() for f in fbs)
+        await asyncio.gather(*fbs)
+        await c.request(OptimStep(adapter="pol", params=AdamParams(lr=1e-3)))
+        return fb, n_during, served, sample, pending
+
+    fb, n_during, served, sample, pending = run(_client(sched, body), timeout=300)
+    assert fb.loss == fb.loss  # it ran
+    assert n_during < len(served), "the forward_backward waited for the sampling stream to end"
+    assert len(sample.tokens[0]) == 4
+    assert pending > 0, "the sample request waited for the whole training queue"
+
+
+def test_an_optim_step_waits_for_its_adapters_running_rows(sched):
+    """No reply straddles two versions: rows admitted at version 0 finish at version 0."""
+    async def body(c):
+        await c.request(CreateAdapter(name="pol", spec=SPEC))
+        await c.request(ForwardBackward(adapter="pol", datums=[_datum()], loss="ppo", normalizer=20.0))
+        rows = asyncio.ensure_future(c.request(SampleRequest(adapter="pol", prompts=_prompts(2, 11),
+                                                             params=SamplingParams(max_tokens=60, seed=1))))
+        for _ in range(400):
+            if sched.compute_counters["engine_steps"] >= 2:
+                break
+            await asyncio.sleep(0.01)
+        step = await c.request(OptimStep(adapter="pol", params=AdamParams(lr=1e-2)))
+        assert rows.done(), "the optimizer step ran while the adapter's rows were still decoding"
+        return await rows, step
+
+    rows, step = run(_client(sched, body))
+    assert rows.adapter_version == 0 and step.version == 1
+    assert [len(t) for t in rows.tokens] == [60, 60] and set(rows.stop_reasons) == {StopReason.LENGTH}
+
+
+def test_one_bad_request_does_not_fail_its_batch_mates(sched):
+    async def body(c):
+        good = asyncio.ensure_future(c.request(SampleRequest(adapter=None, prompts=_prompts(2, 12),
+                                                             params=SamplingParams(max_tokens=5))))
+        bad = c.request(SampleRequest(adapter=None, prompts=[np.zeros((2, 3), np.int32)], params=SamplingParams()))
+        with pytest.raises(RemoteError) as e:
+            await bad
+        return await good, e.value
+
+    good, err = run(_client(sched, body))
+    assert [len(t) for t in good.tokens] == [5, 5]
+    assert err.error.code is ErrorCode.INVALID and "1-D integer array" in str(err)
+
+
+def test_adapters_beyond_the_memory_budget_spill_and_come_back_unchanged(tiny_path):
+    """A device budget with room for two adapters (with AdamW moments) serves four: the least
+    recently used spill to host memory and return on demand; samples, log-probs and training
+    equal those of an unbounded host."""
+    from opentinker.engine.host import ModelHost
+    from opentinker.engine.memory import adapter_bytes
+
+    opts = {"kv_budget_bytes": 4 << 20, "block_size": 4}
+    free = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own", engine_options=opts)
+    names = ["pa", "pb", "pc", "pd"]
+    d = _datum(30)
+
+    def prepare(h):
+        for i, n in enumerate(names):
+            h.create_adapter(n, LoraSpec(rank=4, seed=i))
+            h.forward_backward(n, [d], "ppo", {}, 10.0)
+            h.optim_step(n, AdamParams(lr=0.05))  # B nonzero, AdamW moments exist
+
+    prepare(free)
+    one = adapter_bytes(free.adapters["pa"])
+    weights = sum(p.numel() * p.element_size() for p in free.registry.decoder.parameters())
+    budget = weights + free.engine.pool.nbytes + int(2.5 * one)
+    tight = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                      engine_options={**opts, "device_budget_bytes": budget})
+    prepare(tight)
+    mem = tight.registry.memory
+    assert len(mem.resident) == 2 and len(mem.spilled) == 2 and mem.spills >= 2
+    prompts = _prompts(4, seed=20)
+    params = [SamplingParams(max_tokens=5)] * 4
+    for order in (names, names[::-1]):
+        a = tight.sample(order, prompts, params, [1, 2, 3, 4])
+        b = free.sample(order, prompts, params, [1, 2, 3, 4])
+        for x, y in zip(a, b):
+            assert x.tokens.tolist() == y.tokens.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
+    for h in (tight, free):  # train one that had spilled: its moments came back too
+        h.forward_backward("pa", [d], "ppo", {}, 10.0)
+        h.optim_step("pa", AdamParams(lr=0.05))
+    for k, p in free.adapters["pa"].named.items():
+        torch.testing.assert_close(tight.adapters["pa"].named[k], p, atol=0, rtol=0)
+    m = tight.engine.metrics()
+    assert m["engine/adapters_resident"] == 2 and m["engine/adapters_spilled"] == 2
+    assert m["engine/adapter_restores"] >= 4 and m["engine/adapter_bytes_resident"] <= int(2.5 * one)
+    with pytest.raises(ValueError, match="device budget"):
+        ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                  engine_options={**opts, "device_budget_bytes": weights})
+
+
+def test_a_full_parameter_policy_trains_every_weight_and_saves_safetensors(tiny_path, tmp_path):
+    """kind = "full": a private copy of the base on the same scheduler. It samples batched
+    with LoRA rows (one forward per model copy), equals the base before training, trains
+    every weight with AdamW (the shared base never moves), and saves a checkpoint transformers
+    loads as a plain model."""
+    from transformers import AutoModelForCausalLM
+
+    from opentinker.engine.host import ModelHost
+
+    host = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                     engine_options={"kv_budget_bytes": 4 << 20, "block_size": 4})
+    host.create_adapter("fullp", LoraSpec(full=True))
+    host.create_adapter("lorap", SPEC)
+    base_before = {k: v.clone() for k, v in host.registry.decoder.state_dict().items()}
+    prompts = _prompts(3, seed=30)
+    params = [SamplingParams(max_tokens=4)] * 3
+    mixed = host.sample(["fullp", "lorap", None], prompts, params, [1, 2, 3])
+    alone = host.sample([None, None, None], prompts, params, [1, 2, 3])
+    assert mixed[0].tokens.tolist() == alone[0].tokens.tolist()  # an untrained copy is the base
+    d = _datum(30)
+    host.forward_backward("fullp", [d], "ppo", {}, 10.0)
+    _, norm = host.optim_step("fullp", AdamParams(lr=1e-3))
+    assert norm > 0
+    moved = {k for k, p in host.adapters["fullp"].named.items() if not torch.equal(p, base_before[k])}
+    assert "model.embed_tokens.weight" in moved and "model.layers.1.mlp.down_proj.weight" in moved
+    for k, v in host.registry.decoder.state_dict().items():
+        assert torch.equal(v, base_before[k]), k
+    seq = [np.concatenate([prompts[0], mixed[0].tokens])]
+    after = host.logprobs("fullp", seq)[0]
+    assert not np.allclose(after, host.logprobs(None, seq)[0])
+    host.save("fullp", str(tmp_path / "full"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full"))
+    ids = torch.as_tensor(seq[0][None].astype(np.int64))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    np.testing.assert_allclose(logp.numpy(), after[1:], atol=1e-5)
+    assert host.load(str(tmp_path / "full"), "fullq") == 1
+    np.testing.assert_allclose(host.logprobs("fullq", seq)[0], after, atol=1e-6)
+    peft = ModelHost(tiny_path, threads=1, device=DEVICE, engine="peft")
+    with pytest.raises(ValueError, match="full-parameter policies need the engine"):
+        peft.create_adapter("fullp", LoraSpec(full=True))
+
+
+def test_rows_with_the_same_prompt_compute_it_once(hosts):
+    """A group's first turns (one prompt, several seeds) arrive together: one row computes the
+    prompt, the others join a step later and reuse its blocks."""
+    own, _ = hosts
+    eng = own.engine
+    prompt = _prompts(1, seed=40, lo=50, hi=51)[0]
+    before = eng.stats.prefill_tokens
+    rows = own.sample(["pol"] * 4, [prompt] * 4, [SamplingParams(max_tokens=3)] * 4, [1, 2, 3, 4])
+    computed = eng.stats.prefill_tokens - before
+    assert len({r.tokens.tobytes() for r in rows}) > 1
+    assert computed < len(prompt) + 4 * eng.block_size  # not 4 x 50
+
+
+def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(sched, monkeypatch):
+    engine = sched.host.engine
+    real = engine._forward
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault in a forward")
+        return real(plan)
+
+    monkeypatch.setattr(engine, "_forward", flaky)
+
+    async def body(c):
+        with pytest.raises(RemoteError, match="injected fault"):
+            await c.request(SampleRequest(adapter=None, prompts=_prompts(2, 50), params=SamplingParams(max_tokens=5)))
+        return await c.request(SampleRequest(adapter=None, prompts=_prompts(2, 51), params=SamplingParams(max_tokens=5)))
+
+    after = run(_client(sched, body))
+    assert [len(t) for t in after.tokens] == [5, 5]
+    assert not engine.running and engine.blocks.stats().blocks_in_use == 0  # the failed rows left
