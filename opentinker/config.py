@@ -47,6 +47,10 @@ class ModelConfig(_Config):
     for the families it runs (Llama, SmolLM2, Qwen2, Qwen3), PEFT for the rest; ``own``:
     insist on it; ``peft``: whole-request batches through PEFT, no prefix reuse (a resumed run
     is bit-for-bit only on this path: the engine's rows share steps by arrival time)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The engine's base weights and activations (LoRA weights and optimizer states stay
+    fp32). ``bfloat16`` is for GPUs; on a CPU it is slower than fp32 and log-probs move by
+    ~0.03 (tests/test_engine_model.py states the tolerance)."""
     kv_budget_mb: PosInt = 256
     """Memory for the engine's KV blocks, in MiB."""
     kv_block_size: PosInt = 8

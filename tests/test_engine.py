@@ -460,3 +460,28 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(sched
     after = run(_client(sched, body))
     assert [len(t) for t in after.tokens] == [5, 5]
     assert not engine.running and engine.blocks.stats().blocks_in_use == 0  # the failed rows left
+
+
+def test_bf16_engine_samples_and_trains_close_to_fp32(hosts, tiny_path):
+    """bf16 weights and activations, fp32 LoRA masters and AdamW: log-probs within 0.1 of the
+    fp32 engine's on the same adapter (the decoder's own tolerance test is tighter), and a
+    training step moves the fp32 masters."""
+    from opentinker.engine.host import ModelHost
+
+    own, _ = hosts
+    half = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                     engine_options={"kv_budget_bytes": 4 << 20, "block_size": 4, "dtype": "bfloat16"})
+    half.create_adapter("pol", SPEC)
+    with torch.no_grad():
+        for k, p in half.adapters["pol"].named.items():
+            p.copy_(own.adapters["pol"].named[k])
+    assert next(iter(half.adapters["pol"].named.values())).dtype == torch.float32
+    seqs = _prompts(2, seed=60)
+    for x, y in zip(half.logprobs("pol", seqs), own.logprobs("pol", seqs)):
+        assert np.abs(x - y).max() < 0.1
+    rows = half.sample(["pol"], seqs[:1], [SamplingParams(max_tokens=4)], [0])
+    assert len(rows[0].tokens) == 4 and np.isfinite(rows[0].logprobs).all()
+    before = {k: p.clone() for k, p in half.adapters["pol"].named.items()}
+    half.forward_backward("pol", [_datum(20)], "ppo", {}, 10.0)
+    half.optim_step("pol", AdamParams(lr=1e-2))
+    assert any(not torch.equal(p, before[k]) for k, p in half.adapters["pol"].named.items())

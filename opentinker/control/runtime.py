@@ -113,7 +113,7 @@ class Job:
         m = cfg.model
         sched_kwargs = {"model_path": model_path, "device": m.device, "threads": threads, "engine": m.engine,
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
-                                           "max_batch_tokens": m.max_batch_tokens}}
+                                           "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype}}
         if self.backend == "ray":
             self._start_ray(sched_kwargs)
         else:
