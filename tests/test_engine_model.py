@@ -260,6 +260,175 @@ def test_segments_method_requires_rows_sorted_by_adapter() -> None:
     LoraBatch([a, b, a], [2, 2, 2], method="stacked")
 
 
+def _rowwise_reference(dec: Decoder, ids: torch.Tensor, rows: list[LoraWeights | None]) -> torch.Tensor:
+    """Logits of each row alone with its own adapter (the one-adapter case, checked against
+    PEFT above), stacked ``[B, L, V]``."""
+    L = ids.shape[1]
+    out = []
+    for b, w in enumerate(rows):
+        lora = None if w is None else LoraBatch([w], [L], method="segments")
+        out.append(dec.logits(dec(ids[b], torch.arange(L), DenseAttention(1, L), lora)))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("layout", ["view-after-base-rows", "chunked-padded", "unsorted"])
+def test_bgmv_layouts_equal_rowwise_values_and_gradients(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bgmv's three token layouts: rows sorted by adapter with equal token counts (a view, no
+    gather; base rows before them), chunks shorter than the longest adapter's tokens (A and B
+    copied per chunk, the last chunk padded), and unsorted rows (gathered, padded to the
+    longest). Values (no grad; stack cache cold then warm) and gradients equal each row run
+    alone."""
+    import opentinker.engine.model.lora as lora_mod
+
+    _, dec, named = _peft_with_adapters()
+    w = {n: LoraWeights.from_named(named[n], ADAPTERS[n], dec.spec) for n in ADAPTERS}
+    L = 5
+    if layout == "view-after-base-rows":
+        rows = [None, w["a1"], w["a1"], w["a2"], w["a2"], w["a3"], w["a3"]]
+    elif layout == "chunked-padded":
+        monkeypatch.setattr(lora_mod, "_CHUNK_COST", 0.5)  # 35 + 5 tokens, rank <= 4: chunks of 8
+        rows = [w["a1"]] * 7 + [w["a3"]]
+    else:
+        rows = [w["a3"], w["a1"], None, w["a2"], w["a1"], w["a3"], w["a1"]]
+    ids = torch.randint(0, V, (len(rows), L), generator=torch.Generator().manual_seed(5))
+    probe = LoraBatch(rows, [L] * len(rows), method="bgmv")
+    if layout == "view-after-base-rows":
+        assert probe._bg_view == (L, 3, 2 * L)
+    elif layout == "chunked-padded":
+        assert probe._bg_view is None and probe._bg_Lt == 8 and probe._bg_C == 6
+        assert probe._bg_chunk_aid is not None and probe._bg_valid is not None
+    else:
+        assert probe._bg_view is None and probe._bg_chunk_aid is None and probe._bg_valid is not None
+
+    def ours(cache: LoraStackCache | None) -> torch.Tensor:
+        lora = LoraBatch(rows, [L] * len(rows), method="bgmv", stack_cache=cache)
+        B = len(rows)
+        return dec.logits(dec(ids.reshape(-1), torch.arange(L).repeat(B), DenseAttention(B, L), lora)).view(B, L, -1)
+
+    with torch.no_grad():
+        ref = _rowwise_reference(dec, ids, rows)
+        cache = LoraStackCache()
+        for _ in range(2):
+            assert (ours(cache) - ref).abs().max().item() < 1e-5
+        assert (cache.misses, cache.hits) == (1, 1)
+        assert (ours(None) - ref).abs().max().item() < 1e-5
+    tensors = [t for d in named.values() for t in d.values()]
+    for t in tensors:
+        t.grad = None
+    mask = torch.ones_like(ids)
+    _token_logprobs(_rowwise_reference(dec, ids, rows), ids, mask).sum().backward()
+    want = [None if t.grad is None else t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    _token_logprobs(ours(LoraStackCache()), ids, mask).sum().backward()  # with grad: no cached stacks
+    # Gradients reach ~10 here; fp32 summation order moves them by up to ~1e-5 of that (the
+    # stacked method alike), so the bar is relative to the largest.
+    scale = max(g.abs().max().item() for g in want if g is not None)
+    for t, g in zip(tensors, want):
+        if g is None:
+            assert t.grad is None or not t.grad.any()
+        else:
+            assert (t.grad - g).abs().max().item() < 1e-5 * scale
+
+
+def test_bgmv_shares_the_group_product_only_for_the_same_input() -> None:
+    """q/k/v of one layer read one x: bgmv multiplies it by their A's once. Another tensor (or
+    the same one changed in place) is multiplied afresh."""
+    _, dec, named = _peft_with_adapters()
+    a1 = LoraWeights.from_named(named["a1"], ADAPTERS["a1"], dec.spec)
+    x = torch.randn(6, dec.spec.hidden_size)
+    kv = dec.spec.num_kv_heads * dec.spec.head_dim
+
+    def k_of(lb: LoraBatch, x_in: torch.Tensor) -> torch.Tensor:
+        return lb.apply(0, "k_proj", x_in, torch.zeros(6, kv))
+
+    with torch.no_grad():
+        want = k_of(LoraBatch([a1], [6], method="segments"), x)
+        lb = LoraBatch([a1], [6], method="bgmv")
+        lb.apply(0, "q_proj", x, torch.zeros(6, dec.spec.num_heads * dec.spec.head_dim))
+        assert torch.allclose(k_of(lb, x), want, atol=1e-6)
+        other = torch.randn(6, dec.spec.hidden_size)
+        assert torch.allclose(k_of(lb, other), k_of(LoraBatch([a1], [6], method="segments"), other), atol=1e-6)
+        lb.apply(0, "q_proj", x, torch.zeros(6, dec.spec.num_heads * dec.spec.head_dim))
+        x.mul_(2.0)
+        assert torch.allclose(k_of(lb, x), 2 * want, atol=1e-5)
+
+
+def test_onednn_linear_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the size threshold at 0 every no-grad fp32 linear of the small models runs on oneDNN:
+    log-probs still equal transformers'; with grad the linears stay on F.linear (oneDNN's op has
+    no backward) and gradients flow."""
+    import opentinker.engine.model.decoder as decoder_mod
+
+    if not decoder_mod._onednn_ok():
+        pytest.skip("no oneDNN linear in this torch build")
+    monkeypatch.setattr(decoder_mod, "ONEDNN_MIN_MACS", 0)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decoder_mod, "_onednn_linear", counting)
+    for name in ("llama-tied-llama3", "qwen2-qkv-bias"):
+        family, kw = FAMILIES[name]
+        model = _hf(family, **kw)
+        dec = Decoder.from_hf_model(model)
+        ids, mask = _batch([12, 7, 3], 12, left=False)
+        with torch.no_grad():
+            ours = _token_logprobs(_ours(dec, ids, mask), ids, mask)
+            theirs = _token_logprobs(_theirs(model, ids, mask), ids, mask)
+        assert (ours - theirs).abs().max().item() < 1e-5
+    assert len(calls) == 2 * (7 * 2 + 1)
+    trainable = dec.copy(trainable=True)
+    calls.clear()
+    _token_logprobs(_ours(trainable, ids, mask), ids, mask).sum().backward()
+    assert not calls and trainable.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
+def test_paged_in_order_groups_equal_dense() -> None:
+    """The paged shortcuts: a fresh prefill of equal rows (one in-order group, plain causal
+    SDPA), equal chunks continuing it (in order, masked), decode steps with equal contexts (no
+    mask, the query heads of a KV head folded into SDPA's query axis) and with unequal ones
+    (mask kept), all equal the dense forward."""
+    model = _hf("llama")  # 4 query heads on 2 KV heads
+    dec = Decoder.from_hf_model(model)
+    s, bs = dec.spec, 4
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, V, (10,), generator=g) for _ in range(3)]
+    tables = torch.randperm(12, generator=g).view(3, 4)
+    k_pool = [torch.zeros(12 * bs, s.num_kv_heads, s.head_dim) for _ in range(s.num_layers)]
+    v_pool = [torch.zeros_like(k) for k in k_pool]
+    # (row, start, end): rows 0-2 prefill 3 tokens, then 3 more; two decode steps at equal
+    # lengths (row 2 sits the second out); then decodes at unequal lengths.
+    steps = [[(0, 0, 3), (1, 0, 3), (2, 0, 3)], [(0, 3, 6), (1, 3, 6), (2, 3, 6)],
+             [(0, 6, 7), (1, 6, 7), (2, 6, 7)], [(0, 7, 8), (1, 7, 8)], [(0, 8, 9), (1, 8, 9), (2, 7, 8)],
+             [(2, 8, 9), (1, 9, 10)]]
+    done = [9, 10, 9]
+    got = [torch.zeros(10, s.hidden_size) for _ in seqs]
+    with torch.no_grad():
+        for i, step in enumerate(steps):
+            ids = torch.cat([seqs[r][a:e] for r, a, e in step])
+            pos = torch.cat([torch.arange(a, e) for r, a, e in step])
+            slots = torch.cat([tables[r][torch.arange(a, e) // bs] * bs + torch.arange(a, e) % bs for r, a, e in step])
+            C = max(e for _, _, e in step)
+            ctx = torch.stack([tables[r][torch.arange(C) // bs] * bs + torch.arange(C) % bs for r, _, _ in step])
+            lens = [e - a for _, a, e in step]
+            starts = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
+            layout = PagedLayout(slots, starts, lens, [e for _, _, e in step], ctx)
+            (grp,) = layout.groups
+            assert grp.in_order
+            assert grp.causal == (i == 0)
+            assert (grp.sdpa_mask is None) == (i in (0, 2, 3))
+            h = dec(ids, pos, PagedAttention(k_pool, v_pool, layout))
+            for (r, a, e), off in zip(step, starts):
+                got[r][a:e] = h[off:off + e - a]
+        ref = dec(torch.stack(seqs).reshape(-1), torch.arange(10).repeat(3), DenseAttention(3, 10)).view(3, 10, -1)
+    for r, n in enumerate(done):
+        assert (got[r][:n] - ref[r, :n]).abs().max().item() < 1e-5
+
+
 def test_new_adapter_is_peft_init_bit_for_bit() -> None:
     from peft import LoraConfig, get_peft_model
 

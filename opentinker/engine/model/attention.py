@@ -18,7 +18,13 @@ once in it and shared by all layers.
   then gathers every row's context with one ``index_select`` per layer over a flat slot list
   (decode rows and prefill rows in separate padded groups, so a decode row is not padded to a
   prefill chunk's length) and runs SDPA with a boolean mask. :class:`PagedLayout` holds all the
-  indices, built once per forward.
+  indices, built once per forward. Shortcuts, all decided there: a group whose queries are the
+  flat tokens in order (a pure decode step; a prefill of equal chunks) reads q and returns o
+  as they are (no gather, no zero-filled output, no scatter); a mask that hides nothing (decode
+  rows of one context length) is dropped and one that is plain causal (a fresh prefill of
+  equal rows) becomes ``is_causal``; and a decode group folds the query heads that share a KV
+  head into SDPA's query axis (``[G, Hkv, Hq/Hkv, D]``), so each KV head is read once (12% off
+  SDPA at SmolLM2's 9 on 3 heads).
 
 Hazards:
 * A query that may see nothing (a left-pad token, a fully padded row) would make SDPA return
@@ -169,6 +175,13 @@ class _Group:
     Cg: int
     ctx_offset: int
     """Where this group's slots start in :attr:`PagedLayout.ctx_slots_flat`."""
+    in_order: bool = False
+    """The group's ``G * Lg`` query slots are flat tokens ``0 .. N-1`` in order, no padding
+    (the only group: a pure decode step, or equal prefill chunks): no gather or scatter of q/o."""
+    sdpa_mask: torch.Tensor | None = None
+    """The mask SDPA gets: ``mask_G_1_L_C``, or None where it hides nothing (every decode row's
+    context is ``Cg`` long) or is plain causal (``causal``)."""
+    causal: bool = False
 
 
 class PagedLayout:
@@ -220,12 +233,18 @@ class PagedLayout:
             slots = ctx_slots_B_C[rows.to(device), :Cg].to(torch.long)
             slots = torch.where(j_C.to(device)[None] < cl.to(device)[:, None], slots, 0)
             slot_parts.append(slots.reshape(-1))
+            no_pad_q = bool((ql == Lg).all())
+            full = no_pad_q and bool((cl == Cg).all())  # no pad query, no pad slot
+            in_order = no_pad_q and G * Lg == self.N and bool((q_index_G_L.reshape(-1) == torch.arange(self.N)).all())
+            causal = full and Lg == Cg and Lg > 1  # a fresh prefill: the mask is exactly causal
+            mask_G_1_L_C = mask[:, None].to(device)
             groups.append(_Group(
                 q_index_GL=q_index_G_L.reshape(-1).to(device),
                 valid_GL=valid_G_L.reshape(-1).to(device),
                 dst_V=q_index_G_L[valid_G_L].to(device),
-                mask_G_1_L_C=mask[:, None].to(device),
-                G=G, Lg=Lg, Cg=Cg, ctx_offset=offset,
+                mask_G_1_L_C=mask_G_1_L_C,
+                G=G, Lg=Lg, Cg=Cg, ctx_offset=offset, in_order=in_order,
+                sdpa_mask=None if causal or (full and Lg == 1) else mask_G_1_L_C, causal=causal,
             ))
             offset += G * Cg
         self.groups = groups
@@ -256,14 +275,26 @@ class PagedAttention(Attention):
         v_all = vp.index_select(0, lay.ctx_slots_flat)
         N, Hq, D = q_N_Hq_D.shape
         Hkv = kp.shape[1]
-        out_N_Hq_D = q_N_Hq_D.new_zeros(N, Hq, D)
+        out_N_Hq_D: torch.Tensor | None = None
         for g in lay.groups:
-            q = q_N_Hq_D.index_select(0, g.q_index_GL).view(g.G, g.Lg, Hq, D).transpose(1, 2)
+            q = q_N_Hq_D if g.in_order else q_N_Hq_D.index_select(0, g.q_index_GL)
             span = slice(g.ctx_offset, g.ctx_offset + g.G * g.Cg)
             k = k_all[span].view(g.G, g.Cg, Hkv, D).transpose(1, 2).to(q.dtype)
             v = v_all[span].view(g.G, g.Cg, Hkv, D).transpose(1, 2).to(q.dtype)
-            o = _sdpa(q, k, v, g.mask_G_1_L_C).transpose(1, 2).reshape(g.G * g.Lg, Hq, D)
-            if g.Lg > 1:
-                o = o[g.valid_GL]
+            if g.Lg == 1 and Hq % Hkv == 0:
+                # One query per row: fold the Hq / Hkv query heads that share a KV head into
+                # SDPA's query axis (head h uses KV head h // (Hq / Hkv), as transformers'
+                # repeat_kv), so each KV head is read once, not once per query head.
+                o = _sdpa(q.reshape(g.G, Hkv, Hq // Hkv, D), k, v, g.sdpa_mask).reshape(g.G, Hq, D)
+            else:
+                o = _sdpa(q.reshape(g.G, g.Lg, Hq, D).transpose(1, 2), k, v, g.sdpa_mask, is_causal=g.causal)
+                o = o.transpose(1, 2).reshape(g.G * g.Lg, Hq, D)
+                if g.Lg > 1 and not g.in_order:
+                    o = o[g.valid_GL]
+            if g.in_order:
+                return o
+            if out_N_Hq_D is None:
+                out_N_Hq_D = q_N_Hq_D.new_zeros(N, Hq, D)
             out_N_Hq_D.index_copy_(0, g.dst_V, o)
+        assert out_N_Hq_D is not None
         return out_N_Hq_D

@@ -2,42 +2,79 @@
 
 Each LoRA'd projection computes ``y = x W^T (+ b)`` once for all N flat tokens, then adds each
 token's own low-rank term ``scale_a * (x A_a^T) B_a^T`` (PEFT's ``lora_B(lora_A(x)) * scaling``
-with scaling = alpha / r; no dropout: the engine runs adapters as PEFT in eval mode). Two
-methods, both a few large ops and never a Python loop over rows:
+with scaling = alpha / r; no dropout: the engine runs adapters as PEFT in eval mode). Three
+methods, all a few large ops and never a Python loop over rows:
 
+* ``"bgmv"`` (the default): batched gather matrix-vector, after punica/vLLM. Once per forward
+  the tokens are grouped by adapter (any row order) into a ``[C, Lt, d]`` batch, one row per
+  adapter padded to the longest (C = K), or per chunk of ``Lt`` tokens when much shorter chunks
+  pad much less (a long prefill chunk beside decode rows). Per LoRA layer: ONE ``torch.bmm`` of
+  the batch by the K adapters' A stacked ``[K, G*r, d_in]``, where the G projections that read
+  the same x (q/k/v, gate/up) share it, then per projection one ``baddbmm`` by ``scale * B^T``
+  stacked ``[K, r, d_out]`` (ranks zero-padded to the largest, a missing projection zeros).
+  Rows sorted by adapter with equal token counts (the engine's decode step: it sorts rows by
+  adapter) are that batch as they lie, a view: no gather and the output lands in y in place;
+  otherwise one ``index_select`` in and one ``index_add_`` out, with indices built once per
+  forward.
 * ``"segments"``: rows arrive sorted by adapter (the caller sorts; :class:`LoraBatch` asserts
   each adapter's rows are contiguous), so each adapter owns one token slice ``[s, e)``; per LoRA
   layer one ``x[s:e] @ A^T @ B^T`` per distinct adapter (a loop over adapters, not rows).
 * ``"stacked"``: the K distinct adapters' A stacked as ``[sum r, d_in]`` and B as
   ``[d_out, sum r]`` (ranks may differ); per LoRA layer ``((x @ A_cat^T) * mask_N_R) @ B_cat^T``
   where ``mask_N_R`` holds each token's scale on its own adapter's rank columns and 0 elsewhere,
-  built once per forward. With no grad, the stacked (and dtype-cast) matrices are cached in a
-  :class:`LoraStackCache` keyed on the adapters' identity and versions (an explicit
-  ``LoraWeights.version`` or else the tensors' ``_version`` counters, which every in-place
-  optimizer update bumps).
+  built once per forward.
+
+With no grad, the stacked (and dtype-cast) matrices of ``bgmv`` and ``stacked`` are cached in a
+:class:`LoraStackCache` keyed on the adapters' identity and versions (an explicit
+``LoraWeights.version`` or else the tensors' ``_version`` counters, which every in-place
+optimizer update bumps). A cached set is a copy of its adapters' LoRA matrices (3.7 MB per
+rank-8 q/k/v/o adapter of SmolLM2-135M); the cache keeps the 2 most recent sets.
 
 Precision: adapter tensors are fp32 master weights; on a bf16 forward they are cast to the
 activation dtype (bf16) and the LoRA term runs in bf16, like the base matmul it is added to: the
 sum lands in a bf16 tensor anyway, so an fp32 LoRA term would buy no accuracy on the output and
 cost a cast of x. Gradients flow through the cast into the fp32 masters.
 
-Timing (``python -c "from opentinker.engine.model.lora import main; main()"``, which runs
-:func:`benchmark`): SmolLM2-135M's shapes with random weights (30 layers, hidden 576, 9 heads
-of 64, 3 KV heads), batch 32 x 64 tokens, rank-8 adapters on q/k/v/o, fp32, no grad, one
-thread's CPU time (the 2-core machine is shared, so wall time is noise), min of 7. The whole
-forward without LoRA costs 4.2-4.3 s; the LoRA terms of one forward cost::
+Timing. Machine: 2-core AMD EPYC (Zen 5) VM, ``torch.backends.cpu.get_cpu_capability()`` =
+AVX512, torch 2.13 (MKL sgemm takes its AVX2 path here; the decoder's linears run on oneDNN,
+see :mod:`.decoder`), shared with other work, so every figure is a min over repeats. SmolLM2-
+135M's shapes with random weights (30 layers, hidden 576, 9 heads of 64, 3 KV heads,
+intermediate 1536, vocabulary 49152), fp32, no grad, rank-8 adapters on q/k/v/o, rows sorted by
+adapter. LoRA terms alone (:func:`benchmark`: ``python -c "from opentinker.engine.model.lora
+import main; main()"``, one thread's CPU time, min of 7), 32 rows x 64 tokens (a prefill) and
+32 rows x 1 token (a decode step)::
 
-    K adapters    segments    stacked (cached)    stacked (uncached)
-    1             69-73 ms    70-72 ms            69-72 ms
-    4             69-72 ms    149-152 ms          150-158 ms
-    16            89-92 ms    536-545 ms          536-562 ms
+    K    tokens   segments   stacked (cached)   bgmv (cached)   bgmv (uncached)
+    1    32x64     72 ms       72 ms              49 ms           54 ms
+    4    32x64     76 ms      162 ms              52 ms           58 ms
+    16   32x64     93 ms      599 ms              60 ms           68 ms
+    1    32x1      2.6 ms      2.4 ms             1.9 ms          3.5 ms
+    4    32x1      7.0 ms      5.1 ms             2.7 ms          5.6 ms
+    16   32x1     25.9 ms     16.9 ms             7.1 ms         16.5 ms
 
-Segments does the minimum work (each token meets only its own adapter's r columns) and its
-per-adapter loop is 120 small-op groups per forward, cheap next to the matmuls; stacked does K
-times the low-rank FLOPs plus a ``[N, K*r]`` mask product, and caching the stacks saves about
-1% (a ``cat`` of K small matrices is cheap on CPU; with bf16 it also saves the casts). So
-``segments`` is the default; ``stacked`` needs no row order and fewer kernel launches, which
-may pay on a GPU at small K (not measured here).
+One engine step (``PagedLayout``/``PagedAttention`` over a block-size-8 slot pool, LoRA, the
+vocabulary projection of the 32 sampled rows), before (``segments``, MKL linears) and after
+(``bgmv``, oneDNN linears, the paged shortcuts), ms of wall time, min of 3-6 (1 thread: also
+its CPU time)::
+
+    step                     threads   before K=1   before K=16   after K=1   after K=16
+    decode 32 x 1 (ctx 71)   1         142          166            86          92
+    decode 32 x 1 (ctx 71)   2          96          126            58          63
+    prefill 32 x 64          1         4670         4610          2320        2290
+    prefill 32 x 64          2         2370         2480          1160        1160
+
+End to end (``benchmarks/multiplex.py --one engine K 32``: 32 prompts of 64 tokens, 16 new
+tokens each, 2 threads, 1 prefill + 15 decode steps; best of 4-6 uncontended runs): before 128
+(K=1) and 110 (K=16) tokens/s, 0.86x; after 222 (K=1, runs 193-222) and 218 (K=16, runs
+193-218), 0.98x.
+
+bgmv does segments' minimum FLOPs (each token meets only its own adapter's r columns) in 2 + G
+ops per layer and input group instead of segments' ~3 per adapter and projection; a decode
+step at K=16 is 120 x 16 tiny matmuls for segments. What is left at K=16 is reading the K
+adapters' matrices (59 MB per step at K=16, 14% of the base weights' bytes). The stack cache
+matters at decode (uncached, each step re-stacks those bytes). ``stacked`` does K times the
+low-rank FLOPs plus a ``[N, K*r]`` mask product; it and ``segments`` stay behind the method
+flag.
 """
 
 from __future__ import annotations
@@ -62,14 +99,17 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _NAME = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 METHODS: tuple[str, ...] = ("segments", "stacked", "bgmv")
-DEFAULT_METHOD = "segments"
+DEFAULT_METHOD = "bgmv"
 _SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
                  "v_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                  "gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 """Projections of one layer that read the same input (bgmv multiplies x by their A's at once)."""
-_CHUNK_COST = 3
-"""bgmv's plan: a chunk beyond one per adapter costs about ``_CHUNK_COST * max rank`` padded
-token rows (the copy of its adapter's A and B into the chunk batch)."""
+_CHUNK_COST = 1
+"""bgmv's plan: with chunks shorter than the longest adapter's tokens, each chunk costs about
+``_CHUNK_COST * max rank`` padded token rows more (the copy of its adapter's A and B into the
+chunk batch). Fitted on CPU: a decode step with 17 rows on one adapter and 15 on others runs
+2x faster in chunks of 2 than padded to 17; a 500-token prefill chunk beside decode rows, 5x
+faster in chunks of 32."""
 
 
 def peft_name(layer: int, module: str, ab: str) -> str:
@@ -173,7 +213,7 @@ class LoraStackCache:
     recent adapter sets. Entries hold the adapters themselves (compared with ``is``) and their
     version keys, so a dropped or updated adapter never hits a stale entry."""
 
-    def __init__(self, max_sets: int = 4) -> None:
+    def __init__(self, max_sets: int = 2) -> None:
         self.max_sets = max_sets
         self._sets: collections.OrderedDict[tuple, tuple[tuple, dict]] = collections.OrderedDict()
         self.hits = self.misses = 0
@@ -256,7 +296,9 @@ class LoraBatch:
 
     def apply(self, layer: int, module: str, x_N_in: torch.Tensor, y_N_out: torch.Tensor) -> torch.Tensor:
         """``y_N_out`` plus every token's LoRA term on this projection (``y`` may be updated in
-        place: it must be a fresh matmul output)."""
+        place: it must be a fresh matmul output). With ``bgmv``, the calls for q/k/v (gate/up)
+        of one layer on the same ``x`` tensor, unchanged in between, share one product of x
+        with their A's (the decoder's order: q first)."""
         if self.method == "bgmv":
             return self._bgmv(layer, module, x_N_in, y_N_out)
         if self.method == "segments":
@@ -298,7 +340,6 @@ class LoraBatch:
             self._stacks[key] = (torch.cat([A for A, _ in pairs]).to(dtype),
                                  torch.cat([B for _, B in pairs], 1).to(dtype))
         return self._stacks[key]
-
 
     # ---- bgmv ---------------------------------------------------------------------------
     def _plan_bgmv(self, runs: list[list[int]]) -> None:
@@ -476,7 +517,8 @@ def benchmark(ks: Sequence[int] = (1, 4, 16), rows: int = 32, length: int = 64, 
     machine is shared) at SmolLM2-135M's shapes, ``rows x length`` tokens, no grad, fp32: ``"base forward"`` (the
     whole 30-layer forward without LoRA) and, per K rank-8 adapters on q/k/v/o (rows sorted by
     adapter), the LoRA terms of one forward (``LoraBatch`` built, 30 x 4 ``apply`` calls) for
-    ``segments``, ``stacked`` (warm :class:`LoraStackCache`) and ``stacked-uncached``."""
+    ``segments``, ``stacked`` and ``bgmv`` (warm :class:`LoraStackCache`), and ``stacked`` and
+    ``bgmv`` without a cache (``-uncached``)."""
     import time
 
     from .attention import DenseAttention
@@ -501,6 +543,8 @@ def benchmark(ks: Sequence[int] = (1, 4, 16), rows: int = 32, length: int = 64, 
         cases[f"K={K} segments"] = (per_row, "segments", None)
         cases[f"K={K} stacked"] = (per_row, "stacked", LoraStackCache())
         cases[f"K={K} stacked-uncached"] = (per_row, "stacked", None)
+        cases[f"K={K} bgmv"] = (per_row, "bgmv", LoraStackCache())
+        cases[f"K={K} bgmv-uncached"] = (per_row, "bgmv", None)
     times: dict[str, float] = {name: float("inf") for name in cases}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread's CPU time: what the work costs, whatever the load

@@ -1,0 +1,61 @@
+"""Collect finished runs' results into one JSON file, so README figures about whole jobs trace
+to a committed file: each run's first and last evaluation, its wall time, its median seconds
+per step by phase, its config's seed and model settings, and the machine.
+
+    python benchmarks/collect_runs.py runs/kuhn_poker_v0__default__0__* ... --json benchmarks/results/default_job.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
+
+
+def run_row(folder: Path) -> dict:
+    cfg = tomllib.loads((folder / "config.toml").read_text())
+    summary = json.loads((folder / "summary.json").read_text())
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    phases = {k: statistics.median(r[k] for r in train) for k in ("timing_s/rollout", "timing_s/learn")
+              if train and all(k in r for r in train)}
+    return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
+            "wall_s": summary["wall_s"], "median_s_per_step": phases,
+            "first_eval": summary["first_eval"], "last_eval": summary["last_eval"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--note", default="", help="what these runs are (stored with them)")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {"machine": machine(), "commit": commit, "note": args.note, "runs": [run_row(f) for f in args.runs]}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
+    for r in out["runs"]:
+        ev = r["last_eval"]
+        print(f"{r['run']}: seed {r['seed']} engine {r['model'].get('engine', 'auto')}: "
+              f"{ev['eval/main/vs_random/chips']:+.3f} ± {ev['eval/main/vs_random/ci95']:.3f} vs random, "
+              f"{100 * ev['eval/main/vs_random/invalid_rate']:.1f}% invalid, {r['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
