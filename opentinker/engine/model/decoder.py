@@ -213,9 +213,10 @@ class Decoder(nn.Module):
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> Decoder:
         """Load ``config.json`` and every ``*.safetensors`` file of a checkpoint folder (one file
-        or a sharded set) with ``safetensors``, without building a transformers model.
+        or a sharded set) with ``safetensors``, without building a transformers model, one tensor
+        at a time (peak memory: the weights plus one tensor, not twice the checkpoint).
         :class:`~.config.UnsupportedArchitecture` for a family the engine does not run."""
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         folder = Path(folder)
         spec = spec_from_hf_config(json.loads((folder / "config.json").read_text()))
@@ -225,7 +226,9 @@ class Decoder(nn.Module):
         dec = cls(spec, dtype=dtype, device=device)
         seen: set[str] = set()
         for f in files:
-            seen |= dec._load_tensors(load_file(str(f), device=str(torch.device(device))))
+            with safe_open(str(f), framework="pt", device=str(torch.device(device))) as reader:
+                for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    seen |= dec._load_tensors({name: reader.get_tensor(name)})
         dec._check_complete(seen)
         return dec
 
