@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from opentinker.engine.sampling import check_distribution
 from protocols.messages import SamplingParams, StopReason
 
 # forward(input_ids_B_L, attention_mask_B_L, position_ids_B_L, past, rows_B) -> (logits_B_V, past)
@@ -35,12 +36,7 @@ class SampledRow:
 
 def validate_params(p: SamplingParams) -> None:
     """Raise ``ValueError`` naming the bad field of a :class:`SamplingParams`."""
-    if not p.temperature > 0:
-        raise ValueError(f"SamplingParams.temperature must be > 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        raise ValueError(f"SamplingParams.top_k must be >= 0, got {p.top_k}")
+    check_distribution(p)
     if p.max_tokens < 1:
         raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {p.max_tokens}")
 

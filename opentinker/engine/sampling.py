@@ -194,6 +194,17 @@ def sample(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch
                  int(stats[4]), bool(stats[5]))
 
 
+def check_distribution(p: SamplingParams) -> None:
+    """Raise ``ValueError`` naming the bad field of the distribution ``p`` defines
+    (temperature, top-p, top-k)."""
+    if not p.temperature > 0:
+        raise ValueError(f"SamplingParams.temperature must be > 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise ValueError(f"SamplingParams.top_k must be >= 0, got {p.top_k}")
+
+
 def _int64(n: int) -> int:
     """A Python int taken mod ``2**64`` as a signed int64 (so ``seed + row`` never overflows)."""
     return (int(n) + (1 << 63)) % (1 << 64) - (1 << 63)
@@ -223,12 +234,7 @@ class SamplingBatch:
                     positions: Sequence[int], device: torch.device | str) -> SamplingBatch:
         """Validate on the host (``ValueError`` naming the field) and build the tensors."""
         for p in params:
-            if not p.temperature > 0:
-                raise ValueError(f"SamplingParams.temperature must be > 0, got {p.temperature}")
-            if not 0 < p.top_p <= 1:
-                raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p.top_p}")
-            if p.top_k < 0:
-                raise ValueError(f"SamplingParams.top_k must be >= 0, got {p.top_k}")
+            check_distribution(p)
         if len(seeds) != len(params) or len(positions) != len(params):
             raise ValueError(f"seeds ({len(seeds)}) and positions ({len(positions)}) must have "
                              f"one entry per params ({len(params)})")
