@@ -29,7 +29,9 @@ reserved up front instead of preempting.
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
+import sys
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -45,6 +47,36 @@ from opentinker.engine.registry import UnknownAdapterError
 from opentinker.engine.sampling import SamplingBatch
 from opentinker.engine.sequence import SeqStatus, Sequence
 from protocols.messages import SamplingParams, StopReason
+
+MALLOC_MMAP_THRESHOLD = 32 << 20
+"""Allocations below it come from glibc's heap, not a fresh ``mmap`` (32 MiB: glibc's cap)."""
+MALLOC_TRIM_THRESHOLD = 64 << 20
+"""Free memory at the heap's top beyond which glibc gives it back to the OS."""
+_malloc_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Fix glibc's mmap and trim thresholds (once per process; False where not glibc).
+
+    Why: with glibc's dynamic defaults (trim at 2x the largest freed mmap, ~24 MB here) a
+    forward's activations (a 2048-token prefill frees ~40 MB at each layer's end) are handed
+    back to the OS and faulted in again layer after layer: 280k page faults (1.1 GB) per
+    32-row, 16-token SmolLM2 call, 15-20% of its time. With these thresholds they are reused
+    from the heap (faults ~0, tokens/s +15-20%); the heap may keep up to 64 MB free, which
+    cost ~20 MB of peak RSS on that call. Process-wide: it also applies to whatever else runs
+    in the process."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, MALLOC_MMAP_THRESHOLD) == 1 and libc.mallopt(-1, MALLOC_TRIM_THRESHOLD) == 1
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt thresholds)
+        return False
+    _malloc_tuned = ok
+    return ok
 
 
 class RequestTooLarge(ValueError):
@@ -96,6 +128,8 @@ class Engine:
         self.registry = registry
         self.device = registry.device
         self.copy_id = copy_id
+        if self.device.type == "cpu":
+            tune_malloc()  # activations reused from the heap, not re-faulted each layer
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_rows = int(max_rows)
         if self.max_batch_tokens < 1 or self.max_rows < 1:

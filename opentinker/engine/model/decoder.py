@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,8 +214,10 @@ class Decoder(nn.Module):
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> Decoder:
         """Load ``config.json`` and every ``*.safetensors`` file of a checkpoint folder (one file
-        or a sharded set) with ``safetensors``, without building a transformers model, one tensor
-        at a time (peak memory: the weights plus one tensor, not twice the checkpoint).
+        or a sharded set) with plain file reads, without building a transformers model. A tensor
+        whose parameter is a contiguous CPU tensor of the file's dtype is read straight into
+        the parameter's storage (peak memory: the weights, no second copy of anything); any
+        other (a dtype cast, a GPU) goes through a buffer of that one tensor.
         :class:`~.config.UnsupportedArchitecture` for a family the engine does not run."""
         folder = Path(folder)
         spec = spec_from_hf_config(json.loads((folder / "config.json").read_text()))
@@ -222,9 +225,18 @@ class Decoder(nn.Module):
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {folder}")
         dec = cls(spec, dtype=dtype, device=device)
+        own = dict(dec.named_parameters(remove_duplicate=False))
+
+        def into(name: str, file_dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
+            p = own.get(name)
+            if (p is None or p.device.type != "cpu" or p.dtype != file_dtype or list(p.shape) != list(shape)
+                    or not p.is_contiguous()):
+                return None  # _load_tensors copies (casting) or names the mismatch
+            return p.detach()
+
         seen: set[str] = set()
         for f in files:
-            for name, tensor in _read_safetensors(f):
+            for name, tensor in _read_safetensors(f, into):
                 seen |= dec._load_tensors({name: tensor})
         dec._check_complete(seen)
         return dec
@@ -248,7 +260,8 @@ class Decoder(nn.Module):
                 raise ValueError(f"unexpected tensor {name!r} for a {self.spec.family} decoder")
             if own[name].shape != t.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != {tuple(own[name].shape)}")
-            own[name].copy_(t)
+            if t.data_ptr() != own[name].data_ptr():  # else it was read in place
+                own[name].copy_(t)
         return set(tensors)
 
     def _check_complete(self, seen: set[str]) -> None:
@@ -308,26 +321,38 @@ class Decoder(nn.Module):
             y = lin(h)
             return y if lora is None else lora.apply(i, name, h, y)
 
+        # Each intermediate is dropped (``del``) as soon as its last reader has run, not when the
+        # next layer rebinds its name: a 2048-token prefill then holds about half the
+        # activations at once (no q/k/v/o under the MLP's [N, I] pair, no old q beside the new
+        # one), and the allocator reuses the same holes layer after layer instead of growing
+        # its heap. Autograd keeps its own references, so this is the same with grad.
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x_N_H)
             q = proj(i, "q_proj", a.q_proj, h).view(N, s.num_heads, s.head_dim)
             k = proj(i, "k_proj", a.k_proj, h).view(N, s.num_kv_heads, s.head_dim)
             v = proj(i, "v_proj", a.v_proj, h).view(N, s.num_kv_heads, s.head_dim)
+            del h
             if s.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
             q = _apply_rope(q, cos, signed_sin)
             k = _apply_rope(k, cos, signed_sin)
             o = attn(i, q, k, v).reshape(N, s.num_heads * s.head_dim)
+            del q, k, v
             o = proj(i, "o_proj", a.o_proj, o)
             x_N_H = x_N_H.add_(o) if inplace else x_N_H + o
+            del o
             m = layer.mlp
             h = layer.post_attention_layernorm(x_N_H)
             g = proj(i, "gate_proj", m.gate_proj, h)
             u = proj(i, "up_proj", m.up_proj, h)
+            del h
             g = F.silu(g, inplace=True).mul_(u) if inplace else F.silu(g) * u
+            del u
             d = proj(i, "down_proj", m.down_proj, g)
+            del g
             x_N_H = x_N_H.add_(d) if inplace else x_N_H + d
+            del d
         return self.model.norm(x_N_H)
 
     def logits(self, h_R_H: torch.Tensor) -> torch.Tensor:
@@ -340,11 +365,15 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
-def _read_safetensors(path: Path):
+def _read_safetensors(path: Path, into: Callable[[str, torch.dtype, list[int]], torch.Tensor | None] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every tensor of a safetensors file, read one at a time with plain
-    file reads (little-endian host). ``safetensors.safe_open`` maps the whole file, and the
-    mapped pages of every tensor read stay in the process's resident memory until the file
-    closes: loading a 540 MB checkpoint peaked at twice the weights."""
+    file reads (little-endian host). ``into(name, dtype, shape)`` may return a contiguous CPU
+    tensor of that dtype and shape: the bytes are read straight into it and it is what is
+    yielded (no buffer); else (None) a fresh tensor on its own buffer is yielded.
+    ``safetensors.safe_open`` maps the whole file, and the mapped pages of every tensor read
+    stay in the process's resident memory until the file closes: loading a 540 MB checkpoint
+    peaked at twice the weights."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
@@ -356,11 +385,18 @@ def _read_safetensors(path: Path):
                 raise ValueError(f"{path}: {name} has dtype {info['dtype']}, which the engine does not read")
             dtype = _ST_DTYPES[info["dtype"]]
             start, end = info["data_offsets"]
+            dest = into(name, dtype, info["shape"]) if into is not None else None
             if end == start:
-                yield name, torch.empty(info["shape"], dtype=dtype)
+                yield name, dest if dest is not None else torch.empty(info["shape"], dtype=dtype)
                 continue
-            buf = bytearray(end - start)
+            if dest is not None:
+                # A uint8 view of the destination's storage: readinto fills it in place.
+                buf = dest.reshape(-1).view(torch.uint8).numpy()
+                if buf.nbytes != end - start:
+                    raise ValueError(f"{path}: {name} holds {end - start} bytes, its shape needs {buf.nbytes}")
+            else:
+                buf = bytearray(end - start)
             f.seek(base + start)
-            if f.readinto(buf) != len(buf):
+            if f.readinto(buf) != end - start:
                 raise ValueError(f"{path}: {name} is truncated")
-            yield name, torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+            yield name, dest if dest is not None else torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
