@@ -9,23 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
-import time
 import tomllib
 from pathlib import Path
 
-import torch
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
+from _machine import machine
 
 
 def run_row(folder: Path) -> dict:
@@ -36,6 +25,10 @@ def run_row(folder: Path) -> dict:
     phases = {k: statistics.median(r[k] for r in train) for k in ("timing_s/rollout", "timing_s/learn")
               if train and all(k in r for r in train)}
     return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
+            "machine": summary.get("machine"),  # the run's own record (runs before it had none)
+            "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
+                       "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
+                       "steps": cfg["train"]["steps"]},
             "wall_s": summary["wall_s"], "median_s_per_step": phases,
             "first_eval": summary["first_eval"], "last_eval": summary["last_eval"]}
 
@@ -47,12 +40,12 @@ def main() -> None:
     ap.add_argument("--note", default="", help="what these runs are (stored with them)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"machine": machine(), "commit": commit, "note": args.note, "runs": [run_row(f) for f in args.runs]}
+    out = {"machine": machine(), "machine_note": "the collecting process's; each run has its own", "commit": commit, "note": args.note, "runs": [run_row(f) for f in args.runs]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     for r in out["runs"]:
         ev = r["last_eval"]
-        print(f"{r['run']}: seed {r['seed']} engine {r['model'].get('engine', 'auto')}: "
+        print(f"{r['run']}: seed {r['seed']} engine {r['model'].get('engine', 'auto')} {r['config']}: "
               f"{ev['eval/main/vs_random/chips']:+.3f} ± {ev['eval/main/vs_random/ci95']:.3f} vs random, "
               f"{100 * ev['eval/main/vs_random/invalid_rate']:.1f}% invalid, {r['wall_s']:.0f} s")
 

@@ -18,6 +18,13 @@ linears + one adapter's LoRA for every forwarded token, prefill included; the vo
 projection only for drawn tokens; attention scores and the embedding lookup left out) and
 compared with this machine's plain fp32 ``torch.mm`` rate at the same thread count.
 
+Memory (engine rows): the target is ``peak - rss_before_model <= 1.1 x (weights + K x adapter +
+KV peak)``; ``mem_ratio`` is the left side over the parenthesis (<= 1.10 meets it). The row also
+breaks the peak down: ``load_peak_bytes`` (``ru_maxrss`` once the base is loaded, before any
+adapter), the RSS after the adapters, after the warm-up and after the timed call
+(``steady_rss_bytes``; glibc keeps freed heap, so it is more than what is live), and
+``lora_stack_bytes``, the stacked copy of the adapters that batched LoRA caches.
+
     python benchmarks/multiplex.py --json multiplex.json     # ~20 minutes on 2 cores
     python benchmarks/multiplex.py --quick                   # tiny-random, < 1 minute
 """
@@ -25,10 +32,8 @@ compared with this machine's plain fp32 ``torch.mm`` rate at the same thread cou
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -43,13 +48,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from _machine import machine
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
 from protocols.messages import LoraSpec, SamplingParams
 
 METHODS = ("engine", "peft_mixed", "swap", "copies")
 MM_SHAPE = (2048, 576, 1536)  # [M, K] x [K, N]: SmolLM2-135M's hidden and MLP widths
-ENV_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass
@@ -95,6 +100,30 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def rss_bytes() -> int:
+    """Resident memory now (``/proc/self/statm``); the peak so far where there is no /proc."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return maxrss_bytes()
+
+
+def tensor_bytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct tensor storages in a nest of dicts, tuples and lists."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        ptr = obj.untyped_storage().data_ptr()
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    return 0
+
+
 def model_config(path: str) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
@@ -106,10 +135,14 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[np.ndar
     return prompts
 
 
-def make_host(path: str, args: Args, engine: str, adapters: list[int]) -> ModelHost:
+def make_host(path: str, args: Args, engine: str, adapters: list[int], marks: dict | None = None) -> ModelHost:
     """A host with adapters ``a{j}``; adapter j has the same weights on every host and engine
-    (A from PEFT's seeded init, B from a generator seeded by j, in sorted-name order)."""
+    (A from PEFT's seeded init, B from a generator seeded by j, in sorted-name order).
+    ``marks["load_peak_bytes"]``, if not set yet: ``ru_maxrss`` once the base is loaded,
+    before any adapter."""
     host = ModelHost(path, threads=args.threads, device=args.device, engine=engine)
+    if marks is not None:
+        marks.setdefault("load_peak_bytes", maxrss_bytes())
     for j in adapters:
         host.create_adapter(f"a{j}", LoraSpec(rank=args.rank, seed=j))
         g = torch.Generator().manual_seed(1000 + j)
@@ -155,23 +188,27 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
     params = SamplingParams(max_tokens=args.new_tokens)  # no stop tokens: every row runs to the end
     seeds = [args.seed + i for i in range(batch)]
     groups = [[i for i in range(batch) if i % K == j] for j in range(K)]  # rows of adapter j
+    marks: dict = {}
     if method == "copies":
-        hosts = [make_host(path, args, "own", [j]) for j in range(K)]
+        hosts = [make_host(path, args, "own", [j], marks) for j in range(K)]
         calls = [(hosts[j], groups[j]) for j in range(K)]
     else:
-        host = make_host(path, args, "own" if method == "engine" else "peft", list(range(K)))
+        host = make_host(path, args, "own" if method == "engine" else "peft", list(range(K)), marks)
         hosts = [host]
         calls = [(host, g) for g in groups] if method == "swap" else [(host, list(range(batch)))]
+    rss_adapters = rss_bytes()
     for h, rows in calls:  # warm-up: the same call pattern, one short row per adapter
         firsts = sorted({i % K: i for i in reversed(rows)}.values())
         h.sample([f"a{i % K}" for i in firsts], [prompts[i][:4] for i in firsts],
                  [SamplingParams(max_tokens=2)] * len(firsts), [seeds[i] for i in firsts])
+    rss_warm = rss_bytes()
     engines = [h.engine for h in hosts if h.engine is not None]
     before = [e.metrics() for e in engines]
     t0 = time.perf_counter()
     outs = [h.sample([f"a{i % K}" for i in rows], [prompts[i] for i in rows], [params] * len(rows),
                      [seeds[i] for i in rows]) for h, rows in calls]
     wall = time.perf_counter() - t0
+    steady = rss_bytes()
     generated = sum(len(r.tokens) for out in outs for r in out)
     assert generated == batch * args.new_tokens, (generated, batch * args.new_tokens)
     # FLOPs: decoder linears (+ one adapter's LoRA) per forwarded token, lm_head per drawn token.
@@ -184,6 +221,8 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
         "method": method, "K": K, "batch": batch, "tokens_per_s": generated / wall, "wall_s": wall,
         "generated_tokens": generated, "prompt_tokens": batch * args.prompt_len,
         "peak_bytes": maxrss_bytes(), "rss_before_model_bytes": rss_before,
+        "load_peak_bytes": marks["load_peak_bytes"], "rss_after_adapters_bytes": rss_adapters,
+        "rss_after_warmup_bytes": rss_warm, "steady_rss_bytes": steady,
         "weights_bytes": sum(weight_bytes(h) for h in hosts), "adapter_bytes": sum(adapter_bytes(h) for h in hosts),
         "flops_per_forwarded_token": 2 * (body + lora), "flops": flops, "gflops_per_s": flops / wall / 1e9,
     }
@@ -196,6 +235,11 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
         row["kv_peak_bytes"] = sum(kv_peak_bytes(h, [f"a{i % K}" for i in rows], [prompts[i] for i in rows],
                                                  [params] * len(rows), [seeds[i] for i in rows]) for h, rows in calls)
         row["kv_peak_how"] = "max of blocks.stats().bytes_in_use over the steps of an untimed replay"
+        # The bgmv LoRA path's cached stacks: a second copy of the adapters' matrices.
+        row["lora_stack_bytes"] = sum(tensor_bytes([v for _, v in e._stacks._sets.values()]) for e in engines)
+        # The engine's memory target: peak <= (weights + K x adapter + KV in use) + 10%.
+        row["mem_ratio"] = (row["peak_bytes"] - rss_before) / (
+            row["weights_bytes"] + row["adapter_bytes"] + row["kv_peak_bytes"])
     if args.device.startswith("cuda"):
         row["device_peak_bytes"] = torch.cuda.max_memory_allocated()
     return row
@@ -221,20 +265,7 @@ def mm_gflops(args: Args) -> float:
 
 
 def machine_info(args: Args, mm: float) -> dict:
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    info = {
-        "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-        "torch_threads": args.threads, "device": args.device, "torch": torch.__version__,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
-        "mm_shape": list(MM_SHAPE), "mm_gflops_per_s": mm,
-    }
-    if args.device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+    return {**machine(args.threads, args.device), "mm_shape": list(MM_SHAPE), "mm_gflops_per_s": mm}
 
 
 def measure(args: Args, method: str, K: int, batch: int) -> dict:
@@ -264,19 +295,19 @@ def table(args: Args, rows: list[dict], machine: dict) -> Table:
     t = Table(title=f"{args.model}: K LoRA adapters, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
                     f"{args.threads} threads ({machine['cpu']}, {machine['cpu_capability']})")
     for col in ("K", "batch", "method", "tokens/s", "vs peft_mixed", "engine vs K=1", "GFLOP/s", "% of mm",
-                "peak RSS MiB", "weights+adapters MiB", "KV peak/pool MiB"):
+                "peak RSS MiB", "weights+adapters MiB", "KV peak/pool MiB", "mem ratio"):
         t.add_column(col, justify="left" if col == "method" else "right")
     mib = 1 << 20
     for r in rows:
         if "error" in r:
-            t.add_row(str(r["K"]), str(r["batch"]), r["method"], "failed", *[""] * 7)
+            t.add_row(str(r["K"]), str(r["batch"]), r["method"], "failed", *[""] * 8)
             continue
         ratio = lambda x: f"{x:.2f}x" if x else ""  # noqa: E731
         mem = f"{r['weights_bytes'] / mib:.0f}+{r['adapter_bytes'] / mib:.2f}"
         kv = f"{r['kv_peak_bytes'] / mib:.1f}/{r['kv_pool_bytes'] / mib:.0f}" if "kv_peak_bytes" in r else ""
         t.add_row(str(r["K"]), str(r["batch"]), r["method"], f"{r['tokens_per_s']:.1f}", ratio(r["vs_peft_mixed"]),
                   ratio(r.get("vs_engine_k1")), f"{r['gflops_per_s']:.2f}", f"{100 * r['mm_share']:.1f}%",
-                  f"{r['peak_bytes'] / mib:.0f}", mem, kv)
+                  f"{r['peak_bytes'] / mib:.0f}", mem, kv, f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "")
     return t
 
 
@@ -308,7 +339,8 @@ def main() -> None:
           "adapter's LoRA for every forwarded token, prefill included; lm_head for drawn tokens only).")
     print("peak RSS: ru_maxrss of a fresh process per row. KV peak: most bytes in use, recorded step by step "
           "in an untimed replay of the same rows; pool: the KV tensors each engine allocates up front, part of "
-          "peak RSS (copies: sums over copies).")
+          "peak RSS (copies: sums over copies). mem ratio: (peak RSS - RSS before the model) / (weights + "
+          "adapters + KV peak); the target is <= 1.10.")
     for r in rows:
         if "error" in r:
             print(f"{r['method']} K={r['K']} batch={r['batch']} failed: {r['error']}")

@@ -37,21 +37,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.table import Table
 
+from _machine import machine as machine_info
 from opentinker.config import JobConfig, load_config
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
@@ -61,7 +59,6 @@ from protocols.messages import EpisodeSpec, PolicyKind, PolicyRef, RunEpisodes, 
 
 PATHS = {"before": "peft", "engine": "own"}
 """Row name -> ``ModelHost(engine=...)``."""
-ENV_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 ENGINE_STATS = ("prefill_tokens", "prompt_tokens", "cached_tokens", "decode_tokens", "steps")
 
 
@@ -253,22 +250,6 @@ def row_of(r: Rollout, args: Args) -> dict:
 
 # ------------------------------------------------------------------------------ the run
 
-def machine_info(args: Args) -> dict:
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    info = {
-        "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-        "torch_threads": args.threads, "device": args.device, "torch": torch.__version__,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
-    }
-    if args.device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
 def add_speedups(rows: list[dict]) -> None:
     """``speedup`` of every row: its job's ``before`` s/step over its own (before: 1)."""
     base = {r["job"]: r["s_per_step"] for r in rows if r["path"] == "before"}
@@ -296,7 +277,7 @@ def table(args: Args, rows: list[dict], machine: dict) -> Table:
 def main() -> None:
     args = parse()
     model_path = resolve_model(args.model)
-    machine = machine_info(args)
+    machine = machine_info(args.threads, args.device)
     tok = ChatTokenizer(model_path)
     rows: list[dict] = []
     console = Console()

@@ -26,6 +26,7 @@ from rich.progress import (
 from opentinker.control.checkpoints import latest_checkpoint, truncate_metrics, write_checkpoint
 from opentinker.config import JobConfig, to_toml
 from opentinker.engine.model_specs import resolve_model
+from opentinker.machine import machine
 from opentinker.progress import EpisodeFeed
 from opentinker.eval.report import (
     MetricsLog,
@@ -166,7 +167,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png", unit)
     console.print(summary_table(first, last, policies, cfg.train.steps, unit))
     total = time.perf_counter() - t_start
-    (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total}, indent=1))
+    (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total,
+                                                      "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)},
+                                                     indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
     return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=log.rows, info=info)
 
