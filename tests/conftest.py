@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+import opentinker  # noqa: F401  (before any test loads torch: it sets GOMP_SPINCOUNT)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEVICE = os.environ.get("OPENTINKER_TEST_DEVICE", "cpu")
