@@ -23,11 +23,33 @@ def test_shared_forward_benchmark(tmp_path, tiny_path):
     assert r["rows"] == 12 and r["max_grad_rel_diff"] < 1e-3 and r["speedup"] > 0
 
 
+PHASES = ("median_s", "rollout_s", "learn_s", "compute_s", "comm_s", "eval_s", "cpu_total_s", "cpu_util")
+
+
+def _pace(tmp_path, backends):
+    return _run(["benchmarks/pipeline_pace.py", "--model", "tiny-random", "--steps", "1", "--warmup", "0",
+                 "--groups", "1", "--group_size", "2", "--eval_hands_per_stratum", "1", "--backends", backends], tmp_path)
+
+
 def test_pipeline_pace_benchmark(tmp_path, tiny_path):
-    r = _run(["benchmarks/pipeline_pace.py", "--model", "tiny-random", "--steps", "1", "--warmup", "0",
-              "--groups", "1", "--group_size", "2", "--backends", "single,local,ray"], tmp_path)
-    assert set(r["results"]) == {"single", "local", "ray"}
+    r = _pace(tmp_path, "single,local")
+    assert {"cpu", "cpu_capability", "cores", "torch", "date", "env"} <= set(r["machine"])
+    assert set(r["results"]) == {"single", "local"} and r["args"]["eval_hands_per_stratum"] == 1
     assert r["results"]["single"]["ratio"] == 1.0
+    for backend, x in r["results"].items():
+        assert all(x[k] > 0 for k in PHASES), (backend, x)
+        assert x["compute_s"] <= x["median_s"] and x["rollout_s"] + x["learn_s"] <= x["median_s"]
+        # one process holds the model (and, on local, every component): it used CPU
+        (kind,) = x["cpu_s"]
+        assert kind.startswith("driver+") and ("scheduler" in kind or "model_host" in kind), kind
+        assert x["cpu_s"][kind] > 0 and x["processes"] == {kind: 1}
+
+
+def test_pipeline_pace_benchmark_ray(tmp_path, tiny_path):
+    x = _pace(tmp_path, "ray")["results"]["ray"]
+    assert all(x[k] > 0 for k in PHASES), x
+    assert {"driver", "scheduler", "env_runner", "learner", "coordinator", "raylet", "gcs_server"} <= set(x["cpu_s"])
+    assert x["cpu_s"]["scheduler"] > 0 and x["processes"]["env_runner"] == 2
 
 
 def test_codec_benchmark(tmp_path):
