@@ -87,6 +87,12 @@ class Args:
     backends: str = "single,local,ray"
     device: str = "cpu"
     eval_hands_per_stratum: int = 2
+    lr: float = 1e-12
+    """The policy's learning rate: tiny by default, so every step on every backend plays the same
+    episodes with the same policy. With the job's own rate each backend's policy drifts its own
+    way (rows share engine steps by arrival, so float rounding differs between backends), its
+    hands get longer or shorter, and the work per step changes, not the runtime's price: over 8
+    steps with lr 3e-4 the Ray run's steps 5-9 computed 1.25-1.3x the single loop's."""
     json: str = ""
 
 
@@ -103,7 +109,7 @@ def job_config(args: Args, backend: str) -> JobConfig:
     return load_config("default", {
         "model": {"base": args.model, "device": args.device},
         "runtime": {"backend": "local" if backend == "single" else backend},
-        "train": {"groups_per_step": args.groups, "group_size": args.group_size},
+        "train": {"groups_per_step": args.groups, "group_size": args.group_size, "lr": args.lr},
         # The evaluation timed is games against the random opponent only (no logprobs
         # pass for exploitability), so the single-process loop can play the same one.
         "eval": {"exploitability": False},
