@@ -29,7 +29,6 @@ times lower this latency is than a Ray actor call's).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -48,6 +47,7 @@ import zmq.asyncio
 from rich.console import Console
 from rich.table import Table
 
+from _args import parse_args
 from opentinker.bus import (
     DEFAULT_SPIN_S,
     LOOPBACK,
@@ -87,10 +87,7 @@ class Args:
 
 
 def parse() -> Args:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        p.add_argument(f"--{k}", type=type(v), default=v)
-    return Args(**vars(p.parse_args()))
+    return parse_args(Args, __doc__)[0]
 
 
 def small_message() -> Message:

@@ -12,7 +12,6 @@ ratio to pickle's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 import statistics
@@ -24,6 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from _args import parse_args
 from protocols.codec import decode, encode
 from protocols.messages import (
     Datum,
@@ -43,10 +43,7 @@ class Args:
 
 
 def parse() -> Args:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        p.add_argument(f"--{k}", type=type(v), default=v)
-    return Args(**vars(p.parse_args()))
+    return parse_args(Args, __doc__)[0]
 
 
 def messages() -> dict[str, Message]:

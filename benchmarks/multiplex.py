@@ -31,7 +31,6 @@ adapter), the RSS after the adapters, after the warm-up and after the timed call
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -39,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from _args import parse_args
 from _machine import machine
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
@@ -78,20 +78,8 @@ QUICK = {"model": "tiny-random", "ks": "1,4", "batches": "8", "prompt_len": 16, 
 
 
 def parse() -> tuple[Args, list[str] | None]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        if isinstance(v, bool):
-            p.add_argument(f"--{k}", action="store_true")
-        else:
-            p.add_argument(f"--{k}", type=type(v), default=v)
-    p.add_argument("--one", nargs=3, metavar=("METHOD", "K", "BATCH"), help=argparse.SUPPRESS)
-    ns = vars(p.parse_args())
-    one = ns.pop("one")
-    args = Args(**ns)
-    if args.quick:
-        default = Args()
-        args = replace(args, **{k: v for k, v in QUICK.items() if getattr(args, k) == getattr(default, k)})
-    return args, one
+    args, extra = parse_args(Args, __doc__, QUICK, {"one": {"nargs": 3, "metavar": ("METHOD", "K", "BATCH")}})
+    return args, extra["one"]
 
 
 # ------------------------------------------------------------------------ one measurement (child)

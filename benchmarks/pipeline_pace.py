@@ -42,7 +42,6 @@ all its roles. ``cpu_s[kind]`` is the median over steps of that kind's processes
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -57,6 +56,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from _args import parse_args
 from _machine import machine
 from learners import assemble, loss_token_count
 from opentinker.config import JobConfig, load_config
@@ -97,10 +97,7 @@ class Args:
 
 
 def parse() -> Args:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        p.add_argument(f"--{k}", type=type(v), default=v)
-    return Args(**vars(p.parse_args()))
+    return parse_args(Args, __doc__)[0]
 
 
 def job_config(args: Args, backend: str) -> JobConfig:

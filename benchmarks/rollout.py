@@ -35,20 +35,20 @@ Tokens per LLM turn (means over every turn of every step):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from _args import parse_args
 from _machine import machine as machine_info
 from opentinker.config import JobConfig, load_config
 from opentinker.engine.host import ModelHost
@@ -82,17 +82,7 @@ QUICK = {"model": "tiny-random", "steps": 1, "groups": 2, "group_size": 2}
 
 
 def parse() -> Args:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        if isinstance(v, bool):
-            p.add_argument(f"--{k}", action="store_true")
-        else:
-            p.add_argument(f"--{k}", type=type(v), default=v)
-    args = Args(**vars(p.parse_args()))
-    if args.quick:
-        default = Args()
-        args = replace(args, **{k: v for k, v in QUICK.items() if getattr(args, k) == getattr(default, k)})
-    return args
+    return parse_args(Args, __doc__, QUICK)[0]
 
 
 def job_config(args: Args, job: str) -> JobConfig:

@@ -9,17 +9,17 @@ Both compute the same loss and gradients (checked here); the table gives the tim
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from _args import parse_args
 from games import kuhn_poker
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
@@ -39,10 +39,7 @@ class Args:
 
 
 def parse() -> Args:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        p.add_argument(f"--{k}", type=type(v), default=v)
-    return Args(**vars(p.parse_args()))
+    return parse_args(Args, __doc__)[0]
 
 
 def kuhn_batch(host: ModelHost, tok: ChatTokenizer, rows: int, seed: int) -> list[Datum]:

@@ -15,7 +15,6 @@ exactly what its row says.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,6 +24,8 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+
+from _args import parse_args
 
 SETTINGS: dict[str, tuple[int, dict[str, str]]] = {
     "1 thread": (1, {}),
@@ -97,17 +98,11 @@ def measure(setting: str, m: int, args: Args) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k, v in asdict(Args()).items():
-        p.add_argument(f"--{k}", type=type(v), default=v)
-    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
-    ns = vars(p.parse_args())
-    one_args = ns.pop("one")
-    if one_args is not None:
-        threads, m, flops = one_args
+    args, extra = parse_args(Args, __doc__, hidden={"one": {"nargs": 3}})
+    if extra["one"] is not None:
+        threads, m, flops = extra["one"]
         print(json.dumps(one(int(threads), int(m), float(flops))))
         return
-    args = Args(**ns)
 
     from _machine import machine
     from rich.console import Console
