@@ -9,6 +9,8 @@ import os
 import pytest
 
 import opentinker  # noqa: F401  (before any test loads torch: it sets GOMP_SPINCOUNT)
+import zmq.asyncio
+from opentinker.bus import Client
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -55,6 +57,27 @@ def ray_session():
 def run(coro, timeout: float = 120.0):
     """Run a coroutine to completion with a bound on its time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(predicate, what: str, n: int = 500) -> None:
+    """Yield to the loop until ``predicate()``: at most ``n`` times 10 ms."""
+    for _ in range(n):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def with_client(server, body, name: str = "test"):
+    """``await body(client)`` with a fresh bus client of ``server.endpoint`` (its own ZeroMQ
+    context), closed afterwards whatever happens."""
+    ctx = zmq.asyncio.Context()
+    client = Client(ctx, server.endpoint, name=name)
+    try:
+        return await body(client)
+    finally:
+        client.close()
+        ctx.destroy(0)
 
 
 def play_to_end(env, replies, max_iter: int = 100):

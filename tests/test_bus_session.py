@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import run
+from conftest import run, until
 
 from opentinker.bus import (
     Client,
@@ -70,15 +70,6 @@ class Gate:
             self.applied.append(msg.adapter)
             return OptimStepResult(version=len(self.applied), grad_norm=0.0)
         return msg if isinstance(msg, LogprobsResult) else Ack()
-
-
-async def until(predicate, what: str, n: int = 500) -> None:
-    """Yield to the loop until ``predicate()``: at most ``n`` times 10 ms."""
-    for _ in range(n):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def old_peer_frames(msg, rid: int, version: int = PROTOCOL_VERSION - 1) -> list[bytes]:

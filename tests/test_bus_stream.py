@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import run
+from conftest import run, until
 
 from opentinker.bus import Client, RemoteError, Server, SyncClient
 from protocols.codec import DecodeError, decode, encode
@@ -25,7 +25,6 @@ from protocols.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,
-    Error,
     ErrorCode,
     Hello,
     SampleChunk,
@@ -64,15 +63,6 @@ def joined(chunks: list[SampleChunk], rows: int = ROWS) -> list[list[int]]:
         for r, t in zip(c.rows, c.tokens):
             out[r] += t.tolist()
     return out
-
-
-async def until(predicate, what: str, n: int = 500) -> None:
-    """Yield to the loop until ``predicate()``: at most ``n`` times 10 ms."""
-    for _ in range(n):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_for(predicate, what: str, n: int = 500) -> None:

@@ -10,10 +10,9 @@ import time
 import numpy as np
 import pytest
 import torch
-import zmq.asyncio
 
-from conftest import DEVICE, run
-from opentinker.bus import Client, RemoteError
+from conftest import DEVICE, run, with_client
+from opentinker.bus import RemoteError
 from protocols.messages import (
     AdamParams, CreateAdapter, Datum, ErrorCode, ForwardBackward, LoraSpec, OptimStep,
     SampleChunk, SampleRequest, SamplingParams, SchedulerStats, StopReason,
@@ -191,16 +190,6 @@ def sched(tiny_path):
     s.stop()
 
 
-async def _client(s, body):
-    ctx = zmq.asyncio.Context()
-    c = Client(ctx, s.endpoint, name="engine-test")
-    try:
-        return await body(c)
-    finally:
-        c.close()
-        ctx.destroy(0)
-
-
 def test_a_request_joins_a_running_batch_and_streams(sched):
     """A short request sent while a long one runs finishes first (it joined the running batch);
     streamed chunks arrive in order before the final reply and add up to it."""
@@ -220,7 +209,7 @@ def test_a_request_joins_a_running_batch_and_streams(sched):
         assert not slow.done(), "the long request ended before the short one: no continuous batching"
         return fast, await slow, await c.request(SchedulerStats())
 
-    fast, slow, stats = run(_client(sched, body))
+    fast, slow, stats = run(with_client(sched, body, "engine-test"))
     assert [len(t) for t in slow.tokens] == [120] and [len(t) for t in fast.tokens] == [4, 4]
     assert any(set(b) == {"slow", "fast"} for b in stats.batches)
     assert [c.seq for c in chunks] == list(range(len(chunks))) and len(chunks) >= 2
@@ -246,7 +235,7 @@ def test_a_cancelled_request_frees_its_rows_at_the_next_step(sched):
             await asyncio.sleep(0.01)
         return await c.request(SchedulerStats())
 
-    stats = run(_client(sched, body))
+    stats = run(with_client(sched, body, "engine-test"))
     assert sched.host.engine.stats.cancelled == 3
     assert stats.counters["engine/running_rows"] == 0 and stats.counters["engine/kv_blocks_in_use"] == 0
     assert stats.counters["engine/decode_tokens"] < 3 * 500
@@ -294,7 +283,7 @@ def test_sampling_and_training_do_not_starve_each_other(sched):
         await c.request(OptimStep(adapter="pol", params=AdamParams(lr=1e-3)))
         return fb, n_during, served, sample, pending
 
-    fb, n_during, served, sample, pending = run(_client(sched, body), timeout=300)
+    fb, n_during, served, sample, pending = run(with_client(sched, body, "engine-test"), timeout=300)
     assert fb.loss == fb.loss  # it ran
     assert n_during < len(served), "the forward_backward waited for the sampling stream to end"
     assert len(sample.tokens[0]) == 4
@@ -316,7 +305,7 @@ def test_an_optim_step_waits_for_its_adapters_running_rows(sched):
         assert rows.done(), "the optimizer step ran while the adapter's rows were still decoding"
         return await rows, step
 
-    rows, step = run(_client(sched, body))
+    rows, step = run(with_client(sched, body, "engine-test"))
     assert rows.adapter_version == 0 and step.version == 1
     assert [len(t) for t in rows.tokens] == [60, 60] and set(rows.stop_reasons) == {StopReason.LENGTH}
 
@@ -330,7 +319,7 @@ def test_one_bad_request_does_not_fail_its_batch_mates(sched):
             await bad
         return await good, e.value
 
-    good, err = run(_client(sched, body))
+    good, err = run(with_client(sched, body, "engine-test"))
     assert [len(t) for t in good.tokens] == [5, 5]
     assert err.error.code is ErrorCode.INVALID and "1-D integer array" in str(err)
 
@@ -457,7 +446,7 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(sched
             await c.request(SampleRequest(adapter=None, prompts=_prompts(2, 50), params=SamplingParams(max_tokens=5)))
         return await c.request(SampleRequest(adapter=None, prompts=_prompts(2, 51), params=SamplingParams(max_tokens=5)))
 
-    after = run(_client(sched, body))
+    after = run(with_client(sched, body, "engine-test"))
     assert [len(t) for t in after.tokens] == [5, 5]
     assert not engine.running and engine.blocks.stats().blocks_in_use == 0  # the failed rows left
 

@@ -8,10 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-import zmq.asyncio
 
-from conftest import DEVICE, run
-from opentinker.bus import Client, RemoteError
+from conftest import DEVICE, run, with_client
+from opentinker.bus import RemoteError
 from opentinker.rollout.render import SeatRenderer
 from protocols.messages import (
     AdamParams, CreateAdapter, Datum, DropAdapter, ErrorCode, ForwardBackward, LoadAdapter,
@@ -26,16 +25,6 @@ def _prompt(tok, text="Kuhn poker, cards J<Q<K. You have the K. Reply with one w
     return r.prompt()
 
 
-async def _with_client(scheduler, body):
-    ctx = zmq.asyncio.Context()
-    client = Client(ctx, scheduler.endpoint, name="test")
-    try:
-        return await body(client)
-    finally:
-        client.close()
-        ctx.destroy(0)
-
-
 def test_sampling_is_seeded_and_logprobs_match_the_trainer(scheduler, chat_tok):
     prompt = _prompt(chat_tok)
     params = SamplingParams(max_tokens=6, stop_token_ids=(chat_tok.eos_id,), seed=11)
@@ -48,7 +37,7 @@ def test_sampling_is_seeded_and_logprobs_match_the_trainer(scheduler, chat_tok):
         lp = await c.request(LogprobsRequest(adapter="alpha", sequences=seqs))
         return one, two, lp
 
-    one, two, lp = run(_with_client(scheduler, body))
+    one, two, lp = run(with_client(scheduler, body))
     assert [t.tolist() for t in one.tokens] == [t.tolist() for t in two.tokens]
     assert one.tokens[0].tolist() != one.tokens[1].tolist()  # rows have their own seeds
     assert one.adapter_version == 0
@@ -77,7 +66,7 @@ def test_mixed_adapter_batch_matches_single_requests(scheduler, chat_tok):
         stats = await c.request(SchedulerStats())
         return together, alone, stats
 
-    together, alone, stats = run(_with_client(scheduler, body))
+    together, alone, stats = run(with_client(scheduler, body))
     assert any(sorted(b) == ["alpha", "base", "beta"] for b in stats.batches), stats.batches
     for t, a in zip(together, alone):
         assert t.tokens[0].tolist() == a.tokens[0].tolist()
@@ -117,7 +106,7 @@ def test_retried_forward_backward_is_applied_once_and_saved_adapter_reloads(sche
         saved = await c.request(SaveAdapter(adapter="twice", path=str(tmp_path / "twice")))
         return v, lps.logprobs[0], lps_once.logprobs[0], base.logprobs[0], saved
 
-    v, lp, lp_once, lp_base, saved = run(_with_client(scheduler, body))
+    v, lp, lp_once, lp_base, saved = run(with_client(scheduler, body))
     assert [x.version for x in v] == [1, 1] and saved.version == 1
     np.testing.assert_allclose(lp, lp_once, atol=1e-6)  # the retry did not double the gradient
     assert np.abs(lp - lp_base).max() > 1e-2
@@ -147,7 +136,7 @@ def test_bad_requests_get_errors_and_the_scheduler_keeps_serving(scheduler, chat
         ok = await c.request(SampleRequest(adapter=None, prompts=[prompt], params=SamplingParams(max_tokens=2)))
         return errors, ok
 
-    errors, ok = run(_with_client(scheduler, body))
+    errors, ok = run(with_client(scheduler, body))
     codes = [e.code for e in errors]
     assert codes == [ErrorCode.NOT_FOUND, ErrorCode.INVALID, ErrorCode.INVALID, ErrorCode.NOT_FOUND,
                      ErrorCode.INVALID, ErrorCode.INVALID], codes
@@ -219,7 +208,7 @@ def test_a_cancelled_queued_optim_step_never_runs(peft_scheduler, chat_tok):
         stats = await c.request(SchedulerStats())
         return stats
 
-    stats = run(_with_client(scheduler, body))
+    stats = run(with_client(scheduler, body))
     assert stats.counters["cancelled_queued"] == 1 and stats.counters["cancelled"] == 1
     assert "OptimStep" not in stats.counters and scheduler.host.version("gamma") == 0
 
@@ -254,7 +243,7 @@ def test_adapter_lifecycle_over_the_bus(scheduler, chat_tok, tmp_path):
         stats = await c.request(SchedulerStats())
         return snap, saved, loaded, again, lps, frozen.value.error, dropped, gone.value.error, stats
 
-    snap, saved, loaded, again, lps, frozen, dropped, gone, stats = run(_with_client(scheduler, body))
+    snap, saved, loaded, again, lps, frozen, dropped, gone, stats = run(with_client(scheduler, body))
     assert snap.version == saved.version == loaded.version == 1 and again == loaded
     assert stats.counters["dedup"] == 1  # the retried load was answered, not applied again
     np.testing.assert_allclose(lps[1], lps[0], atol=1e-6)  # the snapshot is the adapter at version 1
