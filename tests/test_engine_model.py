@@ -10,10 +10,19 @@ import pytest
 import torch
 
 from opentinker.engine.model import (
-    Decoder, DenseAttention, DenseCache, LoraBatch, LoraStackCache, LoraWeights, PagedAttention,
-    PagedLayout, UnsupportedArchitecture, spec_from_hf_config,
+    Decoder,
+    DenseAttention,
+    DenseCache,
+    LoraBatch,
+    LoraStackCache,
+    LoraWeights,
+    PagedAttention,
+    PagedLayout,
+    UnsupportedArchitecture,
+    spec_from_hf_config,
 )
 from opentinker.engine.model.decoder import rope_inv_freq
+from opentinker.engine.model.lora_slots import LoraSlots
 from protocols.messages import LoraSpec
 
 V = 320
@@ -329,6 +338,91 @@ def test_bgmv_layouts_equal_rowwise_values_and_gradients(layout: str, monkeypatc
             assert t.grad is None or not t.grad.any()
         else:
             assert (t.grad - g).abs().max().item() < 1e-5 * scale
+
+
+def _slotted(named: dict[str, dict[str, torch.Tensor]], dec: Decoder, order: list[str]
+             ) -> tuple[LoraSlots, dict[str, LoraWeights]]:
+    """Copies of the adapters placed in one slot store in ``order`` (slot 0 first)."""
+    store = LoraSlots(dec.spec)
+    w = {n: LoraWeights.from_named({k: t.detach().clone() for k, t in named[n].items()}, ADAPTERS[n], dec.spec)
+         for n in order}
+    for n in order:
+        store.put(w[n])
+    return store, w
+
+
+@pytest.mark.parametrize("layout", ["consecutive-slots", "gathered-slots", "chunked-padded", "unsorted"])
+def test_slot_store_is_read_in_place_and_equals_rowwise(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapters of mixed ranks (2, 4, 8), modules and alphas in one slot store: bgmv reads the
+    store (no stacked copy: the stack cache stays empty), as a view where the rows' slots are
+    consecutive, and every layout equals each row run alone."""
+    import opentinker.engine.model.lora as lora_mod
+
+    _, dec, named = _peft_with_adapters()
+    store, w = _slotted(named, dec, ["a2", "a1", "a3"])
+    assert [w[n].slot for n in ("a2", "a1", "a3")] == [0, 1, 2] and store.rank == 8
+    L = 5
+    if layout == "consecutive-slots":
+        rows = [None, w["a2"], w["a2"], w["a1"], w["a1"], w["a3"], w["a3"]]
+    elif layout == "gathered-slots":
+        rows = [w["a1"], w["a3"], w["a2"]]  # sorted by name, not slot: entries 1, 2, 0
+    elif layout == "chunked-padded":
+        monkeypatch.setattr(lora_mod, "_CHUNK_COST", 0.5)
+        rows = [w["a1"]] * 7 + [w["a3"]]
+    else:
+        rows = [w["a3"], w["a1"], None, w["a2"], w["a1"], w["a3"], w["a1"]]
+    ids = torch.randint(0, V, (len(rows), L), generator=torch.Generator().manual_seed(5))
+    cache = LoraStackCache()
+    lora = LoraBatch(rows, [L] * len(rows), method="bgmv", stack_cache=cache)
+    assert lora._store is store
+    A = store.A[(0, ("q_proj", "k_proj", "v_proj"))]
+    taken = lora._bg_take(A, torch.empty(0))
+    in_place = taken.untyped_storage().data_ptr() == A.untyped_storage().data_ptr()
+    assert in_place == (layout == "consecutive-slots")
+    B = len(rows)
+    with torch.no_grad():
+        ours = dec.logits(dec(ids.reshape(-1), torch.arange(L).repeat(B), DenseAttention(B, L), lora)).view(B, L, -1)
+        ref = _rowwise_reference(dec, ids, rows)
+    assert (ours - ref).abs().max().item() < 1e-5
+    assert cache.misses == cache.hits == 0 and not cache._sets
+
+
+def test_slot_store_parameters_are_views_that_survive_a_relayout() -> None:
+    """An adapter's tensors are views of its slot: an in-place update (what AdamW does) is what
+    the next forward reads. A larger rank or a new module relays the store out: every adapter
+    keeps its tensor objects, values and slot. A released slot is the next one filled."""
+    _, dec, named = _peft_with_adapters()
+    store, w = _slotted(named, dec, ["a3"])  # rank 2 on k, o, down
+    a3 = w["a3"]
+    A_k, B_k = a3.pairs[(0, "k_proj")]
+    before = {k: (A.clone(), B.clone()) for k, (A, B) in a3.pairs.items()}
+    assert store.relayouts == 1 and store.rank == 2 and store.modules == ("k_proj", "o_proj", "down_proj")
+    more = {n: LoraWeights.from_named({k: t.detach().clone() for k, t in named[n].items()}, ADAPTERS[n], dec.spec)
+            for n in ("a1", "a2")}
+    store.put(more["a1"])  # rank 4, all seven modules: a new layout, a3 moved into slot 0 again
+    assert store.relayouts == 2 and store.rank == 4 and len(store.modules) == 7 and a3.slot == 0
+    assert a3.pairs[(0, "k_proj")][0] is A_k and a3.pairs[(0, "k_proj")][1] is B_k
+    for k, (A, B) in a3.pairs.items():
+        torch.testing.assert_close(A, before[k][0], rtol=0, atol=0)
+        torch.testing.assert_close(B, before[k][1], rtol=0, atol=0)
+        assert A.untyped_storage().data_ptr() == store._buffer.untyped_storage().data_ptr()
+    group, j = store.group_of["k_proj"]
+    held = store.A[(0, group)][0, j * 4:j * 4 + 4]
+    torch.testing.assert_close(held[:2], A_k, rtol=0, atol=0)
+    assert not held[2:].any()  # rank padding is zeros
+    with torch.no_grad():
+        A_k.add_(0.5)  # in place, as an optimizer step
+    assert torch.equal(store.A[(0, group)][0, j * 4:j * 4 + 2], A_k)
+    ids = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(3))
+    rows = [a3, more["a1"]]
+    with torch.no_grad():
+        ours = dec.logits(dec(ids.reshape(-1), torch.arange(4).repeat(2), DenseAttention(2, 4),
+                              LoraBatch(rows, [4, 4], method="bgmv"))).view(2, 4, -1)
+        assert (ours - _rowwise_reference(dec, ids, rows)).abs().max().item() < 1e-5
+    store.release(a3)
+    assert a3.slot is None and len(store) == 1
+    store.put(more["a2"])  # rank 8: relayout again; slot 0 (free) is taken first
+    assert more["a2"].slot == 0 and more["a1"].slot == 1 and store.rank == 8
 
 
 def test_bgmv_shares_the_group_product_only_for_the_same_input() -> None:

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from opentinker.engine import adapter_io, value_head
-from opentinker.engine.memory import AdapterMemory, OverBudget
+from opentinker.engine.memory import AdapterMemory, OverBudget, trim_heap
 from opentinker.engine.model import (
     Decoder,
     DenseAttention,
@@ -38,6 +38,7 @@ from opentinker.engine.model import (
     LoraBatch,
     LoraWeights,
 )
+from opentinker.engine.model.lora_slots import LoraSlots
 from opentinker.engine.registry import AdapterState, AdapterTable
 from protocols.messages import LoraSpec
 
@@ -106,8 +107,12 @@ class LoraRegistry(AdapterTable):
         """Identifies the base weights in saved adapters: the same value the PEFT registry
         computes for the same checkpoint (same tensor names), so adapters move between them."""
         self._inner = _Inner(model=_Body(self), lm_head=_Head(self))
+        self.slots = LoraSlots(self.decoder.spec, torch.float32, self.device, budget=lambda: self.memory.budget_bytes)
+        """Every resident LoRA adapter's matrices; its parameters are views into its slot."""
         self.memory = AdapterMemory(self.device, adapter_budget_bytes, pinned=lambda: self.pinned())
         self.memory._state_of = lambda n: self.adapters[n]
+        self.memory.on_spill = self._unslot
+        self.memory.on_restore = self._reslot
         self.pinned: Callable[[], set[str]] = set
         """Adapters that may not spill now (the engine sets it: those of its running rows)."""
 
@@ -134,7 +139,8 @@ class LoraRegistry(AdapterTable):
                 raise ValueError(f"LoraSpec.target_modules {spec.target_modules}: {e}") from None
             if not named:
                 raise ValueError(f"LoraSpec.target_modules {spec.target_modules} matched no module")
-            self._weights[name] = LoraWeights.from_named(named, spec, self.decoder.spec)
+            self._weights[name] = weights = LoraWeights.from_named(named, spec, self.decoder.spec)
+            self._put(weights)
         if spec.value_head:
             named.update(value_head.new_value_head(self.hidden_size, self.device))
         optimizer = torch.optim.AdamW(list(named.values()), lr=0.0) if trainable else None
@@ -150,11 +156,38 @@ class LoraRegistry(AdapterTable):
         """Free ``name``'s weights, value head and optimizer state."""
         self.get(name)
         del self.adapters[name]
-        self._weights.pop(name, None)
+        weights = self._weights.pop(name, None)
+        if weights is not None:
+            self.slots.release(weights)
         self.copies.pop(name, None)
         self.memory.remove(name)
         if self.active == name:
             self.active = None
+
+    def _unslot(self, name: str) -> None:
+        """After ``name`` spilled to the host: its slot is free for others."""
+        if name in self._weights:
+            self.slots.release(self._weights[name])
+
+    def _reslot(self, name: str) -> None:
+        """After ``name`` came back from the host: into a slot again (tensors re-pointed)."""
+        if name in self._weights:
+            self._put(self._weights[name])
+
+    def _put(self, weights: LoraWeights) -> None:
+        """Into the slot store (its tensors become views of the slot, their own buffers freed).
+        A CPU engine then hands the freed heap back: the adapter's temporaries and, when the
+        store grew, its old buffer (up to the store's size) would otherwise stay resident in
+        holes that later allocations of other sizes do not reuse."""
+        self.slots.put(weights)
+        if self.device.type == "cpu":
+            trim_heap()
+
+    def slot_of(self, name: str | None) -> int:
+        """The store slot of a LoRA adapter (-1 for the bare base or a full-parameter policy):
+        the engine orders a step's rows by it, so consecutive slots are read in place."""
+        weights = self._weights.get(name) if name is not None else None
+        return -1 if weights is None or weights.slot is None else weights.slot
 
     # ----------------------------------------------------------------------------- lookups
 

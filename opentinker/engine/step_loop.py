@@ -29,9 +29,7 @@ reserved up front instead of preempting.
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
-import sys
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -40,43 +38,13 @@ import numpy as np
 import torch
 
 from opentinker.engine.kv_cache import BlockManager, KVPool
-from opentinker.engine.memory import OverBudget
+from opentinker.engine.memory import OverBudget, trim_heap, tune_malloc
 from opentinker.engine.model import PagedAttention, PagedLayout
 from opentinker.engine.model.lora import DEFAULT_METHOD, LoraBatch, LoraStackCache
 from opentinker.engine.registry import UnknownAdapterError
 from opentinker.engine.sampling import SamplingBatch
 from opentinker.engine.sequence import SeqStatus, Sequence
 from protocols.messages import SamplingParams, StopReason
-
-MALLOC_MMAP_THRESHOLD = 32 << 20
-"""Allocations below it come from glibc's heap, not a fresh ``mmap`` (32 MiB: glibc's cap)."""
-MALLOC_TRIM_THRESHOLD = 64 << 20
-"""Free memory at the heap's top beyond which glibc gives it back to the OS."""
-_malloc_tuned = False
-
-
-def tune_malloc() -> bool:
-    """Fix glibc's mmap and trim thresholds (once per process; False where not glibc).
-
-    Why: with glibc's dynamic defaults (trim at 2x the largest freed mmap, ~24 MB here) a
-    forward's activations (a 2048-token prefill frees ~40 MB at each layer's end) are handed
-    back to the OS and faulted in again layer after layer: 280k page faults (1.1 GB) per
-    32-row, 16-token SmolLM2 call, 15-20% of its time. With these thresholds they are reused
-    from the heap (faults ~0, tokens/s +15-20%); the heap may keep up to 64 MB free, which
-    cost ~20 MB of peak RSS on that call. Process-wide: it also applies to whatever else runs
-    in the process."""
-    global _malloc_tuned
-    if _malloc_tuned:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, MALLOC_MMAP_THRESHOLD) == 1 and libc.mallopt(-1, MALLOC_TRIM_THRESHOLD) == 1
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt thresholds)
-        return False
-    _malloc_tuned = ok
-    return ok
 
 
 class RequestTooLarge(ValueError):
@@ -145,6 +113,7 @@ class Engine:
         self.lora_method = lora_method
         self._stacks = LoraStackCache()
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self._busy = False
         self.running: list[Sequence] = []
         self.held: set[str] = set()
         """Adapters whose waiting rows are not admitted (an optimizer step waits for their
@@ -288,6 +257,7 @@ class Engine:
             finished.append(seq)
         finished += self._admit()
         if not self.running:
+            self._went_idle()
             return [], finished
         # Decoding rows first, then prefill chunks in admission order, within the token budget.
         budget = self.max_batch_tokens
@@ -301,7 +271,9 @@ class Engine:
                 n = min(seq.pending, budget)
                 plan.append((seq, n))
                 budget -= n
-        plan.sort(key=lambda p: (p[0].adapter is not None, p[0].adapter or ""))
+        # Rows grouped by adapter, in slot order: batched LoRA then reads consecutive slots in place.
+        slot_of = getattr(self.registry, "slot_of", None)
+        plan.sort(key=lambda p: (p[0].adapter is not None, slot_of(p[0].adapter) if slot_of else 0, p[0].adapter or ""))
         t0 = time.perf_counter()
         drawn = self._forward(plan)
         self.stats.forward_s += time.perf_counter() - t0
@@ -334,7 +306,21 @@ class Engine:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+        self._busy = True
+        if not self.running and not self.waiting:
+            self._went_idle()
         return progressed, finished
+
+    def _went_idle(self) -> None:
+        """The last row finished: a CPU engine gives the heap's free pages back (once per busy
+        spell). A step's transients (a 2048-token prefill: ~40 MB) and the persistent
+        allocations made meanwhile leave free holes in glibc's heap that the next request's
+        differently sized transients do not fill, so without this each request's holes stay
+        resident on top of the next one's (SmolLM2-135M, 16 adapters: +16 MB after one small
+        request, measured). The next request faults back in only what it uses."""
+        if self._busy and self.device.type == "cpu":
+            trim_heap()
+        self._busy = False
 
     def _forward(self, plan: list[tuple[Sequence, int]]) -> list[tuple[int, float] | None]:
         """The drawn (token, log-prob) of each planned row whose chunk reaches its last token,

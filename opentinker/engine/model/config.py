@@ -176,3 +176,11 @@ def spec_from_hf_config(config: Any) -> DecoderSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)) if family == "llama" else False,
         qk_norm=family == "qwen3",
     )
+
+
+def module_dims(spec: DecoderSpec, module: str) -> tuple[int, int]:
+    """``(d_in, d_out)`` of a projection."""
+    H, I = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}[module]

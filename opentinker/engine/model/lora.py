@@ -24,11 +24,16 @@ methods, all a few large ops and never a Python loop over rows:
   where ``mask_N_R`` holds each token's scale on its own adapter's rank columns and 0 elsewhere,
   built once per forward.
 
-With no grad, the stacked (and dtype-cast) matrices of ``bgmv`` and ``stacked`` are cached in a
-:class:`LoraStackCache` keyed on the adapters' identity and versions (an explicit
-``LoraWeights.version`` or else the tensors' ``_version`` counters, which every in-place
-optimizer update bumps). A cached set is a copy of its adapters' LoRA matrices (3.7 MB per
-rank-8 q/k/v/o adapter of SmolLM2-135M); the cache keeps the 2 most recent sets.
+Where the adapters live in a :class:`~.lora_slots.LoraSlots` store (the engine's registry puts
+every adapter in one), a no-grad forward in the store's dtype reads ``bgmv``'s stacks straight
+from it: a view of consecutive slots (the engine orders rows by slot), else a gather of the
+batch's own slots; the store keeps B unscaled, so ``x A^T`` is scaled per entry. Otherwise
+(gradients wanted, a bf16 forward over fp32 masters, adapters outside a store) the stacked
+and dtype-cast matrices of ``bgmv`` and ``stacked`` are built from the adapters' tensors and,
+with no grad, cached in a :class:`LoraStackCache` keyed on the adapters' identity and versions
+(an explicit ``LoraWeights.version`` or else the tensors' ``_version`` counters, which every
+in-place optimizer update bumps). A cached set is a copy of its adapters' LoRA matrices (3.7 MB
+per rank-8 q/k/v/o adapter of SmolLM2-135M); the cache keeps the 2 most recent sets.
 
 Precision: adapter tensors are fp32 master weights; on a bf16 forward they are cast to the
 activation dtype (bf16) and the LoRA term runs in bf16, like the base matmul it is added to: the
@@ -89,7 +94,8 @@ import torch
 
 from protocols.messages import LoraSpec
 
-from .config import DecoderSpec
+from .config import DecoderSpec, module_dims
+from .lora_slots import INPUT_GROUPS, LoraSlots
 
 __all__ = ["LoraWeights", "LoraBatch", "LoraStackCache", "MODULES", "METHODS", "peft_name", "DEFAULT_METHOD"]
 
@@ -100,9 +106,7 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _NAME = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 METHODS: tuple[str, ...] = ("segments", "stacked", "bgmv")
 DEFAULT_METHOD = "bgmv"
-_SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
-                 "v_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-                 "gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_SHARED_INPUT = {m: g for g in INPUT_GROUPS for m in g}
 """Projections of one layer that read the same input (bgmv multiplies x by their A's at once)."""
 _CHUNK_COST = 1
 """bgmv's plan: with chunks shorter than the longest adapter's tokens, each chunk costs about
@@ -117,14 +121,6 @@ def peft_name(layer: int, module: str, ab: str) -> str:
     return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}.lora_{ab}.weight"
 
 
-def module_dims(spec: DecoderSpec, module: str) -> tuple[int, int]:
-    """``(d_in, d_out)`` of a projection."""
-    H, I = spec.hidden_size, spec.intermediate_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
-            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}[module]
-
-
 @dataclasses.dataclass(eq=False)
 class LoraWeights:
     """One adapter: ``(A_r_in, B_out_r)`` per ``(layer, module)``, the caller's own tensors."""
@@ -135,6 +131,10 @@ class LoraWeights:
     version: int | None = None
     """An explicit version (e.g. the adapter's optim-step count) for the stack cache; None: use
     the tensors' ``_version`` counters."""
+    store: LoraSlots | None = None
+    """The :class:`~.lora_slots.LoraSlots` whose slot holds these tensors (None: they live on
+    their own)."""
+    slot: int | None = None
 
     @classmethod
     def from_named(cls, named: Mapping[str, torch.Tensor], spec: LoraSpec, decoder_spec: DecoderSpec) -> LoraWeights:
@@ -294,6 +294,10 @@ class LoraBatch:
             self._masks[key] = (aid[:, None] == col_aid.to(x.device)[None]) * col_scale.to(x.device, x.dtype)[None]
         return self._masks[key]
 
+    def touches(self, layer: int, module: str) -> bool:
+        """Some row's adapter has LoRA on ``module`` at ``layer`` (else :meth:`apply` adds nothing)."""
+        return any((layer, module) in a.pairs for a in self.distinct)
+
     def apply(self, layer: int, module: str, x_N_in: torch.Tensor, y_N_out: torch.Tensor) -> torch.Tensor:
         """``y_N_out`` plus every token's LoRA term on this projection (``y`` may be updated in
         place: it must be a fresh matmul output). With ``bgmv``, the calls for q/k/v (gate/up)
@@ -353,9 +357,17 @@ class LoraBatch:
         K = len(self.distinct)
         self._rmax = max((a.rank for a in self.distinct), default=0)
         self._bg_view: tuple[int, int, int] | None = None
-        self._bg_dev: dict[torch.device, tuple] = {}
+        self._bg_dev: dict = {}
         self._bg_shared: tuple | None = None
         self._bg_grad: bool | None = None
+        self._bg_chunk_aid: torch.Tensor | None = None
+        # Adapters that all live in one slot store are read from it in place (no stacks).
+        store = self.distinct[0].store if K else None
+        self._store: LoraSlots | None = store if store is not None and all(
+            a.store is store and a.slot is not None for a in self.distinct) else None
+        self._slots: list[int] = [int(a.slot) for a in self.distinct] if self._store is not None else []  # type: ignore[arg-type]
+        self._entry_slots: list[int] = self._slots
+        """The store slot of each row of the ``[C, Lt, d]`` batch (K adapters, or C chunks)."""
         if K == 0:
             return
         lengths = [e - s for _, s, e in runs]
@@ -391,6 +403,8 @@ class LoraBatch:
         self._bg_valid = (idx >= 0).view(-1, Lt, 1) if padded else None
         self._bg_index = idx.clamp(min=0)  # pad rows read token 0 and add exact zeros back
         self._bg_chunk_aid = None if Lt == Lmax else torch.tensor(chunk_aid, dtype=torch.long)
+        if self._store is not None and Lt != Lmax:
+            self._entry_slots = [self._slots[k] for k in chunk_aid]
 
     def _bg_tensors(self, x: torch.Tensor) -> tuple:
         """``(index, chunk_aid, valid mask)`` on x's device and dtype (built once per forward)."""
@@ -410,16 +424,47 @@ class LoraBatch:
         group = tuple(m for m in _SHARED_INPUT[module] if any((layer, m) in a.pairs for a in self.distinct))
         return group, group.index(module) if module in group else -1
 
+    def _bg_needs_grad(self) -> bool:
+        """Gradients must flow to the adapters' tensors in this forward (then every stack is
+        built from them, differentiably, per forward)."""
+        if not torch.is_grad_enabled():
+            return False
+        if self._bg_grad is None:
+            self._bg_grad = any(t.requires_grad for a in self.distinct for p in a.pairs.values() for t in p)
+        return self._bg_grad
+
+    def _bg_store(self, x: torch.Tensor) -> LoraSlots | None:
+        """The slot store to read in place, or None (no common store, a cast to another dtype,
+        or gradients wanted)."""
+        store = self._store
+        if store is None or x.dtype != store.dtype or x.device != store.device or self._bg_needs_grad():
+            return None
+        return store
+
+    def _bg_take(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A store tensor ``[S, ...]`` at the batch's entry slots: ``[C, ...]`` (a view where
+        they are consecutive)."""
+        key = ("slots", x.device)
+        index = self._bg_dev.get(key)
+        if index is None:
+            index = self._bg_dev[key] = torch.tensor(self._entry_slots, dtype=torch.long, device=x.device)
+        assert self._store is not None
+        return self._store.take(t, self._entry_slots, index)
+
+    def _bg_scale(self, store: LoraSlots, u: torch.Tensor) -> torch.Tensor | None:
+        """``[C, 1, 1]``: each batch entry's alpha / r, or None where all are 1 (once per forward)."""
+        key = ("scale", u.device, u.dtype)
+        if key not in self._bg_dev:
+            scales = [store.scale_of(s) for s in self._entry_slots]
+            self._bg_dev[key] = None if all(c == 1.0 for c in scales) else torch.tensor(
+                scales, dtype=u.dtype, device=u.device)[:, None, None]
+        return self._bg_dev[key]
+
     def _bg_cache(self, x: torch.Tensor) -> dict | None:
         """The stack cache's dict for this adapter set, or None (no cache, or gradients wanted:
         a cached stack built under grad would carry a graph that the first backward frees)."""
-        if self.stack_cache is None:
+        if self.stack_cache is None or self._bg_needs_grad():
             return None
-        if torch.is_grad_enabled():
-            if self._bg_grad is None:
-                self._bg_grad = any(t.requires_grad for a in self.distinct for p in a.pairs.values() for t in p)
-            if self._bg_grad:
-                return None
         if self._stacks is None:
             self._stacks = self.stack_cache.lookup(self.distinct, x.dtype)
         return self._stacks
@@ -465,14 +510,20 @@ class LoraBatch:
         return out.to(dtype)
 
     def _bgmv(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        cache = self._bg_cache(x)
-        if cache is None:
+        store = self._bg_store(x)
+        cache = None if store is not None else self._bg_cache(x)
+        if store is not None:  # the store's held group (an adapter lacking a module has zeros)
+            group, j = store.group_of.get(module, ((), -1))
+            R = store.rank
+        elif cache is None:
             group, j = self._bg_info(layer, module)
+            R = self._rmax
         else:
             info = cache.get(("bgmv-info", layer, module))
             if info is None:
                 info = cache[("bgmv-info", layer, module)] = self._bg_info(layer, module)
             group, j = info
+            R = self._rmax
         if j < 0:
             return y
         view = self._bg_view
@@ -481,24 +532,33 @@ class LoraBatch:
                 and (x.is_inference() or shared[3] == x._version)):
             u = shared[4]  # q, k, v (gate, up) of one layer: x @ A^T done once for the group
         else:
-            A = self._bg_stack(cache, "A", layer, group, x.dtype)
+            if store is not None:
+                A = self._bg_take(store.A[(layer, group)], x)  # [C, G*R, d_in], slot entries
+            else:
+                A = self._bg_stack(cache, "A", layer, group, x.dtype)
             if view is not None:
                 s0, C, L = view
                 xv = x if s0 == 0 and C * L == x.shape[0] else x[s0:s0 + C * L]
                 u = torch.bmm(xv.reshape(C, L, -1), A.transpose(1, 2))
             else:
                 index, chunk_aid, valid = self._bg_tensors(x)
-                if chunk_aid is not None:
+                if chunk_aid is not None and store is None:
                     A = A.index_select(0, chunk_aid)
                 u = torch.bmm(x.index_select(0, index).view(self._bg_C, self._bg_Lt, -1), A.transpose(1, 2))
                 if valid is not None:
                     u = u * valid
+            if store is not None:  # the store keeps B unscaled: scale x A^T per entry instead
+                scale = self._bg_scale(store, u)
+                if scale is not None:
+                    u = u * scale
             if len(group) > 1:
                 self._bg_shared = (layer, x, group, None if x.is_inference() else x._version, u)
         if len(group) > 1:
-            R = self._rmax
             u = u[:, :, j * R:(j + 1) * R]
-        B = self._bg_stack(cache, "B", layer, (module,), x.dtype)
+        if store is not None:
+            B = self._bg_take(store.B[(layer, module)], x).transpose(1, 2)  # [C, R, d_out]
+        else:
+            B = self._bg_stack(cache, "B", layer, (module,), x.dtype)
         if not y.is_contiguous():
             y = y.contiguous()
         if view is not None:
@@ -507,7 +567,7 @@ class LoraBatch:
             yv.view(C, L, -1).baddbmm_(u, B)
             return y
         index, chunk_aid, _ = self._bg_tensors(x)
-        if chunk_aid is not None:
+        if chunk_aid is not None and store is None:
             B = B.index_select(0, chunk_aid)
         return y.index_add_(0, index, torch.bmm(u, B).view(-1, y.shape[1]))
 
