@@ -29,6 +29,8 @@ Hazards, and how they are closed:
   holds the same KV. Should that entry be evicted meanwhile, their later blocks are indexed
   under a parent uid no lookup can reach again: dead weight that ages out of the LRU, never
   a wrong match.
+* Reuse order. Free blocks form a stack (the last freed is the next taken): a pool mapped
+  lazily (CPU) is only touched up to the most blocks in use at once, not cycled through.
 * Eviction order. ``free`` puts a sequence's blocks at the LRU tail last block first, so the
   deepest block of a chain is evicted before its parents: a child is useless without them.
 * Retirement. ``retire(namespace)`` (an adapter's version bump) unindexes its blocks at once;
@@ -245,7 +247,9 @@ class BlockManager:
         self._hash_fn = hash_fn
         self._ref = [0] * num_blocks
         self._entry: list[_Entry | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack: the block freed last is taken first, so steady serving keeps reusing the same
+        # (resident) blocks and a lazily mapped pool is touched only up to its peak use.
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}  # chain hash -> block id
         self._by_ns: dict[Hashable, set[int]] = {}  # namespace -> indexed block ids
@@ -410,7 +414,7 @@ class BlockManager:
     def _take_fresh(self) -> int:
         """A block at ref 1: from the free list, else the LRU head (evicted from the index)."""
         if self._free:
-            b = self._free.popleft()
+            b = self._free.pop()
         else:
             b, _ = self._lru.popitem(last=False)
             self._unindex(b)
