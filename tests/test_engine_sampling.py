@@ -51,10 +51,17 @@ def _chi2(counts_N: torch.Tensor, probs_N: torch.Tensor) -> float:
     return float(((counts_N.double() - expected_N) ** 2 / expected_N).sum())
 
 
+@pytest.mark.parametrize("slice_rows", [0, 5])
 @pytest.mark.parametrize("device", _DEVICES)
-def test_a_row_draws_the_same_alone_among_others_and_in_any_order(device: str) -> None:
+def test_a_row_draws_the_same_alone_among_others_and_in_any_order(
+        device: str, slice_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``slice_rows``: the noise drawn for 5 rows at a time (0: the default, all 32 at once here)."""
     gen = torch.Generator().manual_seed(0)
     B, V = 32, 4099  # odd V: rows straddle vector and thread-chunk boundaries differently
+    if slice_rows:
+        import opentinker.engine.sampling as sampling_mod
+
+        monkeypatch.setattr(sampling_mod, "_NOISE_ELEMS", slice_rows * V)
     logits_B_V = (torch.randn(B, V, generator=gen) * 3).to(device)
     params = _mixed_params(B, V, gen)
     seeds = [_SEEDS[i % len(_SEEDS)] + 1000 * (i // len(_SEEDS)) for i in range(B)]

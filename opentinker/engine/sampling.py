@@ -55,6 +55,8 @@ _MASK32 = 0xFFFF_FFFF
 _M1 = 0x7FEB352D  # lowbias32 multipliers (Wellons, hash-prospector), as signed 32-bit
 _M2 = 0x846CA68B - (1 << 32)
 _SALTS = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1)  # domain separation
+_NOISE_ELEMS = 1 << 18
+"""Elements of Gumbel noise drawn at once (rows per slice = this // V, at least 1)."""
 _PREFIX = 1024
 """Sorted entries per row read by ``topk`` before falling back to a full sort for top-p."""
 
@@ -155,8 +157,18 @@ def _draw(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.
     kept_B_V = x_B_V
     if max_top_k > 0 or any_top_p:
         kept_B_V = truncate(x_B_V, top_k_B, top_p_B.float(), max_top_k, any_top_p)
-    g_B_V = uniforms(seed_B, position_B, x_B_V.shape[1]).log_().neg_().log_().neg_()
-    tokens_B = g_B_V.add_(kept_B_V).argmax(-1)
+    B, V = x_B_V.shape
+    # The noise in slices of rows: the hash's int64 scratch is 20 bytes per element, 40 MB for
+    # 32 rows of a 49k vocabulary at once, the largest transient of a decode step on a small
+    # model; slices of ~256k elements hold it to ~5 MB (rows are independent: same draws).
+    step = max(1, _NOISE_ELEMS // max(V, 1))
+    tokens = []
+    for r0 in range(0, B, step):
+        r1 = min(B, r0 + step)
+        g_R_V = uniforms(seed_B[r0:r1], position_B[r0:r1], V).log_().neg_().log_().neg_()
+        tokens.append(g_R_V.add_(kept_B_V[r0:r1]).argmax(-1))
+        del g_R_V
+    tokens_B = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
     return tokens_B, x_B_V.gather(1, tokens_B[:, None])[:, 0] - lse_B
 
 
