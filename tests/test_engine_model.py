@@ -425,6 +425,40 @@ def test_slot_store_parameters_are_views_that_survive_a_relayout() -> None:
     assert more["a2"].slot == 0 and more["a1"].slot == 1 and store.rank == 8
 
 
+@pytest.mark.parametrize("adapter", [None, "a2", "a1"])
+def test_no_grad_mlp_in_row_slices_equals_the_whole(adapter: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autograd, an MLP no adapter touches runs on slices of rows (here 7 of 40):
+    the same logits as the whole-batch path autograd takes (None: the bare base; a2: LoRA
+    on q/v only, so sliced; a1: LoRA in the MLP too, never sliced)."""
+    import opentinker.engine.model.decoder as decoder_mod
+
+    _, dec, named = _peft_with_adapters()
+    w = None if adapter is None else LoraWeights.from_named(named[adapter], ADAPTERS[adapter], dec.spec)
+    ids = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(9))
+
+    def run() -> torch.Tensor:
+        lora = None if w is None else LoraBatch([w] * 4, [10] * 4, method="bgmv")
+        return dec.logits(dec(ids.reshape(-1), torch.arange(10).repeat(4), DenseAttention(4, 10), lora))
+
+    with torch.enable_grad():
+        whole = run().detach()
+    calls = []
+    real = decoder_mod._Linear.forward
+    monkeypatch.setattr(decoder_mod, "_MLP_SLICE", 7)
+    mlp_width = dec.spec.intermediate_size  # record the MLP's linears only
+
+    def spy(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if mlp_width in self.weight.shape:
+            calls.append(x.shape[0])
+        return real(self, x)
+
+    monkeypatch.setattr(decoder_mod._Linear, "forward", spy)
+    with torch.no_grad():
+        sliced = run()
+    assert calls and (max(calls) == 7) == (adapter != "a1")  # the MLP's linears saw slices, or the whole
+    assert (sliced - whole).abs().max().item() < 1e-5
+
+
 def test_bgmv_shares_the_group_product_only_for_the_same_input() -> None:
     """q/k/v of one layer read one x: bgmv multiplies it by their A's once. Another tensor (or
     the same one changed in place) is multiplied afresh."""

@@ -183,6 +183,11 @@ def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+_MLP_SLICE = 512
+"""Rows an MLP computes at once in a no-grad forward where no adapter has LoRA in it."""
+_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
 def _apply_rope(x_N_H_D: torch.Tensor, cos_N_1_D: torch.Tensor, signed_sin_N_1_D: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in four ops: with
     ``signed_sin = cat(-sin1, sin2)``, ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``
@@ -344,6 +349,17 @@ class Decoder(nn.Module):
             del o
             m = layer.mlp
             h = layer.post_attention_layernorm(x_N_H)
+            if inplace and N > _MLP_SLICE and (lora is None or not any(lora.touches(i, n) for n in _MLP_PROJ)):
+                # No LoRA in this MLP and no autograd: it runs on slices of rows, so a long
+                # prefill never holds the [N, intermediate] pair (24 MB at 2048 tokens of
+                # SmolLM2-135M) but a slice of it. Rows are independent here.
+                for s0 in range(0, N, _MLP_SLICE):
+                    h_s = h[s0:s0 + _MLP_SLICE]
+                    g = F.silu(m.gate_proj(h_s), inplace=True).mul_(m.up_proj(h_s))
+                    x_N_H[s0:s0 + _MLP_SLICE].add_(m.down_proj(g))
+                    del g
+                del h
+                continue
             g = proj(i, "gate_proj", m.gate_proj, h)
             u = proj(i, "up_proj", m.up_proj, h)
             del h
