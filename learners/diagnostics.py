@@ -27,6 +27,17 @@ def logprob_mismatch(logp_N: torch.Tensor, sampler_logp_N: torch.Tensor) -> dict
     }
 
 
+LOG_RATIO_CLAMP = 20.0
+"""Bound on ``|log ratio|`` inside an exponential that carries a gradient (``ppo``'s ratio,
+``kl_k3``'s ``exp(ref - logp)``): ``exp(20)`` ~ 4.9e8, far past any clip bound a job can set
+(``1 + train.clip_high`` <= 11, ``train.dual_clip`` <= 1e3) and far below float32's overflow
+(``exp(88.7)``), so the ratio times a finite advantage stays finite. A token the trainer gives
+e^20 times the sampler's probability is a numerical accident or another policy's data; its
+gradient through the ratio would swamp the batch, so past the bound it has none (as under
+PPO's dual clip). :func:`policy_diagnostics` clamps its ratios the same way, so its metrics
+stay finite too."""
+
+
 @torch.no_grad()
 def policy_diagnostics(
     logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], clipped_N: torch.Tensor
@@ -52,7 +63,7 @@ def policy_diagnostics(
         if "entropy" in inputs:
             out["entropy"] = 0.0
         return {**out, "n_tokens": 0.0}
-    log_ratio_N = logp_N.detach() - sampler_logp_N
+    log_ratio_N = (logp_N.detach() - sampler_logp_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio_N = log_ratio_N.exp()
     out.update(
         clip_frac=clipped_N.float().mean().item(),

@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from learners.diagnostics import LOG_RATIO_CLAMP, policy_diagnostics
 from learners.diagnostics import mean as _mean
-from learners.diagnostics import policy_diagnostics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +187,11 @@ def ppo(
         config: ``clip_low`` (default 0.2), ``clip_high`` (default 0.2), ``dual_clip``
             (``c > 1``; absent or 0 disables it, giving exactly the plain PPO loss).
 
+    The log-ratio ``logp_t - sampler_logp_t`` is clamped to ``[-LOG_RATIO_CLAMP,
+    LOG_RATIO_CLAMP]`` before the exponential, so the loss and its gradient stay finite for
+    any finite input; within the bound (ratios from ~2e-9 to ~5e8) nothing changes, and a
+    token beyond it has no gradient through its ratio.
+
     Returns:
         ``loss_sum = sum_t l_t`` and diagnostics; ``clip_frac`` is the fraction of tokens
         whose clipped (or dual-clipped) term is strictly active (zero gradient). With dual
@@ -197,7 +202,10 @@ def ppo(
     sampler_logp_N = _require(inputs, "sampler_logprobs", "ppo", logp_N)
     clip_low = float(config.get("clip_low", 0.2))
     clip_high = float(config.get("clip_high", 0.2))
-    ratio_N = torch.exp(logp_N - sampler_logp_N)
+    # Clamped before the exponential (as kl_k3 does): beyond float32's exp range (~88.7) the
+    # ratio is inf, inf * 0 is NaN, and one such token made the whole gradient NaN. A clamped
+    # token has no gradient through the ratio, as under the dual clip.
+    ratio_N = torch.exp((logp_N - sampler_logp_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped_N = ratio_N * advantages_N
     clipped_N = torch.clamp(ratio_N, 1.0 - clip_low, 1.0 + clip_high) * advantages_N
     surrogate_N = torch.minimum(unclipped_N, clipped_N)
@@ -421,7 +429,7 @@ def kl_k3(logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor],
     return _kl_loss("kl_k3", lambda x: torch.exp(-x.clamp(-K3_CLAMP, K3_CLAMP)) + x - 1.0, logp_N, inputs, config)
 
 
-K3_CLAMP = 20.0
+K3_CLAMP = LOG_RATIO_CLAMP
 """Bound on ``|logp - ref|`` inside k3's exponential (``exp(20)`` ~ 5e8 per token)."""
 
 
