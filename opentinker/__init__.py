@@ -9,8 +9,16 @@ the core that partner needs: with one busy process beside it, a 2-thread ``[32, 
 with 1 thread under load and as fast as the default on an idle machine (``tests/test_threads.py``
 checks the variable reaches the library; the figures are in README's "On a small machine").
 Processes that import torch before this package keep libgomp's default.
+
+It also puts the escaping handler of :mod:`opentinker.logs` on the ``opentinker`` logger, so
+in every process of a job (the driver and each actor import this package) a log record is one
+line whatever text it carries.
 """
 
 import os
 
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+from opentinker.logs import setup_logging  # stdlib only: torch is not loaded
+
+setup_logging()  # every record of the package's loggers is one line (control characters escaped)

@@ -4,25 +4,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+
+_NON_FINITE = re.compile(r"[+-]?(inf|nan)", re.IGNORECASE)
+"""TOML's spelling of infinities and NaN (JSON has none): ``--set train.lr=inf`` is the float,
+refused by the config's bounds, as ``lr = inf`` in a file is."""
+
+MAX_SET_DEPTH = 8
+"""Dotted parts of a ``--set`` key (the deepest config field is three tables down)."""
 
 
 def _parse_set(items: list[str]) -> dict:
     """``["train.steps=3", "runtime.backend=local"]`` -> nested dict (values parsed as JSON
-    where they parse, else kept as strings)."""
+    where they parse, ``inf`` and ``nan`` as floats, else kept as strings). Raises :class:`~opentinker.config.ConfigError`
+    (``--set: ...``) for an item that is not ``key=value``, a key with an empty part or more
+    than :data:`MAX_SET_DEPTH` parts, a key under one already set to a value, or a JSON value
+    nested too deep to parse."""
+    from opentinker.config import ConfigError
+
     out: dict = {}
     for item in items:
         if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected key=value")
+            raise ConfigError("--set", f"{item!r}: expected key=value")
         key, raw = item.split("=", 1)
+        parts = key.split(".")
+        if not all(parts) or len(parts) > MAX_SET_DEPTH:
+            raise ConfigError("--set", f"{key!r}: expected a dotted field name such as train.steps")
         try:
-            value = json.loads(raw)
+            value = float(raw) if _NON_FINITE.fullmatch(raw) else json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        except RecursionError:
+            raise ConfigError("--set", f"{key}: the value is nested too deep") from None
         node = out
-        *parents, leaf = key.split(".")
+        *parents, leaf = parts
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError("--set", f"{key!r}: {part!r} is already set to a value")
         node[leaf] = value
     return out
 
@@ -46,22 +66,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {doc[0] if doc else ''}")
         return 0
 
-    from opentinker.config import load_config
-    from opentinker.training.learner import check_job
+    from opentinker.config import ConfigError, load_config
+    from opentinker.config_checks import check_config
+    from opentinker.logs import escape_controls
 
     try:
         if args.resume and args.config:
-            raise ValueError("--resume continues a run with its own config.toml: give no CONFIG")
+            raise ConfigError("--resume", "continues a run with its own config.toml: give no CONFIG")
         config = f"{args.resume}/config.toml" if args.resume else args.config
         cfg = load_config(config, _parse_set(args.set))
-        if cfg.offline_job() is None:
-            check_job(cfg)
+        check_config(cfg)  # every field, before a run folder or an actor exists
         if args.resume:
             from opentinker.control.checkpoints import latest_checkpoint
 
-            latest_checkpoint(args.resume)  # a clear error before anything starts
-    except (ValueError, FileNotFoundError) as e:
-        print(f"opentinker: bad config: {e}", file=sys.stderr)
+            try:
+                latest_checkpoint(args.resume)  # a clear error before anything starts
+            except (ValueError, OSError) as e:
+                raise ConfigError("--resume", str(e)) from None
+    except (ValueError, OSError) as e:
+        # One line whatever the config holds (its strings are quoted in the reasons).
+        print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
         return 2
     from pathlib import Path
 

@@ -1,26 +1,125 @@
-"""Typed job configuration, decoded from TOML with ``msgspec`` (an unknown or mistyped field
-is an error that names it, e.g. ``Object contains unknown field `lrr` - at `$.train```).
+"""Typed job configuration, decoded from TOML with ``msgspec``, and checked whole before
+anything starts.
 
 Every field has a principled default, so an empty file is a valid job; derived values (the
 number of hands per step, the run name) are computed in one place, not filled in later.
+
+A config is refused with a :class:`ConfigError` whose text is ``<field>: <reason>`` (``opentinker
+run`` prints ``opentinker: bad config: <field>: <reason>`` and exits 2):
+
+* when it is decoded (:func:`load_config`): unknown fields (``train.lrr: unknown field``),
+  types, and ranges, every number with an upper bound (the ``MAX_*`` constants, each with
+  its reason) so infinities and absurd sizes never reach the runtime; the job ``name`` is a safe path component;
+* by :func:`opentinker.config_checks.check_config`, before a run folder or an actor exists: the game is registered and
+  takes ``game_kwargs``, the model spec resolves on this machine (a known spec, or a folder
+  with a ``config.json``; a path that does not exist is refused, never looked up on the hub),
+  the device, the LoRA target modules against the architecture, the algorithms, the offline
+  data and ``out_dir``.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import math
 import re
 import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta
 
+from opentinker.logs import escape_controls
 from protocols.messages import LoraSpec
+
+
+class ConfigError(ValueError):
+    """A config field that cannot work; ``str(e)`` is ``"<field>: <reason>"``."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
+
+
+# Upper bounds. Each lies far above what a real job uses (the bundled jobs and the README's
+# sweeps stay 100-1000x below) and low enough that the work, memory or arithmetic it leads to
+# stays finite and startable: they stop typos and hostile configs (``steps = 10**30``, ``lr =
+# inf``, ``lora_rank = 10**7``), not experiments. Floats are bounded on both sides, so inf and
+# nan are refused everywhere.
+MAX_STEPS = 10**6
+"""Training steps (and every "each N steps" period): 10^6 steps at 1 s each is 11 days; the
+default job runs 50."""
+MAX_GROUPS_PER_STEP = 10**5
+MAX_GROUP_SIZE = 10**4
+MAX_EPISODES_PER_STEP = 2**14
+"""``groups_per_step * group_size`` (the default job plays 64): the coordinator hands a step's
+episodes to the runners in one message each, and 160,000 episodes made a 17 MB message, past
+the bus's 4 MiB limit on a body."""
+MAX_HANDS_PER_STRATUM = 1000
+"""Evaluation hands per (deal, seat); the default is 34 (408 hands of Kuhn poker, a 95%
+interval of about +-0.1 chips), 1000 gives 12,000 hands (+-0.02)."""
+MAX_LORA_RANK = 4096
+"""A rank beyond a layer's width adds nothing; the widest open models are ~16k wide, and
+ranks in use are 8-256."""
+MAX_POLICIES = 256
+"""Each policy is a learner actor (a process) and an adapter on the scheduler."""
+MAX_COEF = 1e6
+"""Loss coefficients, LoRA alpha, truncations, opponent weights, DPO/IPO settings."""
+MAX_LR = 10.0
+"""AdamW fine-tuning rates are 1e-7 to 1e-2."""
+MAX_CLIP_HIGH = 10.0
+"""PPO's ``1 + clip_high`` (DAPO uses 0.28); keeps every clip bound far inside the losses'
+log-ratio clamp (``learners.losses.LOG_RATIO_CLAMP``)."""
+MAX_DUAL_CLIP = 1e3
+MIN_TEMPERATURE = 1e-4
+"""Below it sampling is greedy in all but name, and a temperature that rounds to 0 in float32
+divides the logits by zero."""
+MAX_TEMPERATURE = 100.0
+MAX_TOKENS = 2**17
+"""Tokens per reply: 131,072 is the longest context of current open models (a model whose
+``config.json`` is at hand is held to its own ``max_position_embeddings``)."""
+MAX_TOP_K = 2**20
+"""Larger than any vocabulary."""
+MAX_THREADS = 4096
+MAX_KV_MB = 2**20
+"""1 TiB of KV blocks."""
+MAX_BATCH_TOKENS = 2**20
+MAX_BLOCK_SIZE = 4096
+MAX_ENV_RUNNERS = 1024
+"""Each is an actor (a process)."""
+MAX_TIMEOUT_S = 7 * 86400.0
+"""A week: a request that takes longer is a hung job."""
+MAX_SEED = 2**32 - 1
+"""The runtime seeds its numpy streams with the seed's low 32 bits (``rollout/episodes.py``),
+so larger seeds would silently alias smaller ones; ``torch.manual_seed`` stops at 2^64."""
+MAX_NAME_BYTES = 128
+"""The job name is part of the run folder's name (``{game}__{name}__{seed}__{time}``), which
+must fit the 255 bytes a file system allows for one path component."""
+MAX_TEXT = 100_000
+"""Characters of ``system_prompt`` (it is in every prompt)."""
+MAX_PATH_CHARS = 4096
+"""``PATH_MAX`` on Linux: ``out_dir``, ``model.base``, ``offline.data``."""
+MAX_ITEMS = 64
+"""Entries of ``game_kwargs``, ``target_modules`` and a policy's ``train`` overrides."""
+MAX_KWARG_CHARS = 256
+"""A string in ``game_kwargs`` (it travels with every episode of a step)."""
+MAX_REWARD = 1e12
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
-PosFloat = Annotated[float, Meta(gt=0)]
+Steps = Annotated[int, Meta(ge=0, le=MAX_STEPS)]
+PosSteps = Annotated[int, Meta(ge=1, le=MAX_STEPS)]
+Hands = Annotated[int, Meta(ge=0, le=MAX_HANDS_PER_STRATUM)]
+PosHands = Annotated[int, Meta(ge=1, le=MAX_HANDS_PER_STRATUM)]
+Coef = Annotated[float, Meta(ge=0, le=MAX_COEF)]
+PosCoef = Annotated[float, Meta(gt=0, le=MAX_COEF)]
+UnitFloat = Annotated[float, Meta(ge=0, le=1)]
 Prob = Annotated[float, Meta(gt=0, le=1)]
+Timeout = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S)]
+PathStr = Annotated[str, Meta(max_length=MAX_PATH_CHARS)]
 
 SPECIAL_OPPONENTS = ("self", "base", "past")
 """Opponent names besides the scripted policies and the job's policies: the policy itself,
@@ -36,11 +135,11 @@ class _Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=T
 
 
 class ModelConfig(_Config):
-    base: str = "smollm2-135m"
+    base: PathStr = "smollm2-135m"
     """Model spec: ``smollm2-135m`` (default), ``tiny-random`` (tests), a hub id or a folder."""
     device: str = "cpu"
     """Torch device of the scheduler (``cpu``, ``cuda``, ``cuda:1``)."""
-    threads: NonNegInt = 0
+    threads: Annotated[int, Meta(ge=0, le=MAX_THREADS)] = 0
     """Torch threads of the scheduler; 0: every core of the machine."""
     engine: Literal["auto", "own", "peft"] = "auto"
     """``auto``: the engine's own forward (continuous batching, prefix cache, batched LoRA)
@@ -51,18 +150,19 @@ class ModelConfig(_Config):
     """The engine's base weights and activations (LoRA weights and optimizer states stay
     fp32). ``bfloat16`` is for GPUs; on a CPU it is slower than fp32 and log-probs move by
     ~0.03 (tests/test_engine_model.py states the tolerance)."""
-    kv_budget_mb: PosInt = 256
+    kv_budget_mb: Annotated[int, Meta(ge=1, le=MAX_KV_MB)] = 256
     """Memory for the engine's KV blocks, in MiB."""
-    kv_block_size: PosInt = 8
+    kv_block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)] = 8
     """Tokens per KV block: a turn recomputes at most this many tokens it could have reused."""
-    max_batch_tokens: PosInt = 2048
+    max_batch_tokens: Annotated[int, Meta(ge=1, le=MAX_BATCH_TOKENS)] = 2048
     """Tokens one engine step computes at most (prefill chunks + one per decoding row)."""
 
 
 class PolicyConfig(_Config):
     name: str = "main"
     """Adapter name; one learner per policy."""
-    opponents: dict[str, Annotated[float, Meta(ge=0)]] = msgspec.field(default_factory=lambda: {"random": 1.0})
+    opponents: Annotated[dict[str, Coef], Meta(max_length=MAX_POLICIES + 64)] = msgspec.field(
+        default_factory=lambda: {"random": 1.0})
     """Opponent mix: weight per ``self`` (the policy in both seats), ``base`` (the base model),
     ``past`` (a league snapshot of itself, :class:`LeagueConfig`), a scripted policy of
     ``games`` (``random``, ``kuhn_equilibrium``, ...) or another policy's name."""
@@ -70,10 +170,14 @@ class PolicyConfig(_Config):
     """``lora``: an adapter on the shared base model; ``full``: a private copy of every base
     weight on the same scheduler, AdamW on all of them (LoRA and full-parameter training on
     the same job; needs ``model.engine`` other than ``peft``, and a learning rate near 1e-5)."""
-    lora_rank: PosInt = 8
-    lora_alpha: PosFloat = 16.0
-    target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    train: dict[str, str | bool | int | float] = msgspec.field(default_factory=dict)
+    lora_rank: Annotated[int, Meta(ge=1, le=MAX_LORA_RANK)] = 8
+    lora_alpha: PosCoef = 16.0
+    target_modules: Annotated[list[str], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Projections that get LoRA weights; checked against the model's architecture where it
+    is known (:func:`opentinker.config_checks.check_config`)."""
+    train: Annotated[dict[str, str | bool | int | float], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict)
     """This policy's overrides of ``[train]``'s algorithm fields, e.g. ``{advantage = "rloo",
     loss = "cispo", kl_coef = 0.05}``: learners side by side in one job, on the same games
     and the same base model (the fields of ``SCHEDULE_FIELDS``, e.g. ``steps`` and
@@ -81,14 +185,14 @@ class PolicyConfig(_Config):
 
 
 class TrainConfig(_Config):
-    steps: NonNegInt = 30
-    checkpoint_every: NonNegInt = 10
+    steps: Steps = 30
+    checkpoint_every: Steps = 10
     """Write ``checkpoints/step_N/`` (adapters with their optimizer states, learner states,
     the evaluations so far) every this many steps and after the last; 0: only after the
     last. ``opentinker run --resume RUN_DIR`` continues from the newest one."""
-    groups_per_step: PosInt = 8
+    groups_per_step: Annotated[int, Meta(ge=1, le=MAX_GROUPS_PER_STEP)] = 8
     """Groups of episodes per policy per step; a group shares deal, seats and opponent."""
-    group_size: PosInt = 4
+    group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)] = 4
     """Episodes per group (differing only in sampling seeds): advantages are group-relative."""
     advantage: str = "dr_grpo"
     """Advantage estimator, a name in ``learners.ADVANTAGES``: ``dr_grpo``, ``grpo``, ``rloo``
@@ -99,56 +203,61 @@ class TrainConfig(_Config):
     loss: str = "ppo"
     """Policy loss, a name in ``learners.LOSSES`` of kind policy: ``ppo``,
     ``importance_sampling``, ``cispo``."""
-    clip_low: Annotated[float, Meta(ge=0)] = 0.2
+    clip_low: UnitFloat = 0.2
     """PPO's lower clip ``1 - clip_low``."""
-    clip_high: Annotated[float, Meta(ge=0)] = 0.2
+    clip_high: Annotated[float, Meta(ge=0, le=MAX_CLIP_HIGH)] = 0.2
     """PPO's upper clip ``1 + clip_high`` (DAPO's clip-higher when > ``clip_low``); also
     CISPO's ``eps_high`` (CISPO has no lower bound)."""
-    dual_clip: Annotated[float, Meta(ge=0)] = 0.0
+    dual_clip: Annotated[float, Meta(ge=0, le=MAX_DUAL_CLIP)] = 0.0
     """PPO's dual-clip bound ``c > 1`` on negative advantages; 0 disables."""
-    is_truncation: PosFloat = 2.0
+    is_truncation: PosCoef = 2.0
     """Truncation of the importance weight of ``importance_sampling``."""
-    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    gamma: UnitFloat = 1.0
     """Discount over a seat's turns (``turn_returns``, ``gae``)."""
-    lam: Annotated[float, Meta(ge=0, le=1)] = 0.95
+    lam: UnitFloat = 0.95
     """GAE's lambda (``gae``): 1 gives returns minus values, 0 the one-step TD error."""
-    value_coef: Annotated[float, Meta(gt=0)] = 0.5
+    value_coef: PosCoef = 0.5
     """Coefficient of the critic's value loss (``gae``), a mean over turns, added to the
     policy loss (PPO's ``c1``)."""
-    value_clip: Annotated[float, Meta(ge=0)] = 0.2
+    value_clip: Coef = 0.2
     """Clip range of the value loss around the values at scoring time (``gae``); 0 disables."""
     ema_decay: Annotated[float, Meta(ge=0, lt=1)] = 0.9
     """Decay of the moving-average baselines (``reinforce_ema``, ``role_ema``)."""
-    kl_coef: Annotated[float, Meta(ge=0)] = 0.0
+    kl_coef: Coef = 0.0
     """Coefficient of the KL penalty to the reference (the base model with the adapter off);
     0 disables it (and its extra forward pass)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Schulman's estimator of that KL: loss ``kl_k1``, ``kl_k2`` or ``kl_k3``."""
-    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
+    entropy_coef: Coef = 0.0
     """Coefficient of the entropy bonus (full-vocabulary entropy at the sampled positions)."""
     normalize_advantages: bool = False
     """Standardise each step's per-turn advantages over the batch (zero mean, unit std; PPO's
     usual normalisation, mostly redundant after GRPO's per-group one). Value targets are
     unaffected."""
-    epochs: PosInt = 1
+    epochs: Annotated[int, Meta(ge=1, le=1000)] = 1
     """Passes over each step's batch (PPO's K epochs): later passes reuse the advantages and
     the sampler's log-probs, so their ratios move off 1 and clip. All the step's updates must
     fit in ``runtime.timeout_s``."""
-    minibatches: PosInt = 1
+    minibatches: Annotated[int, Meta(ge=1, le=MAX_EPISODES_PER_STEP)] = 1
     """Updates per pass: the step's datums are shuffled and split into this many parts (fewer
     when there are fewer datums), each one ``forward_backward`` + ``optim_step`` normalised by
     its own token count."""
-    lr: PosFloat = 1e-3
-    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
-    grad_clip: Annotated[float, Meta(ge=0)] = 1.0
+    lr: Annotated[float, Meta(gt=0, le=MAX_LR)] = 1e-3
+    weight_decay: Annotated[float, Meta(ge=0, le=100)] = 0.0
+    """AdamW's decoupled weight decay (0.0-0.1 in use)."""
+    grad_clip: Coef = 1.0
     """Global gradient-norm clip; 0 disables."""
     record_trajectories: bool = True
     """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
     seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
 
     def __post_init__(self) -> None:
+        # Fields relative to this table: the caller's path is put in front (_config_error).
         if self.dual_clip != 0 and not self.dual_clip > 1:
-            raise ValueError(f"train.dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
+            raise ValueError(f"dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
+        if self.groups_per_step * self.group_size > MAX_EPISODES_PER_STEP:
+            raise ValueError(f"groups_per_step: {self.groups_per_step} groups of {self.group_size} episodes "
+                             f"is more than {MAX_EPISODES_PER_STEP} episodes per step")
 
     @property
     def critic(self) -> bool:
@@ -199,24 +308,24 @@ SCHEDULE_FIELDS = ("steps", "checkpoint_every", "groups_per_step", "group_size",
 
 
 class SamplingConfig(_Config):
-    temperature: PosFloat = 1.0
+    temperature: Annotated[float, Meta(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)] = 1.0
     top_p: Prob = 1.0
-    top_k: NonNegInt = 0
-    max_tokens: PosInt = 8
+    top_k: Annotated[int, Meta(ge=0, le=MAX_TOP_K)] = 0
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 8
 
 
 class EvalConfig(_Config):
-    every: NonNegInt = 10
+    every: Steps = 10
     """Evaluate every this many steps (and always before the first and after the last); 0:
     only before and after."""
-    hands_per_stratum: PosInt = 34
+    hands_per_stratum: PosHands = 34
     """Hands against the random opponent per (deal, seat): 6 deals x 2 seats x 34 = 408."""
-    final_hands_per_stratum: NonNegInt = 0
+    final_hands_per_stratum: Hands = 0
     """Hands per stratum for the evaluations before the first and after the last step; 0:
     ``hands_per_stratum``."""
-    head_to_head_per_stratum: NonNegInt = 10
+    head_to_head_per_stratum: Hands = 10
     """Hands per (deal, seat) against the untrained base model, at the first and last eval."""
-    cross_play_per_stratum: NonNegInt = 10
+    cross_play_per_stratum: Hands = 10
     """A job with several policies: hands per (deal, seat) of every policy against every other
     one, at the first and last eval (the cross-play matrix); 0: none."""
     exploitability: bool = True
@@ -224,10 +333,10 @@ class EvalConfig(_Config):
 
 class RuntimeConfig(_Config):
     backend: Literal["ray", "local"] = "ray"
-    env_runners: PosInt = 2
-    timeout_s: PosFloat = 900.0
+    env_runners: Annotated[int, Meta(ge=1, le=MAX_ENV_RUNNERS)] = 2
+    timeout_s: Timeout = 900.0
     """Longest wait for any one request (a training step, an evaluation batch)."""
-    startup_timeout_s: PosFloat = 180.0
+    startup_timeout_s: Timeout = 180.0
 
 
 class OfflineConfig(_Config):
@@ -238,17 +347,17 @@ class OfflineConfig(_Config):
     """``sft``: maximum likelihood on the sampled tokens of trajectories whose total reward is
     above ``min_reward`` (e.g. winning games); ``dpo`` / ``ipo``: pairs of trajectories from the
     same start (group, seed, seat) with different rewards, the higher one chosen."""
-    data: str
+    data: PathStr
     """A ``trajectories/<policy>.jsonl`` file of a run, or a folder of such files."""
-    steps: PosInt = 20
-    batch_size: PosInt = 16
+    steps: PosSteps = 20
+    batch_size: Annotated[int, Meta(ge=1, le=MAX_EPISODES_PER_STEP)] = 16
     """Sequences (``sft``) or pairs (``dpo``, ``ipo``) per step, cycling through the data in an
     order shuffled from the job's seed."""
-    min_reward: float = 0.0
+    min_reward: Annotated[float, Meta(ge=-MAX_REWARD, le=MAX_REWARD)] = 0.0
     """``sft`` keeps trajectories whose total reward is strictly above this."""
-    beta: PosFloat = 0.1
+    beta: PosCoef = 0.1
     """DPO's inverse temperature."""
-    tau: PosFloat = 0.1
+    tau: PosCoef = 0.1
     """IPO's regularisation (target margin ``1 / (2 tau)``)."""
 
 
@@ -259,27 +368,32 @@ class LeagueConfig(_Config):
     before the first snapshot). Which snapshots exist at a step follows from the config, so
     episodes stay a pure function of the config and the step, and ``--resume`` restores them."""
 
-    snapshot_every: NonNegInt = 0
+    snapshot_every: Steps = 0
     """Freeze every policy after each this many steps; 0: no league."""
-    keep: PosInt = 5
+    keep: Annotated[int, Meta(ge=1, le=1000)] = 5
     """Snapshots per policy kept in the league (older ones are dropped from the scheduler)."""
-    eval_per_stratum: NonNegInt = 0
+    eval_per_stratum: Hands = 0
     """Hands per (deal, seat) of every policy against each of its league snapshots at every
     evaluation (columns of the cross-play matrix); 0: none."""
 
 
 class JobConfig(_Config):
     name: str = "default"
-    seed: int = 0
-    game: str = "kuhn_poker_v0"
-    game_kwargs: dict[str, int | float | str | bool] = msgspec.field(default_factory=dict)
+    """Part of the run folder's name: letters, digits, ``_``, ``-``, ``+`` and ``.`` (not
+    first), at most :data:`MAX_NAME_BYTES` bytes (:func:`check_name`)."""
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] = 0
+    game: Annotated[str, Meta(max_length=256)] = "kuhn_poker_v0"
+    game_kwargs: Annotated[dict[str, int | float | str | bool], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict)
     """Keyword arguments of the game's ``env(...)``, e.g. ``{num_players = 4}`` for
     ``liars_dice_v0`` or ``{max_rounds = 5}`` for ``negotiation_v0``."""
-    system_prompt: str = "You are a poker player."
+    system_prompt: Annotated[str, Meta(max_length=MAX_TEXT)] = "You are a poker player."
     """The system message of every LLM seat (explicit: SmolLM2 injects its own otherwise)."""
-    out_dir: str = "runs"
+    out_dir: PathStr = "runs"
+    """Run folders are made inside it (``<out_dir>/<run name>``)."""
     model: ModelConfig = ModelConfig()
-    policies: list[PolicyConfig] = msgspec.field(default_factory=lambda: [PolicyConfig()])
+    policies: Annotated[list[PolicyConfig], Meta(max_length=MAX_POLICIES)] = msgspec.field(
+        default_factory=lambda: [PolicyConfig()])
     train: TrainConfig = TrainConfig()
     sampling: SamplingConfig = SamplingConfig()
     eval: EvalConfig = EvalConfig()
@@ -290,6 +404,18 @@ class JobConfig(_Config):
     is left out of the resolved TOML, which has no null)."""
 
     def __post_init__(self) -> None:
+        # Messages are "<field>: <reason>" (ConfigError's form, kept by _config_error).
+        check_name(self.name)
+        if not self.out_dir or _has_controls(self.out_dir) or "\0" in self.out_dir:
+            raise ValueError(f"out_dir: must be a non-empty path without control characters, got {self.out_dir!r}")
+        for key, value in self.game_kwargs.items():
+            field = _kwarg_field(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{field}: must be finite, got {value}")
+            if isinstance(value, str) and len(value) > MAX_KWARG_CHARS:
+                raise ValueError(f"{field}: longer than {MAX_KWARG_CHARS} characters")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+                raise ValueError(f"{field}: {value} does not fit 64 bits")
         names = [p.name for p in self.policies]
         if not self.policies:
             raise ValueError("policies: at least one trainable policy is needed")
@@ -297,11 +423,12 @@ class JobConfig(_Config):
             raise ValueError(f"policies: duplicate names in {names}")
         from games.scripted import SCRIPTED
 
-        for p in self.policies:
+        for i, p in enumerate(self.policies):
             if (p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or p.name == "league" or not p.name.isidentifier()
-                    or SNAPSHOT_SUFFIX.search(p.name)):
-                raise ValueError(f"policies.name {p.name!r}: must be an identifier other than self, base, past, league and "
-                                 f"the scripted policies ({', '.join(sorted(SCRIPTED))}), not ending in __s<digits>")
+                    or len(p.name) > 64 or SNAPSHOT_SUFFIX.search(p.name)):
+                raise ValueError(f"policies[{i}].name: {p.name!r}: must be an identifier other than self, base, past, "
+                                 f"league and the scripted policies ({', '.join(sorted(SCRIPTED))}), not ending in "
+                                 "__s<digits>, at most 64 characters")
             if not p.opponents or sum(p.opponents.values()) <= 0:
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
             for o in p.opponents:
@@ -331,10 +458,11 @@ class JobConfig(_Config):
         shared = sorted(set(p.train) & set(SCHEDULE_FIELDS))
         if shared:
             raise ValueError(f"{where}: {shared} are shared by every policy; set them in [train]")
+        raw = {**msgspec.to_builtins(self.train), **p.train}
         try:
-            return msgspec.convert({**msgspec.to_builtins(self.train), **p.train}, TrainConfig)
+            return msgspec.convert(raw, TrainConfig)
         except msgspec.ValidationError as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise _config_error(e, raw, where) from None
 
     def lora_spec(self, policy: str) -> LoraSpec:
         """The ``LoraSpec`` of ``policy``'s adapter: its LoRA settings, seeded from the job's
@@ -347,6 +475,39 @@ class JobConfig(_Config):
         """``{game}__{name}__{seed}__{time}``, as CleanRL names runs."""
         return f"{self.game}__{self.name}__{self.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
+    def run_dir(self) -> Path:
+        """``<out_dir>/<run name>``, checked (with both paths resolved, symbolic links followed)
+        to be a folder directly inside ``out_dir``; :class:`ConfigError` otherwise."""
+        out = Path(self.out_dir)
+        run_dir = out / self.run_name()
+        if run_dir.resolve().parent != out.resolve():
+            raise ConfigError("name", f"the run folder {str(run_dir)!r} would not lie inside out_dir {self.out_dir!r}")
+        return run_dir
+
+
+_NAME = re.compile(r"\w[\w.+-]*")
+"""A job name: word characters (letters, digits, ``_``, in any script), ``.``, ``+``, ``-``,
+never first a ``.`` or ``-``: no separator, no ``..``, no control character, no option."""
+
+
+def check_name(name: str) -> None:
+    """Refuse a job ``name`` that is not a safe path component (:data:`_NAME`, at most
+    :data:`MAX_NAME_BYTES` bytes in UTF-8) with a :class:`ConfigError` naming ``name``."""
+    if not _NAME.fullmatch(name):
+        raise ConfigError("name", f"{name!r} is not a safe folder name: use letters, digits, _ . + - "
+                                  "(not . or - first)")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise ConfigError("name", f"{len(name.encode())} bytes long, at most {MAX_NAME_BYTES}")
+
+
+def _has_controls(text: str) -> bool:
+    return escape_controls(text) != text
+
+
+def _kwarg_field(key: str) -> str:
+    """``game_kwargs.<key>``, or ``game_kwargs[<key quoted>]`` for a key that is no identifier."""
+    return f"game_kwargs.{key}" if key.isidentifier() else f"game_kwargs[{json.dumps(key)}]"
+
 
 BUNDLED = Path(__file__).parent / "configs"
 
@@ -356,31 +517,41 @@ def bundled_configs() -> list[str]:
     return sorted(p.stem for p in BUNDLED.glob("*.toml"))
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A job file is read whole; the bundled ones are under 2 KiB."""
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> JobConfig:
     """Decode a TOML job file (``None``: the bundled default job; a bare name such as
-    ``tictactoe``: a bundled job), then apply overrides (a nested dict) and validate again.
-    Raises ``ValueError`` naming a bad field."""
+    ``tictactoe``: a bundled job), apply overrides (a nested dict), and validate the result.
+
+    Raises:
+        ConfigError: a field that cannot work, as ``<field>: <reason>`` (``config: ...`` for
+            a file that cannot be read or is not TOML).
+        FileNotFoundError: no such file and no bundled job of that name.
+    """
     if path is None:
         path = "default"
     path = Path(path)
     if not path.is_file() and path.suffix == "" and (BUNDLED / f"{path}.toml").is_file():
         path = BUNDLED / f"{path}.toml"
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist (bundled jobs: {bundled_configs()})")
+        raise FileNotFoundError(f"config: file {str(path)!r} does not exist (bundled jobs: {bundled_configs()})")
     try:
-        cfg = msgspec.toml.decode(path.read_bytes(), type=JobConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"{path}: {e}") from None
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError("config", f"{str(path)!r} is {size} bytes, more than a job file's {MAX_CONFIG_BYTES}")
+        raw = msgspec.toml.decode(path.read_bytes())
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {str(path)!r}: {e.strerror or e}") from None
     except msgspec.DecodeError as e:
-        raise ValueError(f"{path}: not valid TOML: {e}") from None
+        raise ConfigError("config", f"{str(path)!r} is not valid TOML: {e}") from None
     if overrides:
-        raw = msgspec.to_builtins(cfg)
         _merge(raw, overrides)
-        try:
-            cfg = msgspec.convert(raw, JobConfig)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"override: {e}") from None
-    return cfg
+    try:
+        return msgspec.convert(raw, JobConfig)
+    except msgspec.ValidationError as e:
+        raise _config_error(e, raw) from None
 
 
 def _merge(into: dict, new: dict) -> None:
@@ -389,6 +560,117 @@ def _merge(into: dict, new: dict) -> None:
             _merge(into[k], v)
         else:
             into[k] = v
+
+
+# --------------------------------------------------------------------------- error messages
+
+_AT = re.compile(r"(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)
+_STEP = re.compile(r"\.(?P<key>[^.\[]+)|\[(?P<index>\d+)\]|\[\.\.\.\]")
+_RELATIVE = re.compile(r"[A-Za-z_][^\s:]*")
+"""The ``<field>`` of a ``"<field>: <reason>"`` message raised in a ``__post_init__``."""
+_MISSING = object()
+
+
+def _config_error(e: msgspec.ValidationError, raw: Any, where: str = "") -> ConfigError:
+    """``e`` (msgspec's ``<message> - at `$.path```) as ``<field>: <reason>``: the path becomes
+    the field (``policies[0]`` becomes ``policies[<its name>]``), an unknown field is named with
+    the closest known one, and the offending value is quoted. ``where`` goes in front (the
+    table ``raw`` was decoded at)."""
+    m = _AT.fullmatch(str(e))
+    assert m is not None
+    msg, path = m["msg"], m["path"] or ""
+    field = _join(where, _field_name(path, raw))
+    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.DOTALL)
+    if unknown:
+        known = _known_fields(path, where)
+        close = difflib.get_close_matches(unknown[1], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
+        return ConfigError(_join(field, unknown[1]), f"unknown field{hint}")
+    missing = re.fullmatch(r"Object missing required field `(.*)`", msg, re.DOTALL)
+    if missing:
+        return ConfigError(_join(field, missing[1]), "required field missing")
+    head, sep, rest = msg.partition(": ")
+    # "<field>: <reason>" from a __post_init__: JobConfig's come without a path (msgspec adds
+    # none at the root), the nested tables' name a field of the table.
+    if sep and (m["path"] is None or _RELATIVE.fullmatch(head)):
+        return ConfigError(_join(field, head), rest)
+    reason = msg[:1].lower() + msg[1:]
+    literal = _type_at(path, where)
+    if isinstance(literal, msgspec.inspect.LiteralType):
+        reason += f" (one of: {', '.join(map(str, literal.values))})"
+    value = _lookup(raw, path)
+    if value is not _MISSING and ", got " not in reason and f"value {value!r}" not in reason:
+        shown = repr(value)
+        reason += f", got {shown if len(shown) <= 80 else shown[:77] + '...'}"
+    return ConfigError(field or "config", reason)
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a and b and not b.startswith("[") else (a + b)
+
+
+def _steps(path: str) -> list[re.Match[str]]:
+    return list(_STEP.finditer(path))
+
+
+def _field_name(path: str, raw: Any) -> str:
+    """``.policies[0].lora_rank`` -> ``policies[main].lora_rank`` (the policy's name where it
+    has one that is an identifier)."""
+    out, node = "", raw
+    for step in _steps(path):
+        if step["key"] is not None:
+            out = _join(out, step["key"])
+            node = node.get(step["key"], _MISSING) if isinstance(node, dict) else _MISSING
+        elif step["index"] is not None:
+            i = int(step["index"])
+            node = node[i] if isinstance(node, list) and i < len(node) else _MISSING
+            name = node.get("name", "main") if isinstance(node, dict) and out == "policies" else None
+            out += f"[{name}]" if isinstance(name, str) and name.isidentifier() else f"[{i}]"
+        else:
+            out += "[...]"
+            node = _MISSING
+    return out
+
+
+def _lookup(raw: Any, path: str) -> Any:
+    node = raw
+    for step in _steps(path):
+        if step["key"] is not None and isinstance(node, dict) and step["key"] in node:
+            node = node[step["key"]]
+        elif step["index"] is not None and isinstance(node, list) and int(step["index"]) < len(node):
+            node = node[int(step["index"])]
+        else:
+            return _MISSING
+    return node
+
+
+def _type_at(path: str, where: str) -> Any:
+    """msgspec's description of the type at ``path`` of :class:`JobConfig` (of
+    :class:`TrainConfig` for a policy's ``train`` table, ``where`` set), a struct for a
+    ``struct | UNSET`` field; ``None`` where the path leaves the schema."""
+
+    def struct_of(info: Any) -> Any:
+        if isinstance(info, msgspec.inspect.UnionType):
+            structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
+            return structs[0] if structs else info
+        return info
+
+    info: Any = msgspec.inspect.type_info(TrainConfig if where else JobConfig)
+    for step in _steps(path):
+        info = struct_of(info)
+        if step["key"] is not None and isinstance(info, msgspec.inspect.StructType):
+            info = {f.name: f.type for f in info.fields}.get(step["key"])
+        elif step["index"] is not None and isinstance(info, msgspec.inspect.ListType):
+            info = info.item_type
+        else:
+            return None
+    return struct_of(info)
+
+
+def _known_fields(path: str, where: str) -> list[str]:
+    """The field names of the struct at ``path`` (see :func:`_type_at`)."""
+    info = _type_at(path, where)
+    return [f.name for f in info.fields] if isinstance(info, msgspec.inspect.StructType) else []
 
 
 def to_toml(cfg: JobConfig) -> bytes:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -23,18 +24,23 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from opentinker.control.checkpoints import latest_checkpoint, truncate_metrics, write_checkpoint
 from opentinker.config import JobConfig, to_toml
+from opentinker.config_checks import check_config
+from opentinker.control.checkpoints import (
+    latest_checkpoint,
+    truncate_metrics,
+    write_checkpoint,
+)
+from opentinker.control.runtime import Job
 from opentinker.engine.model_specs import resolve_model
-from opentinker.machine import machine
-from opentinker.progress import EpisodeFeed
 from opentinker.eval.report import (
     MetricsLog,
     plot_cross_play,
     plot_learning_curves,
     summary_table,
 )
-from opentinker.control.runtime import Job
+from opentinker.machine import machine
+from opentinker.progress import EpisodeFeed
 
 
 @dataclass
@@ -76,29 +82,33 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None,
             resume: Path | None = None) -> RunResult:
-    """Run a job into ``run_dir`` (default ``runs/<run name>``); with ``resume``, continue the
-    run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``)."""
-    if cfg.offline_job() is None:
-        from opentinker.training.learner import check_job
+    """Run a job into ``run_dir`` (default ``<out_dir>/<run name>``); with ``resume``, continue
+    the run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``).
 
-        check_job(cfg)  # before any actor starts
+    The config is checked whole (:func:`~opentinker.config_checks.check_config`, a
+    :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
+    before the run folder is made, so a job that cannot start leaves no folder behind."""
+    check_config(cfg)
     console = console or Console()
     t_start = time.perf_counter()
     ckpt = None
     if resume is not None:
         run_dir = Path(resume)
         ckpt = latest_checkpoint(run_dir)
+    else:
+        run_dir = run_dir or cfg.run_dir()  # inside out_dir (checked)
+    policies = [p.name for p in cfg.policies]
+    console.print(f"[bold]opentinker[/] run [cyan]{escape(str(run_dir))}[/]  model={escape(cfg.model.base)}  "
+                  f"backend={cfg.runtime.backend}")
+    with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
+        model_path = resolve_model(cfg.model.base)
+    if ckpt is not None:
         log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
         log.rows = truncate_metrics(log.path, ckpt.step)
     else:
-        run_dir = run_dir or Path(cfg.out_dir) / cfg.run_name()
         run_dir.mkdir(parents=True, exist_ok=False)
         log = MetricsLog(run_dir / "metrics.jsonl")
     (run_dir / "config.toml").write_bytes(to_toml(cfg))
-    policies = [p.name for p in cfg.policies]
-    console.print(f"[bold]opentinker[/] run [cyan]{run_dir}[/]  model={cfg.model.base}  backend={cfg.runtime.backend}")
-    with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
-        model_path = resolve_model(cfg.model.base)
     if cfg.offline_job() is not None:
         return _run_offline(cfg, console, run_dir, model_path, log)
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):

@@ -1,0 +1,399 @@
+"""Hostile input and local security (docs/security.md): configs refused before anything
+starts, run folders that stay inside ``out_dir``, log records that stay one line, and losses
+that stay finite for any finite input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from opentinker.cli import main
+from opentinker.config import ConfigError, JobConfig, check_name, load_config
+from opentinker.config_checks import check_config, check_model
+from opentinker.logs import escape_controls
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "opentinker: bad config: "
+
+
+@pytest.fixture(autouse=True)
+def _never_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config these tests expect refused must never start a job (a wrong expectation fails
+    at once instead of running one)."""
+    import opentinker.run
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a job started")
+
+    monkeypatch.setattr(opentinker.run, "run_job", refuse)
+
+
+def _refused(capsys: pytest.CaptureFixture[str], out_dir: Path, *sets: str) -> str:
+    """Run ``opentinker run --set ...`` in-process; assert exit 2, one stderr line in the
+    ``opentinker: bad config: <field>: <reason>`` form, no traceback and no run folder.
+    Returns ``<field>: <reason>``."""
+    argv = ["run", "--set", f"out_dir={out_dir}", "--set", "runtime.backend=local"]
+    for item in sets:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(PREFIX) and err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert not out_dir.is_dir() or not any(out_dir.iterdir()), "a refused job left a run folder"
+    return err[len(PREFIX):-1]
+
+
+def _model_folder(tmp_path: Path, name: str, config: dict) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# --------------------------------------------------------------------------- numbers
+
+@pytest.mark.parametrize("item, message", [
+    ("train.lr=inf", "train.lr: expected `float` <= 10.0, got inf"),
+    ("train.lr=nan", "train.lr: expected `float` > 0.0, got nan"),
+    ("train.lr=-1e-3", "train.lr: expected `float` > 0.0, got -0.001"),
+    (f"train.steps={10**30}", f"train.steps: expected `int` <= 1000000, got {10**30}"),
+    (f"train.groups_per_step={10**9}", f"train.groups_per_step: expected `int` <= 100000, got {10**9}"),
+    ("train.group_size=10000", "train.groups_per_step: 16 groups of 10000 episodes is more than 16384 episodes"),
+    (f'policies=[{{"name": "main", "lora_rank": {10**7}}}]',
+     f"policies[main].lora_rank: expected `int` <= 4096, got {10**7}"),
+    ('policies=[{"name": "main", "opponents": {"random": Infinity}}]', "policies[main].opponents[...]: expected `float`"),
+    ('policies=[{"name": "p", "train": {"lr": Infinity}}]', "policies[p].train.lr: expected `float` <= 10.0, got inf"),
+    (f"seed={2**64}", f"seed: expected `int` <= 4294967295, got {2**64}"),
+    ("seed=-1", "seed: expected `int` >= 0, got -1"),
+    ("sampling.temperature=0", "sampling.temperature: expected `float` >= 0.0001, got 0"),
+    (f"sampling.max_tokens={10**9}", f"sampling.max_tokens: expected `int` <= 131072, got {10**9}"),
+    ("runtime.timeout_s=inf", "runtime.timeout_s: expected `float` <= 604800.0, got inf"),
+    ('game_kwargs={"deal": NaN}', "game_kwargs.deal: must be finite, got nan"),
+    ("train.dual_clip=0.5", "train.dual_clip: must be 0 (off) or > 1, got 0.5"),
+    ("train.lrr=1", "train.lrr: unknown field (did you mean 'lr'?)"),
+    ("runtime.backend=slurm", "runtime.backend: invalid enum value 'slurm' (one of: local, ray)"),
+])
+def test_numbers_and_fields_are_refused_with_the_field(item, message, tmp_path, capsys):
+    assert _refused(capsys, tmp_path / "runs", item).startswith(message)
+
+
+def test_a_toml_file_with_inf_is_refused_by_the_real_command(tmp_path):
+    """The installed entry point's path, in a fresh process: exit 2, one line, no folder."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'out_dir = "{tmp_path / "runs"}"\n[train]\nlr = inf\n')
+    done = subprocess.run([sys.executable, "-m", "opentinker.cli", "run", str(job)], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == PREFIX + "train.lr: expected `float` <= 10.0, got inf\n"
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- games, models, devices
+
+def test_games_and_their_kwargs_are_checked(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert _refused(capsys, runs, "game=chess_v0").startswith("game: 'chess_v0' is not a registered game; known: ")
+    assert _refused(capsys, runs, "game=kuhn_poker").startswith("game: 'kuhn_poker' is not a registered game; "
+                                                                "did you mean 'kuhn_poker_v0'?")
+    assert _refused(capsys, runs, 'game_kwargs={"players": 4}') == (
+        "game_kwargs.players: kuhn_poker_v0 takes no 'players'; it takes deal, render_mode")
+    assert _refused(capsys, runs, "game=liars_dice_v0", 'game_kwargs={"num_players": 40}').startswith(
+        "game_kwargs: liars_dice_v0 refuses {'num_players': 40}: num_players must be an integer in 2..6")
+
+
+def test_model_specs_resolve_locally_or_are_refused(tmp_path, capsys, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 8)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {
+        "": "model.base: empty: give smollm2-135m, tiny-random, a model folder or a hub id (org/name)",
+        "/no/such/model": "model.base: '/no/such/model': no such folder (a path is never looked up on the Hugging Face hub)",
+        "./missing": "model.base: './missing': no such folder",
+        "~/missing": "model.base: '~/missing': no such folder ('~' is not expanded)",
+        "models/missing": "model.base: 'models/missing': no such folder",  # "models" is a local folder
+        "a/b/c": "model.base: 'a/b/c': no such folder",
+        "smollm2-135": "model.base: 'smollm2-135' is not a known model spec: did you mean 'smollm2-135m'?",
+        "bad name!": "model.base: 'bad name!' is none of smollm2-135m, tiny-random, a model folder or a hub id",
+        str(weights): f"model.base: '{weights}' is a file; give the model's folder (with its config.json)",
+        str(empty): f"model.base: '{empty}' has no config.json (not a Hugging Face model folder)",
+    }
+    for spec, message in cases.items():
+        assert _refused(capsys, runs, f"model.base={spec}").startswith(message), spec
+    # A well-formed hub id that is not cached is left to the hub (nothing here says otherwise),
+    # unless the hub is off.
+    assert check_model("some-org/some-model").family is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"):
+        check_model("some-org/some-model")
+
+
+def test_devices_are_checked(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert _refused(capsys, runs, "model.device=gpu") == (
+        "model.device: 'gpu' is not a device: use cpu, cuda or cuda:<index>")
+    assert _refused(capsys, runs, "model.device=cuda:999").startswith(
+        "model.device: 'cuda:999': this machine has ")
+
+
+def test_target_modules_are_checked_against_the_architecture(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    qwen = _model_folder(tmp_path, "qwen", {"model_type": "qwen2", "max_position_embeddings": 512})
+    gpt2 = _model_folder(tmp_path, "gpt2", {"model_type": "gpt2"})
+    def lora(*modules: str) -> str:
+        return "policies=" + json.dumps([{"name": "main", "target_modules": list(modules)}])
+
+    assert _refused(capsys, runs, "model.base=tiny-random", lora("q_proj", "lm_head")) == (
+        "policies[main].target_modules: llama has no 'lm_head' to adapt; it has q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj (with model.engine = peft also lm_head, embed_tokens)")
+    assert _refused(capsys, runs, f"model.base={qwen}", lora("w1")).startswith(
+        "policies[main].target_modules: qwen2 has no 'w1' to adapt")
+    assert _refused(capsys, runs, f"model.base={qwen}", "model.engine=peft", lora("c_attn")).startswith(
+        "policies[main].target_modules: qwen2 has no 'c_attn' to adapt")
+    assert _refused(capsys, runs, lora()) == (
+        "policies[main].target_modules: empty: name at least one projection, e.g. q_proj")
+    assert _refused(capsys, runs, f"model.base={gpt2}", "model.engine=own") == (
+        "model.engine: 'own' runs llama, qwen2, qwen3; this model is 'gpt2' (use auto or peft)")
+    assert _refused(capsys, runs, "model.engine=peft", 'policies=[{"name": "main", "kind": "full"}]') == (
+        "policies[main].kind: 'full' needs the engine's own forward (model.engine = auto or own)")
+    assert _refused(capsys, runs, f"model.base={qwen}", "sampling.max_tokens=512") == (
+        "sampling.max_tokens: 512 leaves no room for a prompt in the model's context of 512 tokens")
+    # What the architecture has passes; an architecture we do not know is left to PEFT.
+    base = load_config(None, {"out_dir": str(runs), "model": {"base": str(qwen), "engine": "peft"},
+                              "policies": [{"name": "main", "target_modules": ["q_proj", "lm_head"]}]})
+    check_config(base)
+    check_config(load_config(None, {"out_dir": str(runs), "model": {"base": str(gpt2)},
+                                    "policies": [{"name": "main", "target_modules": ["c_attn"]}]}))
+
+
+def test_algorithms_offline_data_and_out_dir_are_checked(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert _refused(capsys, runs, "train.loss=dpo_typo").startswith(
+        "train.loss: 'dpo_typo' is not a policy loss; known: ['cispo', 'importance_sampling', 'ppo']")
+    assert _refused(capsys, runs, 'offline={"kind": "sft", "data": "/no/such.jsonl"}') == (
+        "offline.data: '/no/such.jsonl': no such file or folder")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert _refused(capsys, a_file, "train.steps=1") == f"out_dir: '{a_file}' exists and is not a folder"
+    assert _refused(capsys, runs, "out_dir=") == "out_dir: must be a non-empty path without control characters, got ''"
+
+
+def test_every_bundled_job_passes_the_checks(tmp_path):
+    from opentinker.config import bundled_configs
+
+    for name in bundled_configs():
+        check_config(load_config(name, {"out_dir": str(tmp_path / "runs")}))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_job_checks_before_making_its_folder(tmp_path, monkeypatch):
+    """``run_job`` called directly (as the tests and benchmarks do) refuses a config the
+    decoder let through (a game is only checked against the registry) and makes nothing."""
+    monkeypatch.undo()  # the real run_job
+    from opentinker.run import run_job
+
+    cfg = msgspec.convert({"out_dir": str(tmp_path / "runs"), "game": "../../escape", "model": {"base": "tiny-random"}},
+                          JobConfig)
+    with pytest.raises(ConfigError, match=r"^game: '../../escape' is not a registered game"):
+        run_job(cfg)
+    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- names and run folders
+
+@pytest.mark.parametrize("name", [
+    "x/../../y", "../y", "..", ".", ".hidden", "/abs", "a/b", "a\\b", "a\0b", "a\nb", "a\rb", "a\x1b[31mb",
+    "a\x85b", "a\u2028b", "-rf", "", " ", "a b", "a" * 129, "é" * 65,
+])
+def test_unsafe_job_names_are_refused(name, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"name": name, "out_dir": str(tmp_path)})
+    assert e.value.field == "name" and str(e.value).startswith("name: ")
+    assert escape_controls(str(e.value)) == str(e.value), "the message quotes the name escaped"
+
+
+@pytest.mark.parametrize("name", ["default", "exp-1.2+lr3e-4", "run_7", "a" * 128, "実験"])
+def test_safe_job_names_make_a_run_folder_inside_out_dir(name, tmp_path):
+    check_name(name)
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    cfg = load_config(None, {"name": name, "out_dir": str(tmp_path / "link")})
+    run_dir = cfg.run_dir()
+    assert run_dir.resolve().parent == real.resolve()
+    assert len(run_dir.name.encode()) <= 255
+
+
+# --------------------------------------------------------------------------- logs
+
+def test_escape_controls_leaves_one_line():
+    every_control = "".join(map(chr, [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]))
+    escaped = escape_controls(f"ok {every_control} ok")
+    assert escaped.isprintable() and escaped.startswith("ok \\x00") and escaped.endswith(" ok")
+    assert escape_controls("a\nb\rc\td\x1b[2J") == "a\\nb\\rc\\td\\x1b[2J"
+    assert escape_controls("plain text, ünïcödé and \\ stay") == "plain text, ünïcödé and \\ stay"
+
+
+def test_project_log_records_are_one_line_in_pytests_capture(caplog):
+    """Where the application has root handlers (here pytest's), they get the escaped record."""
+    log = logging.getLogger("opentinker.bus.server")  # the logger the bus server writes to
+    hostile = "evil\nWARNING opentinker.bus.server: forged line\r\x1b[2J"
+    with caplog.at_level(logging.WARNING):
+        log.warning("%s: peer %s lost", "scheduler", hostile)
+        try:
+            raise ValueError("bad frame\nsecond line")
+        except ValueError:
+            log.exception("dispatch failed for %r", "peer\n")
+    lines = caplog.text.splitlines()
+    assert len(lines) == 2, lines
+    assert "peer evil\\nWARNING opentinker.bus.server: forged line\\r\\x1b[2J lost" in lines[0]
+    assert "Traceback (most recent call last):\\n" in lines[1] and "ValueError: bad frame\\nsecond line" in lines[1]
+
+
+def test_log_records_are_one_line_on_a_bare_stderr():
+    """A process that configured no logging (the CLI, a Ray actor): the package's own handler
+    writes each record as one escaped line, as Python's last-resort handler would (WARNING+)."""
+    code = ("import logging, opentinker\n"
+            "log = logging.getLogger('opentinker.training.learner')\n"
+            "log.info('not shown')\n"
+            "log.warning('learner %s: dropped %s', 'main', 'Trajectory\\nERROR forged\\x1b[31m')\n"
+            "try:\n    1 / 0\nexcept ZeroDivisionError:\n    log.exception('step\\rfailed')\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == "WARNING opentinker.training.learner: learner main: dropped Trajectory\\nERROR forged\\x1b[31m"
+    assert lines[1].startswith("ERROR opentinker.training.learner: step\\rfailed\\nTraceback")
+
+
+# --------------------------------------------------------------------------- finite losses
+
+LOG_RATIOS = (0.0, 1e-3, -1.0, 5.0, 19.0, 21.0, 88.0, 89.0, -89.0, 100.0, -100.0, 1e4, -1e4)
+"""Per-token log-ratios the property test draws from: the normal range, both sides of the
+clamp, both sides of float32's exp range, and far beyond."""
+
+
+def _inputs(needs: frozenset[str], n: int, gen, scale: float) -> dict:
+    """Random finite inputs for a loss that reads ``needs``, ``n`` tokens."""
+    import torch
+
+    def ratios() -> torch.Tensor:
+        pick = torch.randint(len(LOG_RATIOS), (n,), generator=gen)
+        return torch.tensor(LOG_RATIOS)[pick] + torch.randn(n, generator=gen) * (pick == 0)
+
+    def values() -> torch.Tensor:
+        zero = torch.rand(n, generator=gen) < 0.3  # some exact zeros (an advantage of 0)
+        return torch.where(zero, 0.0, torch.randn(n, generator=gen) * scale)
+
+    out: dict = {}
+    for key in sorted(needs):
+        if key in ("sampler_logprobs", "ref_logprobs"):
+            out[key] = ratios()  # the loss's first argument is drawn near 0, so these set the log-ratio
+        elif key in ("advantages", "value_targets", "old_values"):
+            out[key] = values()
+        elif key == "entropy":
+            out[key] = torch.rand(n, generator=gen) * scale
+        elif key == "pair_id":
+            out[key] = torch.arange(n) // 2
+        elif key == "pair_sign":
+            out[key] = torch.tensor([1.0, -1.0]).repeat(n // 2)
+        else:
+            raise AssertionError(f"the property test cannot build input {key!r}: teach it")
+    return out
+
+
+CONFIGS = ({}, {"clip_low": 1.0, "clip_high": 10.0, "dual_clip": 1e3}, {"dual_clip": 3.0, "is_truncation": 1e6,
+                                                                        "eps_low": 0.0, "eps_high": 10.0})
+
+
+def test_every_registered_loss_is_finite_with_finite_gradients():
+    import torch
+
+    from learners import LOSSES
+
+    gen = torch.Generator().manual_seed(0)
+    for name, spec in sorted(LOSSES.items()):
+        needs = spec.needs | ({"entropy"} if spec.kind.value == "policy" else frozenset())
+        for trial in range(24):
+            n = (0, 2, 8, 32)[trial % 4]  # 0: every mask zero
+            scale = (1.0, 100.0, 1e4)[trial % 3]
+            first = (torch.randn(n, generator=gen) * (scale if spec.kind.value == "value" else 1.0)).requires_grad_()
+            # What the runtime differentiates: the first argument (log-probs, or a critic's
+            # values) and the entropies; the other inputs are data.
+            inputs = {k: v.requires_grad_() if k == "entropy" else v for k, v in _inputs(needs, n, gen, scale).items()}
+            wrt = [first, *(v for v in inputs.values() if v.requires_grad)]
+            for config in CONFIGS:
+                out = LOSSES[name](first, inputs, config)
+                where = f"{name} trial {trial} config {config}"
+                assert torch.isfinite(out.loss_sum).item(), where
+                assert all(math.isfinite(v) for v in out.metrics.values()), (where, out.metrics)
+                if out.loss_sum.requires_grad:
+                    grads = torch.autograd.grad(out.loss_sum, wrt, allow_unused=True)
+                    assert all(g is None or bool(torch.isfinite(g).all()) for g in grads), where
+
+
+def test_ppo_stays_finite_past_the_exp_range_and_unchanged_inside_it():
+    import torch
+
+    from learners import LOSSES
+    from learners.losses import K3_CLAMP, LOG_RATIO_CLAMP
+
+    assert K3_CLAMP == LOG_RATIO_CLAMP
+    for log_ratio in (88.0, 89.0, 100.0, 1e4):
+        for advantage in (0.0, -1.0, 1.0):
+            logp = torch.tensor([log_ratio], requires_grad=True)
+            out = LOSSES["ppo"](logp, {"advantages": torch.tensor([advantage]), "sampler_logprobs": torch.zeros(1)}, {})
+            out.loss_sum.backward()
+            assert math.isfinite(out.loss_sum.item()) and math.isfinite(logp.grad.item()), (log_ratio, advantage)
+    # Inside the clamp: exactly the textbook surrogate and its gradient, in float64.
+    gen = torch.Generator().manual_seed(1)
+    log_ratio = torch.empty(256).uniform_(-LOG_RATIO_CLAMP + 0.5, LOG_RATIO_CLAMP - 0.5, generator=gen)
+    adv = torch.randn(256, generator=gen)
+    logp = log_ratio.clone().double().requires_grad_()
+    out = LOSSES["ppo"](logp, {"advantages": adv, "sampler_logprobs": torch.zeros(256)}, {"dual_clip": 3.0})
+    out.loss_sum.backward()
+    ref = log_ratio.clone().requires_grad_()
+    r = ref.exp()
+    surrogate = torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv)
+    surrogate = torch.where((adv < 0) & (3.0 * adv > surrogate.detach()), 3.0 * adv, surrogate)
+    (-surrogate.sum()).backward()
+    torch.testing.assert_close(out.loss_sum.float(), -surrogate.sum().detach(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(logp.grad.float(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_bounds_a_config_allows_stay_inside_the_clamp():
+    from learners.losses import LOG_RATIO_CLAMP
+    from opentinker.config import MAX_CLIP_HIGH, MAX_DUAL_CLIP
+
+    assert math.log(1 + MAX_CLIP_HIGH) < LOG_RATIO_CLAMP and math.log(MAX_DUAL_CLIP) < LOG_RATIO_CLAMP
+
+
+# --------------------------------------------------------------------------- mirrors kept current
+
+def test_the_configs_mirrors_of_the_engine_are_current(tiny_path):
+    from opentinker.config_checks import ENGINE_FAMILIES, ENGINE_MODULES, KNOWN_MODELS
+    from opentinker.engine.model.config import SUPPORTED
+    from opentinker.engine.model.lora import MODULES
+    from opentinker.engine.model_specs import cache_root
+
+    assert ENGINE_MODULES == MODULES
+    assert set(ENGINE_FAMILIES) == set(SUPPORTED.values())
+    config = json.loads((Path(tiny_path) / "config.json").read_text())
+    assert KNOWN_MODELS["tiny-random"] == (config["model_type"], config["max_position_embeddings"])
+    built = sorted((cache_root() / "models").glob("smollm2-135m-*/config.json"))
+    if built:  # the default model is converted on first use; its numbers when it has been
+        config = json.loads(built[-1].read_text())
+        assert KNOWN_MODELS["smollm2-135m"] == (config["model_type"], config["max_position_embeddings"])
+    assert os.path.isdir(tiny_path) and check_model(tiny_path).family == "llama"
