@@ -14,7 +14,7 @@ This module imports nothing of ours: a third party can implement a peer from it 
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 import numpy as np
@@ -22,6 +22,11 @@ import numpy as np
 PROTOCOL_VERSION = 3
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
+
+
+MAX_STATS_BATCHES = 256
+"""Sample batches a :class:`SchedulerStats` reports, at most (a longer list is refused before
+its items are read: the one field whose items can be empty containers)."""
 
 
 class StopReason(enum.StrEnum):
@@ -309,8 +314,8 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Ask for (empty) or report the scheduler's counters."""
 
     counters: dict[str, int] = {}
-    batches: list[list[str]] = []
-    """For the most recent sample batches, the client names of their rows."""
+    batches: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_STATS_BATCHES)] = []
+    """For the most recent sample batches (at most 256), the client names of their rows."""
 
 
 # ---------------------------------------------------------------------------------------------

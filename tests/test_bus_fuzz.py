@@ -1,6 +1,7 @@
 """Fuzz the server with 10,000 frames (seeded): random bytes and mutations of valid messages,
-with a valid request every 200 frames that must succeed. Every error counter ends above zero
-and the server is still serving."""
+including one of each hostile class of issue #14 (huge array ranks, a buffer named twice, deep
+nesting, too many frames, an oversized body), with a valid request every 200 frames that must
+succeed. Every error counter ends above zero and the server is still serving."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import zmq.asyncio
 from conftest import run
 
 from opentinker.bus import Client, Server
-from protocols.codec import encode
+from protocols.codec import Limits, encode
 from protocols.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -31,7 +32,9 @@ from protocols.messages import (
 N_FRAMES = 10_000
 VALID_EVERY = 200
 MAX_BYTES = 64 * 1024
+LIMITS = Limits(max_bytes=MAX_BYTES, max_buffers=16, max_body_bytes=16 * 1024)
 ERRORS = ("bad_frame", "bad_version", "bad_message", "unknown_type", "too_large", "invalid", "no_handshake")
+N_KINDS = 13
 
 
 def valid_messages() -> list:
@@ -48,9 +51,11 @@ def valid_messages() -> list:
 
 def mutate(rng: np.random.Generator, frames: list[bytes]) -> list[bytes]:
     """One of the ways a frame goes wrong: flipped or cut bytes, a wrong version, a wrong
-    buffer count, an unknown type, a field of the wrong type, or too many bytes."""
+    buffer count, an unknown type, a field of the wrong type, too many bytes, random frames,
+    or one of the hostile classes: an array of many huge dimensions, a buffer named by many
+    array references, nesting thousands deep, too many frames, a body over its limit."""
     f = [bytes(memoryview(x)) for x in frames]
-    kind = int(rng.integers(8))
+    kind = int(rng.integers(N_KINDS))
     if kind == 0:  # flip bytes anywhere
         i = int(rng.integers(len(f)))
         b = bytearray(f[i])
@@ -79,9 +84,32 @@ def mutate(rng: np.random.Generator, frames: list[bytes]) -> list[bytes]:
         f = [*f[:2], *([b"\0" * (MAX_BYTES + 1)] if rng.random() < 0.5 else [])]
         if len(f) == 2:
             f[1] = f[1] + b"\0" * (MAX_BYTES + 1)
-    else:  # random bytes in random frames
+    elif kind == 7:  # random bytes in random frames
         f = [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 5)))]
+    elif kind == 8:  # an array of a thousand huge dimensions
+        f = [_header(f[0], 1), _array_ref_body(["int32", [2**63 - 1] * int(rng.integers(9, 1000)), 0]), b""]
+    elif kind == 9:  # one buffer named by many array references
+        f = [_header(f[0], 1), msgspec.msgpack.encode({"type": "LogprobsRequest", "adapter": None,
+             "sequences": [["int32", [1], 0]] * int(rng.integers(2, 500))}), b"\0" * 4]
+    elif kind == 10:  # nested thousands deep, where the decoder skips (an unknown field) or reads it untyped
+        deep = b"\x91" * int(rng.integers(2000, 10_000)) + b"\xc0"
+        f = [_header(f[0], 0), b"\x82" + msgspec.msgpack.encode({"type": "Ack"})[1:] + b"\xa2zz" + deep] \
+            if rng.random() < 0.5 else [_header(f[0], 1), _array_ref_body(None)[:-1] + deep, b""]
+    elif kind == 11:  # more frames than the server takes
+        f = [*f, *[b""] * (LIMITS.max_frames + int(rng.integers(1, 100)))]
+    else:  # a body over its limit
+        f = [f[0], f[1] + b"\0" * LIMITS.max_body_bytes, *f[2:]]
     return f
+
+
+def _header(frame: bytes, n_buffers: int) -> bytes:
+    """The header ``frame`` (its request id) naming ``n_buffers`` buffers."""
+    h = msgspec.msgpack.decode(frame)
+    return msgspec.msgpack.encode([h[0], h[1], n_buffers])
+
+
+def _array_ref_body(ref: object) -> bytes:
+    return msgspec.msgpack.encode({"type": "LogprobsRequest", "adapter": None, "sequences": [ref]})
 
 
 def test_ten_thousand_bad_frames_never_stop_the_server():
@@ -93,7 +121,7 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
                 raise ValueError("no model here")
             return msg if isinstance(msg, LogprobsResult) else Ack()
 
-        server = Server(handler, name="fuzzed", max_bytes=MAX_BYTES, heartbeat_s=None)
+        server = Server(handler, name="fuzzed", limits=LIMITS, heartbeat_s=None)
         ep = await server.start(ctx)
         good = Client(ctx, ep, name="good", heartbeat_s=None)
         # One fuzzing socket that said Hello (its decodable frames reach the handler), and one
@@ -123,6 +151,7 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
         assert not missing, (missing, dict(server.counters))
         assert sum(server.counters[f"error/{e}"] for e in ERRORS) > N_FRAMES // 2
         assert server.counters["error/internal"] == 0
+        assert server.counters["dropped/too_many_frames"] > 0  # read frame by frame, answered too_large
         print({k: v for k, v in sorted(server.counters.items()) if k.startswith(("error/", "recv/"))})
         for s in (greeted, stranger):
             s.close(0)

@@ -1,8 +1,9 @@
 """The message bus: typed ZeroMQ request-reply (ROUTER/DEALER) and PUSH/PULL.
 
 * :class:`Server` (``server.py``): sessions (``Hello`` with the protocol version), a task per
-  request, idempotent state-changing requests, cancellation, heartbeats, bounded work,
-  typed ``Error`` replies and counters for every bad frame.
+  request, idempotent state-changing requests (per peer and request id), cancellation,
+  heartbeats, bounded work, bounded cost per message (``protocols.codec.Limits``, read frame
+  by frame), typed ``Error`` replies and counters for every bad frame.
 * :class:`Client` (asyncio) and :class:`SyncClient` (blocking): many requests in flight,
   per-request timeouts that cancel on the server, ``PeerLost`` after 3 silent heartbeats,
   polling for fast replies (:class:`ReplyPolling`), and an ``on_partial`` callback per
@@ -13,10 +14,12 @@
 * :class:`Pusher` / :class:`Puller` (``pipeline.py``): one-way messages (trajectories); PUSH
   round-robins and never fans out, so each learner binds its own PULL.
 * :class:`LoopThread` (``loop.py``): an asyncio loop in a daemon thread, so a component serves the bus
-  while its owner (a Ray actor method, a test) blocks.
+  while its owner (a Ray actor method, a test) blocks;
+  :func:`settle_heap`, for a component to call once it has loaded what it keeps (full garbage
+  collections then skip it), and :func:`unsettle_heap` when it stops.
 * ``common.py``: endpoint rules (``tcp://``, ``ipc://``, ``inproc://``; no non-loopback bind
   without CURVE keys), :class:`CurveKeys`, socket options (``LINGER=0``, high-water marks, a
-  frame-size cap), and the heartbeat counter.
+  frame-size cap), what a reader keeps of a message, and the heartbeat counter.
 
 The protocol itself is in ``protocols/`` and ``docs/protocol.md``.
 """
@@ -37,7 +40,7 @@ from opentinker.bus.common import (
     check_bind,
     is_loopback,
 )
-from opentinker.bus.loop import LoopThread, new_event_loop
+from opentinker.bus.loop import LoopThread, new_event_loop, settle_heap, unsettle_heap
 from opentinker.bus.pipeline import Puller, Pusher
 from opentinker.bus.server import Handler, Server
 from opentinker.bus.stream import Emitter, wants_stream
@@ -67,5 +70,7 @@ __all__ = [
     "is_loopback",
     "new_event_loop",
     "next_request_id",
+    "settle_heap",
+    "unsettle_heap",
     "wants_stream",
 ]

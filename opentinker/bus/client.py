@@ -40,6 +40,7 @@ from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
     DEFAULT_SPIN_S,
+    REPLY_LIMITS,
     BeatCounter,
     Counters,
     CurveKeys,
@@ -48,17 +49,20 @@ from opentinker.bus.common import (
     ReplyPolling,
     check_welcome,
     configure,
+    cut_error,
     plain_context,
     PartialCallbackFailed,
+    read_bounds,
     read_reply,
     yield_cpu,
 )
 from opentinker.bus.loop import (
     EVENTS,
     POLLIN,
+    Cut,
     SocketReader,
 )
-from protocols.codec import DEFAULT_MAX_BYTES, encode
+from protocols.codec import Limits, encode
 from protocols.messages import (
     PARTIALS,
     PROTOCOL_VERSION,
@@ -95,6 +99,9 @@ class Client:
         max_inflight: requests in flight at once; more callers wait.
         spin_s: after each send, poll the socket at every loop turn for up to this long before
             waiting on its descriptor (0: never; see :class:`~opentinker.bus.common.ReplyPolling`).
+        limits: what one reply may be (default :data:`~opentinker.bus.common.REPLY_LIMITS`;
+            ``max_bytes`` replaces its ``max_bytes``); a reply over them fails its request
+            with ``RemoteError(too_large)``.
     """
 
     def __init__(
@@ -106,19 +113,21 @@ class Client:
         keys: CurveKeys | None = None,
         heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
         max_inflight: int = 1024,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_bytes: int | None = None,
         hwm: int = DEFAULT_HWM,
         spin_s: float = DEFAULT_SPIN_S,
+        limits: Limits | None = None,
     ) -> None:
         self.polling = ReplyPolling(spin_s)
         self.endpoint = endpoint
         self.name = name
         self.heartbeat_s = heartbeat_s
-        self.max_bytes = max_bytes
+        self.limits = (limits or REPLY_LIMITS).with_max_bytes(max_bytes)
+        self.max_bytes = self.limits.max_bytes
         self.counters = Counters()
         self.welcome: Welcome | None = None
         self.beats = BeatCounter()
-        self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
+        self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys)
         self._sock.connect(endpoint)
         self._pending: dict[int, asyncio.Future] = {}
         self._on_partial: dict[int, Callable[[Message], None]] = {}
@@ -162,7 +171,7 @@ class Client:
 
     def _start(self) -> None:
         if self._io is None:
-            self._io = SocketReader(self._sock, self._on_frames)
+            self._io = SocketReader(self._sock, self._on_frames, bounds=read_bounds(self.limits), on_cut=self._on_cut)
 
     async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None,
                       on_partial: Callable[[Message], None] | None = None) -> Message:
@@ -319,10 +328,20 @@ class Client:
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.beats.heard()
-        rid, reply = read_reply(frames, self.max_bytes, self.counters)
+        rid, reply = read_reply(frames, self.limits, self.counters)
         if type(reply) in _PARTIALS:  # never the reply
             self._partial(rid, reply)
             return
+        self._answer(rid, reply)
+
+    def _on_cut(self, kept: list[zmq.Frame], cut: Cut) -> None:
+        """A reply over ``limits``, not kept: its request fails with ``too_large``."""
+        self.beats.heard()
+        rid, err = cut_error(kept[0] if kept else None, cut, self.limits, self.counters)
+        log.warning("%s: dropped a reply from %s: %s", self.name, self.endpoint, err.message)
+        self._answer(rid, err)
+
+    def _answer(self, rid: int | None, reply: Message) -> None:
         fut = self._pending.get(rid) if rid is not None else None
         if fut is not None and not fut.done():
             fut.set_result(reply)

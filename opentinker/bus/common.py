@@ -9,14 +9,25 @@ address only with CURVE keys (authentication and encryption); local runs bind
 from __future__ import annotations
 
 import collections
+import dataclasses
 import ipaddress
+import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import zmq
 
-from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode
+from opentinker.bus.loop import Bounds, Cut
+from protocols.codec import (
+    DEFAULT_LIMITS,
+    DEFAULT_MAX_BYTES,
+    DecodeError,
+    Limits,
+    decode,
+    decode_header,
+)
 from protocols.messages import Error, ErrorCode, Message, Welcome
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -29,6 +40,13 @@ SCHEMES = ("tcp", "ipc", "inproc")
 DEFAULT_SPIN_S = 1e-3
 """How long a client polls for a reply before it waits on the socket (covers most loopback
 round trips; see :class:`ReplyPolling`)."""
+
+REPLY_LIMITS = dataclasses.replace(DEFAULT_LIMITS, max_buffers=1 << 20, max_body_bytes=DEFAULT_MAX_BYTES)
+"""What a client takes in one reply (or partial): the replies to its own requests, which may
+carry many more arrays (a ``LogprobsResult`` per sequence) and a longer body (an
+``EpisodesDone``'s transcripts) than a server takes in a request."""
+MAX_IDENTITY_BYTES = 255
+"""A ZeroMQ routing id is at most 255 bytes (the frame a ROUTER puts before a message)."""
 
 yield_cpu = getattr(os, "sched_yield", lambda: None)
 """Give the CPU to another runnable thread (between two polls of a socket)."""
@@ -124,6 +142,13 @@ def check_bind(endpoint: str, keys: CurveKeys | None) -> None:
         )
 
 
+def frame_cap(max_bytes: int) -> int:
+    """The largest frame a socket with ``max_bytes`` accepts (``ZMQ_MAXMSGSIZE``): libzmq
+    disconnects a peer that sends a larger one before it is held. ``max_bytes`` plus a margin
+    (up to 1 MiB), so a message a little over ``max_bytes`` still gets a ``too_large`` reply."""
+    return min(max_bytes + min(max_bytes, 1 << 20), 1 << 62)
+
+
 def configure(
     sock: zmq.Socket,
     *,
@@ -133,13 +158,13 @@ def configure(
     server: bool = False,
 ) -> zmq.Socket:
     """Options every bus socket gets: ``LINGER=0``, bounded queues (``hwm`` messages each
-    way), a hard cap of ``2 * max_bytes`` per frame (libzmq drops a peer that sends more; a
+    way), a hard cap of :func:`frame_cap` bytes per frame (libzmq drops a peer that sends more; a
     message between ``max_bytes`` and that gets a ``too_large`` reply), and CURVE when
     ``keys`` are given."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, min(2 * max_bytes, (1 << 62)))
+    sock.setsockopt(zmq.MAXMSGSIZE, frame_cap(max_bytes))
     if keys is not None:
         sock.curve_publickey = keys.public
         sock.curve_secretkey = keys.secret
@@ -150,6 +175,58 @@ def configure(
                 raise ValueError("a CURVE client needs the server's public key (CurveKeys.client_of)")
             sock.curve_serverkey = keys.server_public
     return sock
+
+
+def read_bounds(limits: Limits, router: bool = False) -> Bounds:
+    """What a reader keeps of one message under ``limits`` (:func:`~opentinker.bus.loop.recv_bounded`):
+    on a ROUTER the identity frame comes first, and is kept with the header of a message that is cut."""
+    extra = 1 if router else 0
+    return Bounds(parts=limits.max_frames + extra, nbytes=limits.max_bytes + extra * MAX_IDENTITY_BYTES,
+                  keep=1 + extra)
+
+
+def cut_error(header: zmq.Frame | None, cut: Cut, limits: Limits, counters: Counters) -> tuple[int | None, Error]:
+    """A message the reader did not keep (``cut``), counted (``dropped/too_many_<why>``,
+    ``dropped/bytes``, ``error/too_large``): its request id (None when the header frame cannot be
+    read) and the ``too_large`` error that answers it."""
+    counters[f"dropped/too_many_{cut.why}"] += 1
+    counters["dropped/bytes"] += cut.nbytes
+    counters["error/too_large"] += 1
+    rid = None
+    if header is not None:
+        try:
+            rid = decode_header(header.buffer).request_id
+        except DecodeError as e:
+            rid = e.request_id
+    if cut.why == "frames":
+        text = f"message of {cut.parts} frames > limit {limits.max_frames} (max_buffers {limits.max_buffers})"
+    else:
+        text = f"message of {cut.nbytes} bytes > limit {limits.max_bytes}"
+    return rid, Error(code=ErrorCode.TOO_LARGE, message=f"too_large: {text}")
+
+
+class LogEvery:
+    """At most one log line per key every ``interval_s`` (what a peer's frames may write to a
+    log is bounded too); events in between are counted and reported with the next line."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``key`` was logged less than ``interval_s`` ago; True when
+        it was logged."""
+        now = time.monotonic()
+        last, skipped = self._last.get(key, (-math.inf, 0))
+        if now - last < self.interval_s:
+            self._last[key] = (last, skipped + 1)
+            return False
+        if skipped:
+            msg += f" ({skipped} more like it in the last {now - last:.1f} s)"
+        self._last[key] = (now, 0)
+        self.logger.warning(msg, *args)
+        return True
 
 
 def plain_context(ctx: zmq.Context) -> zmq.Context:
@@ -180,11 +257,14 @@ class BeatCounter:
         return self.missed >= self.limit
 
 
-def read_reply(frames: list[zmq.Frame], max_bytes: int, counters: Counters) -> tuple[int | None, Message]:
+def read_reply(frames: list[zmq.Frame], limits: Limits | int, counters: Counters) -> tuple[int | None, Message]:
     """``(request_id, reply)`` of a frame a client received, counted; an undecodable one is
-    an ``Error`` for its request id when the header could be read (else ``None``)."""
+    an ``Error`` for its request id when the header could be read (else ``None``).
+    ``limits`` may be a plain ``max_bytes``."""
+    if isinstance(limits, int):
+        limits = REPLY_LIMITS.with_max_bytes(limits)
     try:
-        rid, reply = decode([f.buffer for f in frames], max_bytes)
+        rid, reply = decode([f.buffer for f in frames], limits=limits)
     except DecodeError as e:
         counters[f"error/{e.code.value}"] += 1
         return e.request_id, Error(code=e.code, message=str(e))

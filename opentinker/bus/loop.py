@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import contextvars
+import gc
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import zmq
 import zmq.asyncio
+
+from protocols.codec import BIG_BUFFERS, gc_pause, gc_resume
 
 T = TypeVar("T")
 
@@ -40,6 +43,7 @@ DRAIN_BATCH = 256
 # Plain ints: pyzmq's flag enums cost an enum construction per ``|`` (half of a small
 # send_multipart/recv_multipart pair on Python 3.11).
 NOBLOCK, SNDMORE, EVENTS, POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+RCVMORE = int(zmq.RCVMORE)
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
@@ -60,16 +64,90 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     return parts
 
 
+class Bounds(NamedTuple):
+    """What :func:`recv_bounded` keeps of one multipart message: at most ``parts`` frames of
+    ``nbytes`` bytes in all; of a message over either, only its first ``keep`` frames (the
+    identity and header a reply needs)."""
+
+    parts: int
+    nbytes: int
+    keep: int = 1
+
+
+class Cut(NamedTuple):
+    """A message :func:`recv_bounded` did not keep whole: ``why`` (``frames``: more than
+    ``Bounds.parts``; ``bytes``: more than ``Bounds.nbytes``), and how many frames and bytes it
+    had in all (every frame read, the dropped ones freed as they were read)."""
+
+    why: str
+    parts: int
+    nbytes: int
+
+
+_DISCARD = bytearray()
+"""``recv_into`` an empty buffer discards a frame without making a ``zmq.Frame`` of it."""
+
+
+def recv_bounded(sock: zmq.Socket, bounds: Bounds, flags: int = 0,
+                 on_large: Callable[[], None] | None = None) -> tuple[list[zmq.Frame], Cut | None]:
+    """One multipart message, read frame by frame: ``(frames, None)``, or, for a message over
+    ``bounds``, ``(its first bounds.keep frames, Cut)``: the frames past the bound are read and
+    freed one at a time, never held together (libzmq hands a message over once all of it has
+    arrived; this bounds what the reader adds to that). ``on_large()`` is called once the
+    message has ``BIG_BUFFERS`` frames, before the next is read."""
+    f = sock.recv(flags, copy=False)
+    parts = [f]
+    size = len(f)
+    max_parts, max_bytes = bounds.parts, bounds.nbytes
+    while f.more:
+        if len(parts) >= max_parts or size > max_bytes:
+            break
+        if len(parts) == BIG_BUFFERS and on_large is not None:
+            on_large()
+        f = sock.recv(flags, copy=False)
+        parts.append(f)
+        size += len(f)
+    else:
+        if size <= max_bytes:
+            return parts, None
+    why = "bytes" if size > max_bytes else "frames"
+    n, more = len(parts), f.more
+    del parts[bounds.keep:]
+    del f
+    recv_into = getattr(sock, "recv_into", None)  # pyzmq >= 26.4
+    while more:
+        if recv_into is not None:
+            size += recv_into(_DISCARD, flags=flags)
+            more = sock.getsockopt(RCVMORE)
+        else:
+            f = sock.recv(flags, copy=False)
+            size += len(f)
+            more = f.more
+            del f
+        n += 1
+    return parts, Cut(why, n, size)
+
+
 class SocketReader:
-    """Calls ``on_frames(frames)`` for every multipart message arriving on ``sock``."""
+    """Calls ``on_frames(frames)`` for every multipart message arriving on ``sock``.
+
+    With ``bounds``, a message over them is not kept whole (:func:`recv_bounded`):
+    ``on_cut(first_frames, cut)`` is called for it instead (``on_cut`` is required then).
+    """
 
     def __init__(self, sock: zmq.Socket, on_frames: Callable[[list[zmq.Frame]], None],
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, *, bounds: Bounds | None = None,
+                 on_cut: Callable[[list[zmq.Frame], Cut], None] | None = None) -> None:
+        if bounds is not None and on_cut is None:
+            raise ValueError("a SocketReader with bounds needs on_cut")
         self.sock = sock
         self.on_frames = on_frames
+        self.bounds = bounds
+        self.on_cut = on_cut
         self.loop = loop or asyncio.get_running_loop()
         self._scheduled = False
         self._draining = False
+        self._paused = False
         self._fd = sock.getsockopt(zmq.FD)
         self.loop.add_reader(self._fd, self.drain)
         self.kick()  # messages may have arrived before the reader was attached
@@ -79,6 +157,27 @@ class SocketReader:
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self.drain)
+
+    def _read_one(self) -> None:
+        """Read one message (``zmq.Again`` when there is none) and hand it on. A message of
+        many frames is read and handled with the garbage collector paused
+        (:func:`~protocols.codec.gc_pause`): what it makes is usually gone by the end."""
+        if self.bounds is None:
+            self.on_frames(recv_frames(self.sock, NOBLOCK))
+            return
+        self._paused = False
+        try:
+            frames, cut = recv_bounded(self.sock, self.bounds, NOBLOCK, self._pause)
+            if cut is None:
+                self.on_frames(frames)
+            else:
+                self.on_cut(frames, cut)  # type: ignore[misc]
+        finally:
+            if self._paused:
+                gc_resume()
+
+    def _pause(self) -> None:
+        self._paused = gc_pause()
 
     def drain(self) -> None:
         """Read until the socket has nothing more (``zmq.Again``), at most ``DRAIN_BATCH``."""
@@ -91,13 +190,13 @@ class SocketReader:
             # The first read is tried blind (the descriptor fired: usually a message is
             # there); after each message EVENTS says whether another is waiting.
             try:
-                self.on_frames(recv_frames(sock, NOBLOCK))
+                self._read_one()
             except zmq.Again:
                 return
             for _ in range(DRAIN_BATCH - 1):
                 if sock.closed or not sock.getsockopt(EVENTS) & POLLIN:
                     return
-                self.on_frames(recv_frames(sock, NOBLOCK))
+                self._read_one()
             self.kick()
         finally:
             self._draining = False
@@ -172,6 +271,25 @@ def run_eager(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -
     except StopIteration:
         return None
     return loop.create_task(_Resume(coro, pending), context=ctx)
+
+
+def settle_heap() -> None:
+    """Collect garbage, then move every object alive into the collector's permanent generation
+    (``gc.freeze``). A long-lived component calls this once it has loaded what it keeps for its
+    life (a model, its modules): the collector's full passes, which a steady stream of messages
+    sets off every second or so, then scan only what came after, where in a process with torch
+    loaded each one would otherwise hold the bus loop (and every thread) for ~100 ms. Frozen
+    objects are still freed by reference counting; cycles among them are collected only after
+    :func:`unsettle_heap`."""
+    gc.collect()
+    gc.freeze()
+
+
+def unsettle_heap() -> None:
+    """Undo :func:`settle_heap` (every object frozen goes back to the collector's oldest
+    generation): a component that settled its heap calls this when it stops, so what it
+    loaded can be collected in a process that lives on (tests, a driver)."""
+    gc.unfreeze()
 
 
 class LoopThread:

@@ -15,11 +15,14 @@ from opentinker.bus.common import (
     LOOPBACK,
     Counters,
     CurveKeys,
+    LogEvery,
     check_bind,
     configure,
+    cut_error,
+    read_bounds,
 )
-from opentinker.bus.loop import NOBLOCK, send_frames
-from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from opentinker.bus.loop import NOBLOCK, recv_bounded, send_frames
+from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
 from protocols.messages import Message
 
 log = logging.getLogger(__name__)
@@ -60,25 +63,39 @@ class Pusher:
 
 
 class Puller:
-    """PULL socket bound by a receiver (a learner); undecodable frames are counted, dropped."""
+    """PULL socket bound by a receiver (a learner); undecodable frames, and messages over
+    ``limits`` (read frame by frame, never held whole), are counted and dropped (logged at
+    most once a second)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str = LOOPBACK, max_bytes: int = DEFAULT_MAX_BYTES,
-                 *, keys: CurveKeys | None = None, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str = LOOPBACK, max_bytes: int | None = None,
+                 *, keys: CurveKeys | None = None, hwm: int = DEFAULT_HWM, limits: Limits | None = None) -> None:
         check_bind(endpoint, keys)
-        self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=max_bytes, keys=keys, server=True)
+        self.limits = (limits or DEFAULT_LIMITS).with_max_bytes(max_bytes)
+        self.max_bytes = self.limits.max_bytes
+        self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=self.max_bytes, keys=keys, server=True)
         self._sock.bind(endpoint)
+        self._plain = zmq.Socket.shadow(self._sock.underlying)
+        self._bounds = read_bounds(self.limits)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.max_bytes = max_bytes
         self.counters = Counters()
+        self._log = LogEvery(log)
 
     async def recv(self) -> Message:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            try:  # through a blocking view of the socket, frame by frame (zmq.asyncio takes all)
+                frames, cut = recv_bounded(self._plain, self._bounds, NOBLOCK)
+            except zmq.Again:
+                await self._sock.poll(flags=zmq.POLLIN)
+                continue
+            if cut is not None:
+                _, err = cut_error(frames[0] if frames else None, cut, self.limits, self.counters)
+                self._log.warning("drop", "puller %s: dropped a message: %s", self.endpoint, err.message)
+                continue
             try:
-                _, msg = decode([f.buffer for f in frames], self.max_bytes)
+                _, msg = decode([f.buffer for f in frames], limits=self.limits)
             except DecodeError as e:
                 self.counters[f"error/{e.code.value}"] += 1
-                log.warning("puller %s: dropped bad frame: %s", self.endpoint, e)
+                self._log.warning(f"bad/{e.code.value}", "puller %s: dropped bad frame: %s", self.endpoint, e)
                 continue
             self.counters[f"recv/{type(msg).__name__}"] += 1
             return msg

@@ -10,16 +10,21 @@ socket. What the server does with every kind of frame:
 frame                             reply
 ===============================  ===========================================================
 undecodable / wrong version /     ``Error`` with the decode error's code (when the request id
-unknown type / bad field / too    can be read) and ``error/<code>`` counted
-large
-request before ``Hello``          ``Error(no_handshake)``
+unknown type / bad field / over   can be read) and ``error/<code>`` counted
+a :class:`Limits` bound
+more frames or bytes than the     ``Error(too_large)``; read frame by frame, only its first two
+limits take                       frames kept (``dropped/too_many_frames`` or ``_bytes``,
+                                  ``dropped/bytes``), one log line a second at most
+request before ``Hello``          ``Error(no_handshake)``; before its ``Hello`` a peer's message
+                                  is decoded only when it could be one (``HELLO_LIMITS``)
 ``Heartbeat``                     ``Heartbeat`` (answered on the socket loop, never queued)
 ``Cancel(request_id)``            ``Ack`` (the request's task is cancelled; the request itself
                                   ends with ``Error(cancelled)`` or its result) or ``not_found``
 ``Shutdown``                      ``Ack``, then the server stops
 a request while ``max_inflight``  ``Error(busy)``: bounded work instead of unbounded memory
 are running
-a retried state-changing request  the first request's reply, never applied twice
+a retried state-changing request  the first request's reply, never applied twice (remembered
+                                  per peer identity and request id)
 a request with ``stream`` set     any number of partials (``SampleChunk``) the handler emits
                                   through :meth:`Server.emitter`, then the final reply
 ===============================  ===========================================================
@@ -53,13 +58,16 @@ from opentinker.bus.common import (
     BeatCounter,
     Counters,
     CurveKeys,
+    LogEvery,
     check_bind,
     configure,
+    cut_error,
     plain_context,
+    read_bounds,
 )
-from opentinker.bus.loop import SocketReader, run_eager
+from opentinker.bus.loop import Cut, SocketReader, run_eager
 from opentinker.bus.stream import DEFAULT_BACKLOG, Emitter, Outbox, Parked, wants_stream
-from protocols.codec import DEFAULT_MAX_BYTES, DecodeError, decode, encode
+from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
 from protocols.messages import (
     PARTIALS,
     PROTOCOL_VERSION,
@@ -82,6 +90,11 @@ Handler = Callable[[Message], Awaitable[Message]]
 _SESSION = frozenset({Hello, Heartbeat, Cancel, Shutdown})
 """Messages the server answers itself (never passed to the handler)."""
 _PARTIALS = frozenset(PARTIALS)
+
+HELLO_LIMITS = Limits(max_bytes=4096, max_buffers=0, max_body_bytes=4096, max_ndim=1)
+"""What a peer's message may be before its ``Hello``: no more than a ``Hello`` needs. A larger
+one is not decoded and gets ``Error(no_handshake)`` (a bundled client then says ``Hello`` and
+retries), so a peer without a session costs the server next to nothing."""
 
 _SERVING: contextvars.ContextVar[tuple[Server, Emitter | None] | None] = contextvars.ContextVar(
     "opentinker_bus_serving", default=None)
@@ -107,6 +120,12 @@ class Server:
             ``Error(internal)``; the server keeps serving.
         endpoint: where to bind (``tcp://``, ``ipc://``, ``inproc://``); a non-loopback TCP
             address needs ``keys``.
+        max_bytes: shorthand for ``limits.max_bytes``.
+        limits: what one request may cost (frames, bytes, body, array rank), each checked
+            before the work it bounds; a request over them gets ``Error(too_large)`` (or
+            ``bad_message``).
+        idempotency_cache: replies of state-changing requests remembered for retries, by
+            (peer identity, request id).
         max_inflight: requests handled at once (all peers); more get ``Error(busy)``.
         max_peers: sessions at once; a ``Hello`` beyond gets ``Error(busy)``.
         heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
@@ -122,7 +141,8 @@ class Server:
         endpoint: str = LOOPBACK,
         name: str = "server",
         *,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_bytes: int | None = None,
+        limits: Limits | None = None,
         idempotency_cache: int = 4096,
         max_inflight: int = 1024,
         max_peers: int = 1024,
@@ -135,7 +155,8 @@ class Server:
         check_bind(endpoint, keys)
         self.handler = handler
         self.name = name
-        self.max_bytes = max_bytes
+        self.limits = (limits or DEFAULT_LIMITS).with_max_bytes(max_bytes)
+        self.max_bytes = self.limits.max_bytes
         self.max_inflight = max_inflight
         self.max_peers = max_peers
         self.heartbeat_s = heartbeat_s
@@ -149,8 +170,10 @@ class Server:
         self._tasks: list[asyncio.Task] = []
         self._peers: dict[bytes, _Peer] = {}
         self._running = 0
-        self._done: collections.OrderedDict[int, asyncio.Future] = collections.OrderedDict()
+        self._done: collections.OrderedDict[tuple[bytes, int], asyncio.Future] = collections.OrderedDict()
+        """Replies of state-changing requests by (peer identity, request id), oldest first."""
         self._cache_size = idempotency_cache
+        self._log = LogEvery(log)
         self._auth: Any = None
         self.stopped: asyncio.Event | None = None
         """Set once the server has stopped (created in :meth:`start`, on the loop)."""
@@ -171,7 +194,8 @@ class Server:
         sock.bind(self._bind_to)
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._io = SocketReader(sock, self._on_frames, self._loop)
+        self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
+                                on_cut=self._on_cut)
         self._outbox = Outbox(self._loop, self._route, self.counters, self.stream_backlog)
         self._parked = Parked(self._loop, self._route, self._peers.__contains__, self.counters,
                               limit=self.max_inflight)
@@ -204,6 +228,20 @@ class Server:
             self.counters["error/internal"] += 1
             log.exception("%s: dispatch failed", self.name)
 
+    def _on_cut(self, kept: list[zmq.Frame], cut: Cut) -> None:
+        """A message over the read bounds, of which only ``kept`` (identity, header) was held:
+        counted, logged (at most a line a second) and answered ``too_large``."""
+        try:
+            identity = kept[0].bytes
+            cut = cut._replace(parts=cut.parts - 1, nbytes=cut.nbytes - len(identity))  # the message, not the routing
+            rid, err = cut_error(kept[1] if len(kept) > 1 else None, cut, self.limits, self.counters)
+            self._log.warning("drop", "%s: dropped a message from %s: %s (%d bytes freed)",
+                              self.name, identity.hex(), err.message, cut.nbytes)
+            self._send(identity, err, rid or 0)
+        except Exception:  # nothing a peer sends may stop the server
+            self.counters["error/internal"] += 1
+            log.exception("%s: dropping a message failed", self.name)
+
     async def _beat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
@@ -231,16 +269,21 @@ class Server:
             self.counters["error/bad_frame"] += 1
             return
         identity = frames[0].bytes
+        peer = self._peers.get(identity)
         try:
-            rid, msg = decode([f.buffer for f in frames[1:]], self.max_bytes)
+            rid, msg = decode([f.buffer for f in frames[1:]], limits=self.limits if peer is not None else HELLO_LIMITS)
         except DecodeError as e:
-            self.counters[f"error/{e.code.value}"] += 1
-            log.warning("%s: bad frame: %s", self.name, e)
-            self._send(identity, Error(code=e.code, message=str(e)), e.request_id or 0)
+            code = e.code
+            if peer is None and code is ErrorCode.TOO_LARGE:  # larger than a Hello: not read further
+                code = ErrorCode.NO_HANDSHAKE
+                e = DecodeError(code, f"{self.name}: say Hello first (before it a message may be at most "
+                                      f"{HELLO_LIMITS.max_bytes} bytes in 2 frames)", e.request_id)
+            self.counters[f"error/{code.value}"] += 1
+            self._log.warning(f"bad/{code.value}", "%s: bad frame from %s: %s", self.name, identity.hex(), e)
+            self._send(identity, Error(code=code, message=str(e)), e.request_id or 0)
             return
         kind = type(msg).__name__
         self.counters[f"recv/{kind}"] += 1
-        peer = self._peers.get(identity)
         if peer is not None:
             peer.beats.missed = 0  # heard from it
             if rid in peer.inflight:  # a retry of a request still running: its reply answers both
@@ -311,7 +354,7 @@ class Server:
         _SERVING.set((self, em))  # this task's own context (run_eager): read by emitter()
         try:
             if isinstance(msg, STATE_CHANGING):
-                reply = await self._once(rid, msg)
+                reply = await self._once(identity, rid, msg)
             else:
                 try:
                     reply = await self.handler(msg)
@@ -331,15 +374,17 @@ class Server:
             reply = Error(code=ErrorCode.INTERNAL, message=f"the handler answered with a partial {type(reply).__name__}")
         self._send(identity, reply, rid, final=True)
 
-    async def _once(self, rid: int, msg: Message) -> Message:
-        """A state-changing request, applied once per request id: a retry waits for (or gets)
-        the first one's reply."""
-        fut = self._done.get(rid)
+    async def _once(self, identity: bytes, rid: int, msg: Message) -> Message:
+        """A state-changing request, applied once per (peer identity, request id): a retry
+        from the same peer waits for (or gets) the first one's reply; another peer's request
+        with the same id is a request of its own."""
+        key = (identity, rid)
+        fut = self._done.get(key)
         if fut is not None:
             self.counters["dedup"] += 1
             return await asyncio.shield(fut)
         fut = asyncio.get_running_loop().create_future()
-        self._done[rid] = fut
+        self._done[key] = fut
         while len(self._done) > self._cache_size:
             self._done.popitem(last=False)
         try:
@@ -347,7 +392,7 @@ class Server:
         except asyncio.CancelledError:
             # Cancelled before it changed anything (a handler that had started finishes and
             # returns instead): a retry must apply it.
-            self._done.pop(rid, None)
+            self._done.pop(key, None)
             fut.cancel()
             raise
         fut.set_result(reply)

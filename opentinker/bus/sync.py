@@ -28,6 +28,7 @@ from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
     DEFAULT_SPIN_S,
+    REPLY_LIMITS,
     BeatCounter,
     Counters,
     CurveKeys,
@@ -37,11 +38,13 @@ from opentinker.bus.common import (
     ReplyPolling,
     check_welcome,
     configure,
+    cut_error,
+    read_bounds,
     read_reply,
     yield_cpu,
 )
-from opentinker.bus.loop import NOBLOCK, recv_frames, send_frames
-from protocols.codec import DEFAULT_MAX_BYTES, encode
+from opentinker.bus.loop import NOBLOCK, Cut, recv_bounded, send_frames
+from protocols.codec import Limits, encode
 from protocols.messages import (
     PARTIALS,
     PROTOCOL_VERSION,
@@ -69,6 +72,9 @@ class SyncClient:
             a frame, and the server is lost after 3 of them.
         connect_timeout: seconds to wait for the ``Welcome``.
         spin_s: poll for a reply for up to this long before blocking on the socket (0: never).
+        limits: what one reply may be (default :data:`~opentinker.bus.common.REPLY_LIMITS`;
+            ``max_bytes`` replaces its ``max_bytes``); a reply over them fails its request
+            with ``RemoteError(too_large)``.
     """
 
     def __init__(
@@ -79,21 +85,24 @@ class SyncClient:
         ctx: zmq.Context | None = None,
         keys: CurveKeys | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_bytes: int | None = None,
         hwm: int = DEFAULT_HWM,
         connect_timeout: float = 30.0,
         spin_s: float = DEFAULT_SPIN_S,
+        limits: Limits | None = None,
     ) -> None:
         self.polling = ReplyPolling(spin_s)
         self.endpoint = endpoint
         self.name = name
         self.heartbeat_s = heartbeat_s
-        self.max_bytes = max_bytes
+        self.limits = (limits or REPLY_LIMITS).with_max_bytes(max_bytes)
+        self.max_bytes = self.limits.max_bytes
+        self._bounds = read_bounds(self.limits)
         self.counters = Counters()
         self.beats = BeatCounter()
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
-        self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=max_bytes, keys=keys)
+        self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys)
         self._sock.connect(endpoint)
         self._rcvtimeo = -1
         self._outstanding: dict[int, Message] = {}
@@ -196,12 +205,12 @@ class SyncClient:
                 sock.setsockopt(zmq.RCVTIMEO, wait_ms)
                 self._rcvtimeo = wait_ms
             try:
-                frames = recv_frames(sock)
+                read = recv_bounded(sock, self._bounds)
             except zmq.Again:
                 if wait_ms >= int(1000 * self.heartbeat_s) and self.tick():
                     raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats") from None
                 continue
-            self._take(frames)
+            self._take(read)
         return self._replies.pop(rid)
 
     def _poll(self, rid: int, until: float) -> None:
@@ -210,18 +219,23 @@ class SyncClient:
         sock = self._sock
         while rid not in self._replies and time.monotonic() < until:
             try:
-                frames = recv_frames(sock, NOBLOCK)
+                read = recv_bounded(sock, self._bounds, NOBLOCK)
             except zmq.Again:
                 yield_cpu()
                 continue
             self.counters["polled"] += 1
-            self._take(frames)
+            self._take(read)
 
-    def _take(self, frames: list[zmq.Frame]) -> None:
+    def _take(self, read: tuple[list[zmq.Frame], Cut | None]) -> None:
         """Keep a reply to a request still outstanding, pass a partial result to its
-        callback; count everything."""
+        callback; count everything. A reply over ``limits`` (``read`` has its cut) fails its
+        request with ``too_large``."""
         self.beats.heard()
-        rid, reply = read_reply(frames, self.max_bytes, self.counters)
+        frames, cut = read
+        if cut is None:
+            rid, reply = read_reply(frames, self.limits, self.counters)
+        else:
+            rid, reply = cut_error(frames[0] if frames else None, cut, self.limits, self.counters)
         if type(reply) in _PARTIALS:  # never the reply, nor timed as one
             self._partial(rid, reply)
             return

@@ -19,6 +19,10 @@ of that adapter are held back.
 Without it (architectures the engine does not run, or ``engine="peft"``) the compute thread
 takes the oldest request; a sample request takes every other waiting sample request with it
 and serves all their rows in one batch.
+
+Every request's arrays are checked when it arrives, before it is queued or batched with
+another client's (:func:`check_request`): a bad request fails alone with ``Error(invalid)``
+naming the field, and its batch-mates never see it.
 """
 
 from __future__ import annotations
@@ -31,9 +35,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from opentinker.bus import LOOPBACK, LoopThread, Server
+import numpy as np
+
+from opentinker.bus import LOOPBACK, LoopThread, Server, settle_heap, unsettle_heap
 from opentinker.bus.stream import wants_stream
+from protocols.codec import Limits
 from protocols.messages import (
+    MAX_STATS_BATCHES,
     AdapterInfo,
     CreateAdapter,
     DropAdapter,
@@ -63,6 +71,45 @@ COMPUTE_OPS = (
     LoadAdapter, ForwardBackward, OptimStep, SaveAdapter,
 )
 """Requests that queue for the compute thread."""
+
+
+def check_tokens(arr: Any, where: str, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``arr`` is a non-empty 1-D array of integer
+    token ids in ``[0, vocab_size)`` (a float or bool array is not token ids, whatever its values)."""
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
+        got = f"{arr.ndim}-D {arr.dtype}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise ValueError(f"{where} must be a 1-D integer array of token ids, got {got}")
+    if arr.size == 0:
+        raise ValueError(f"{where} is empty")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{where}: token id {lo if lo < 0 else hi} out of range [0, {vocab_size})")
+
+
+def check_request(msg: Message, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the field of ``msg`` whose arrays (dtype, rank, length, range)
+    or sampling parameters no batch can take; called per request, before any batching, so a bad
+    request fails alone. (What needs the model's state, such as an adapter's existence or the
+    loss's inputs, is checked where the request runs.)"""
+    if isinstance(msg, SampleRequest):
+        from opentinker.engine.peft_sampler import validate_params
+
+        validate_params(msg.params)
+        for i, p in enumerate(msg.prompts):
+            check_tokens(p, f"SampleRequest.prompts[{i}]", vocab_size)
+    elif isinstance(msg, (LogprobsRequest, ValuesRequest)):
+        for i, seq in enumerate(msg.sequences):
+            check_tokens(seq, f"{type(msg).__name__}.sequences[{i}]", vocab_size)
+    elif isinstance(msg, ForwardBackward):
+        for i, d in enumerate(msg.datums):
+            where = f"ForwardBackward.datums[{i}]"
+            check_tokens(d.tokens, f"{where}.tokens", vocab_size)
+            for k, v in d.loss_inputs.items():
+                if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype.kind not in "biuf":
+                    got = f"{v.ndim}-D {v.dtype}" if isinstance(v, np.ndarray) else type(v).__name__
+                    raise ValueError(f"{where}.loss_inputs[{k!r}] must be a 1-D numeric array, got {got}")
+                if len(v) != len(d.tokens):
+                    raise ValueError(f"{where}.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
 
 
 @dataclass
@@ -96,11 +143,14 @@ class Scheduler:
         engine_options: dict[str, Any] | None = None,
         train_share: float = 0.5,
         fair_window_s: float = 10.0,
+        limits: Limits | None = None,
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
         (decayed over ``fair_window_s``). ``batch_window_s``, ``max_batch_wait_s`` and
-        ``max_batch_rows`` shape the PEFT path's whole-request batches."""
+        ``max_batch_rows`` shape the PEFT path's whole-request batches. ``limits``: what one
+        request may be on the bus (default :data:`protocols.codec.DEFAULT_LIMITS`)."""
+        self.limits = limits
         self.engine = engine
         self.engine_options = engine_options
         self.train_share = train_share
@@ -115,7 +165,7 @@ class Scheduler:
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
-        self.batches: collections.deque[list[str]] = collections.deque(maxlen=256)
+        self.batches: collections.deque[list[str]] = collections.deque(maxlen=MAX_STATS_BATCHES)
         self.compute_counters: collections.Counter[str] = collections.Counter()
         self._batch_ids = 0
         self.host: Any = None
@@ -127,6 +177,7 @@ class Scheduler:
 
         self.host = ModelHost(self.model_path, device=self.device, threads=self.threads, engine=self.engine,
                               engine_options=self.engine_options)
+        settle_heap()  # the model stack stays until stop(): full collections skip it meanwhile
         target = self._work
         if self.host.engine is not None:
             from opentinker.engine.step_worker import StepWorker
@@ -135,7 +186,7 @@ class Scheduler:
         self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
         self._worker.start()
         self.loop = LoopThread("scheduler-bus")
-        self.server = Server(self._handle, self._bind, name="scheduler")
+        self.server = Server(self._handle, self._bind, name="scheduler", limits=self.limits)
         self.endpoint = self.loop.run(self.server.start(self.loop.ctx))
         return self.endpoint
 
@@ -146,6 +197,7 @@ class Scheduler:
             return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
         if not isinstance(msg, COMPUTE_OPS):
             raise TypeError(f"the scheduler does not serve {type(msg).__name__}")
+        check_request(msg, self.host.registry.vocab_size)
         loop = asyncio.get_running_loop()
         job = _Job(msg, loop.create_future(), loop)
         if isinstance(msg, SampleRequest) and wants_stream(msg):
@@ -241,7 +293,7 @@ class Scheduler:
                 owners.append(j)
         try:
             rows = self.host.sample(adapters, prompts, params, seeds)
-        except (ValueError, KeyError):
+        except (ValueError, TypeError, KeyError):
             if len(jobs) == 1:
                 raise
             # One bad request must not fail its batch-mates: serve each alone.
@@ -267,7 +319,7 @@ class Scheduler:
     def _sample_or_error(self, job: _Job) -> Any:
         try:
             return self._sample([job])[0]
-        except (ValueError, KeyError) as e:
+        except (ValueError, TypeError, KeyError) as e:
             return e
 
     def _run(self, msg: Message) -> Message:
@@ -317,6 +369,8 @@ class Scheduler:
         if hasattr(self, "loop"):
             self.loop.run(self.server.stop())
             self.loop.stop()
+        if self.host is not None:
+            unsettle_heap()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
