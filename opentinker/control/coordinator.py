@@ -19,6 +19,7 @@ from games import names as game_names
 from games.kuhn_poker import exploitability
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
+from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
 from opentinker.rollout.episodes import KUHN, game_agents, strata_episodes, train_episodes
 from opentinker.eval.evaluation import (
@@ -102,16 +103,22 @@ class Coordinator:
 
     async def _run(self, specs: list[EpisodeSpec], step: int, train: bool, progress: str = "") -> list[EpisodeSummary]:
         """Split episodes over the runners (round robin, in id order) and wait for all; the
-        runners push their progress to ``progress`` (a PULL endpoint) when it is given."""
+        runners push their progress to ``progress`` (a PULL endpoint) when it is given.
+
+        A runner's part larger than one message goes as several ``RunEpisodes`` of consecutive
+        slices, all at once (its episodes all in flight, as in one request); each slice's
+        progress is counted on its own by the runner."""
         n = len(self.runners)
         learners = {p: pull for p, (_, pull) in self.learner_endpoints.items()} if train else {}
         parts = [specs[i::n] for i in range(n)]
+        timeout = self.cfg.runtime.timeout_s
         replies = await asyncio.gather(
             *(
-                r.request(
+                request_split_async(
+                    lambda m, r=r: r.request(m, timeout),
                     RunEpisodes(episodes=part, sampling=self.sampling, system_prompt=self.cfg.system_prompt,
                                 learners=learners, step=step, progress=progress),
-                    self.cfg.runtime.timeout_s,
+                    concurrent=True,
                 )
                 for r, part in zip(self.runners, parts)
                 if part
@@ -242,7 +249,8 @@ class Coordinator:
                 out[f"eval/{p.name}/vs_{label}/hands"] = hands
             if self.cfg.eval.exploitability and self.cfg.game == KUHN:
                 seqs, n_reply = kuhn_policy_sequences(self.tok, self.cfg.system_prompt)
-                res = await self.scheduler.request(LogprobsRequest(adapter=p.name, sequences=seqs), self.cfg.runtime.timeout_s)
+                res = await request_split_async(lambda m: self.scheduler.request(m, self.cfg.runtime.timeout_s),
+                                                LogprobsRequest(adapter=p.name, sequences=seqs))
                 assert isinstance(res, LogprobsResult)
                 policy, mass = kuhn_policy_from_logprobs(res.logprobs, n_reply)
                 out[f"eval/{p.name}/exploitability"] = exploitability(policy)

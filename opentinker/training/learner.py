@@ -42,6 +42,7 @@ from learners import (
 )
 from opentinker.training import trajectory_log
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
+from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig
 from protocols.messages import (
     AdamParams,
@@ -192,7 +193,9 @@ class Learner:
     async def _update(self, step: int, datums: list, critic: bool) -> tuple[int, dict[str, float]]:
         """``epochs`` passes over ``datums``, each shuffled (seeded by the job's seed, the step
         and the pass) and split into ``minibatches`` parts, one ``ForwardBackward`` +
-        ``OptimStep`` per part, each part normalised by its own token count. Returns the
+        ``OptimStep`` per part, each part normalised by its own token count (a part larger than
+        one message goes in slices with the part's normalizers, :mod:`opentinker.bus.chunking`;
+        their results merged are the part's). Returns the
         adapter's version after the last update and the metrics: each loss metric's mean over
         the updates (``*_max``: the largest; token counts: per pass), ``grad_norm``'s mean, the
         number of updates. With one update they are that update's exact metrics."""
@@ -210,12 +213,11 @@ class Learner:
         for part in parts:
             n_tokens = loss_token_count(part)
             n_values = loss_token_count(part, "value_mask") if critic and part else 0
-            fb = await self.scheduler.request(
-                ForwardBackward(
-                    adapter=self.policy, datums=part, loss=self.loss, loss_config=self.loss_config,
-                    normalizer=float(max(n_tokens, 1)), value_normalizer=float(max(n_values, 1)),
-                )
-            )
+            # In slices the scheduler takes, each with the part's normalizers: one update's gradient.
+            fb = await request_split_async(self.scheduler.request, ForwardBackward(
+                adapter=self.policy, datums=part, loss=self.loss, loss_config=self.loss_config,
+                normalizer=float(max(n_tokens, 1)), value_normalizer=float(max(n_values, 1)),
+            ))
             assert isinstance(fb, ForwardBackwardResult)
             opt = await self.scheduler.request(OptimStep(adapter=self.policy, params=self.adam))
             assert isinstance(opt, OptimStepResult)
@@ -237,8 +239,8 @@ class Learner:
         them (else ``None``); taken before this step's update, so they are the old values."""
         if not ADVANTAGES[self.advantage].needs_values or not ordered:
             return None
-        reply = await self.scheduler.request(
-            ValuesRequest(adapter=self.policy, sequences=[trajectory_tokens(t) for t in ordered]))
+        reply = await request_split_async(
+            self.scheduler.request, ValuesRequest(adapter=self.policy, sequences=[trajectory_tokens(t) for t in ordered]))
         assert isinstance(reply, ValuesResult)
         return reply.values
 

@@ -10,6 +10,10 @@ Before the first step and after the last, the loss on the WHOLE data set is meas
 ``LogprobsRequest`` s (the adapter's log-probs, and the base model's as the preference
 reference), with the same loss functions: ``metrics.jsonl`` rows of kind ``eval``, so "did it
 learn" is one comparison, not a noisy per-batch curve.
+
+Requests larger than the scheduler takes in one message (the whole data set's sequences, a
+large batch's datums) go in slices (:mod:`opentinker.bus.chunking`), a pair's datums in one
+slice, every slice of a batch with the batch's normalizer: the results are those of one request.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from learners import (
 )
 from opentinker.training import trajectory_log
 from opentinker.bus import SyncClient
+from opentinker.bus.chunking import request_split
 from opentinker.config import JobConfig
 from opentinker.eval.report import MetricsLog
 from protocols.messages import (
@@ -43,6 +48,7 @@ from protocols.messages import (
     LogprobsRequest,
     LogprobsResult,
     LoraSpec,
+    Message,
     OptimStep,
     OptimStepResult,
     SaveAdapter,
@@ -128,18 +134,22 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
     job = Job(cfg, model_path, scheduler_only=True)
     try:
         with SyncClient(job.scheduler_endpoint, "offline") as client:
+            def ask(msg: Message, unit: int = 1) -> Message:
+                """``msg``'s reply, sent in slices the scheduler takes (a pair's datums together)."""
+                return request_split(lambda m: client.request(m, timeout), msg, unit)
+
             spec = LoraSpec(rank=policy.lora_rank, alpha=policy.lora_alpha,
                             target_modules=tuple(policy.target_modules), seed=cfg.seed, full=policy.kind == "full")
             client.request(CreateAdapter(name=name, spec=spec), timeout)
             seqs = [d.tokens for unit in units for d in unit]
             ref_lp = []
             if oc.kind != "sft":
-                ref = client.request(LogprobsRequest(adapter=None, sequences=seqs), timeout)
+                ref = ask(LogprobsRequest(adapter=None, sequences=seqs))
                 assert isinstance(ref, LogprobsResult)
                 ref_lp = ref.logprobs
 
             def evaluate(step: int) -> dict[str, float]:
-                res = client.request(LogprobsRequest(adapter=name, sequences=seqs), timeout)
+                res = ask(LogprobsRequest(adapter=name, sequences=seqs))
                 assert isinstance(res, LogprobsResult)
                 m = dataset_loss(oc.kind, units, res.logprobs, ref_lp, loss_config)
                 row = {f"eval/{name}/{oc.kind}/{k}": v for k, v in m.items()}
@@ -152,8 +162,9 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
                 if oc.kind != "sft":  # a unit drawn twice (across an epoch) is two pairs, not one
                     batch = renumber_pairs(batch)
                 normalizer = float(len(index) if oc.kind != "sft" else loss_token_count(batch))
-                fb = client.request(ForwardBackward(adapter=name, datums=batch, loss=oc.kind,
-                                                    loss_config=loss_config, normalizer=normalizer), timeout)
+                # The normalizer is the whole batch's: the slices' gradients add up to the batch's.
+                fb = ask(ForwardBackward(adapter=name, datums=batch, loss=oc.kind, loss_config=loss_config,
+                                         normalizer=normalizer), len(units[0]))
                 opt = client.request(OptimStep(adapter=name, params=adam), timeout)
                 assert isinstance(fb, ForwardBackwardResult) and isinstance(opt, OptimStepResult)
                 log.write(step, "train", {
