@@ -367,6 +367,9 @@ def test_adapters_beyond_the_memory_budget_spill_and_come_back_unchanged(tiny_pa
     m = tight.engine.metrics()
     assert m["engine/adapters_resident"] == 2 and m["engine/adapters_spilled"] == 2
     assert m["engine/adapter_restores"] >= 4 and m["engine/adapter_bytes_resident"] <= int(2.5 * one)
+    # The slot store grew only as far as the adapter budget holds (spilled adapters gave theirs up).
+    assert 0 < m["engine/lora_store_bytes"] <= tight.registry.memory.budget_bytes
+    assert len(tight.registry.slots) == 2
     with pytest.raises(ValueError, match="device budget"):
         ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
                   engine_options={**opts, "device_budget_bytes": weights})

@@ -392,8 +392,8 @@ class Engine:
     def metrics(self) -> dict[str, int]:
         """Integer counters (totals since start) and gauges: queue depth, running rows, steps
         and rows over them, prompt tokens computed and taken from the prefix cache, tokens
-        drawn, forward time, KV blocks and bytes, weights and adapter bytes, adapters resident
-        and spilled. Rates are differences of totals (the coordinator logs them per step)."""
+        drawn, forward time, KV blocks and bytes, weights and adapter bytes (and the bytes the
+        LoRA slot store reserves), adapters resident and spilled. Rates are differences of totals (the coordinator logs them per step)."""
         kv = self.blocks.stats()
         st = self.stats
         return {
@@ -416,6 +416,7 @@ class Engine:
             "engine/adapters_resident": len(self.registry.memory.resident),
             "engine/adapters_spilled": len(self.registry.memory.spilled),
             "engine/adapter_bytes_resident": self.registry.memory.resident_bytes,
+            "engine/lora_store_bytes": self.registry.slots.nbytes,
             "engine/adapter_spills": self.registry.memory.spills,
             "engine/adapter_restores": self.registry.memory.restores,
         }
