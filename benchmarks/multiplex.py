@@ -11,7 +11,8 @@ batch of distinct random prompts; row i uses adapter i % K; every row draws exac
   in turn: what running a copy per adapter costs in memory.
 
 tokens/s = generated tokens / wall time of the calls (prefill included; each host is warmed
-up with a tiny call first, untimed). Each measurement runs in a fresh process (the script
+up with a tiny call first, untimed; the median of ``--repeats`` timed calls of the same rows,
+the engines' prefix cache emptied before each). Each measurement runs in a fresh process (the script
 calls itself with ``--one METHOD K BATCH``), so ``peak_bytes`` (``ru_maxrss``) is that
 method's alone. FLOPs are estimated as 2 x the parameters each token touches (decoder
 linears + one adapter's LoRA for every forwarded token, prefill included; the vocabulary
@@ -74,11 +75,15 @@ class Args:
     device: str = "cpu"
     mm_reps: int = 20
     seed: int = 0
+    repeats: int = 3
+    """Timed calls per row (the same rows each time, after the warm-up): tokens/s from the
+    median; on a shared 2-core VM one call's wall time varies by 10-20%."""
     quick: bool = False
     json: str = ""
 
 
-QUICK = {"model": "tiny-random", "ks": "1,4", "batches": "8", "prompt_len": 16, "new_tokens": 4, "mm_reps": 3}
+QUICK = {"model": "tiny-random", "ks": "1,4", "batches": "8", "prompt_len": 16, "new_tokens": 4, "mm_reps": 3,
+         "repeats": 1}
 """What ``--quick`` changes (flags given explicitly win)."""
 
 
@@ -218,10 +223,15 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
     rss_warm = rss_bytes()
     engines = [h.engine for h in hosts if h.engine is not None]
     before = [e.metrics() for e in engines]
-    t0 = time.perf_counter()
-    outs = [h.sample([f"a{i % K}" for i in rows], [prompts[i] for i in rows], [params] * len(rows),
-                     [seeds[i] for i in rows]) for h, rows in calls]
-    wall = time.perf_counter() - t0
+    walls = []
+    for _ in range(args.repeats):  # the same call again: the median wall, and memory must not grow
+        for e in engines:  # no prefix-cache hits on the rows of the last call (PEFT has no cache)
+            e.blocks.retire_all()
+        t0 = time.perf_counter()
+        outs = [h.sample([f"a{i % K}" for i in rows], [prompts[i] for i in rows], [params] * len(rows),
+                         [seeds[i] for i in rows]) for h, rows in calls]
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
     steady = rss_bytes()
     generated = sum(len(r.tokens) for out in outs for r in out)
     assert generated == batch * args.new_tokens, (generated, batch * args.new_tokens)
@@ -233,6 +243,7 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
     flops = 2 * (body + lora) * forwarded + 2 * cfg["vocab_size"] * cfg["hidden_size"] * generated
     row = {
         "method": method, "K": K, "batch": batch, "tokens_per_s": generated / wall, "wall_s": wall,
+        "walls_s": walls,
         "generated_tokens": generated, "prompt_tokens": batch * args.prompt_len,
         "peak_bytes": maxrss_bytes(), "rss_before_model_bytes": rss_before, "rss_cold_bytes": rss_cold,
         "load_peak_bytes": marks["load_peak_bytes"], "rss_after_adapters_bytes": rss_adapters,
@@ -242,8 +253,9 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
     }
     if engines:
         after = [e.metrics() for e in engines]
-        row["engine_steps"] = sum(a["engine/steps"] - b["engine/steps"] for a, b in zip(after, before))
-        row["engine_forward_s"] = sum(a["engine/forward_ms"] - b["engine/forward_ms"] for a, b in zip(after, before)) / 1000
+        row["engine_steps"] = sum(a["engine/steps"] - b["engine/steps"] for a, b in zip(after, before)) / args.repeats
+        row["engine_forward_s"] = sum(a["engine/forward_ms"] - b["engine/forward_ms"]
+                                      for a, b in zip(after, before)) / 1000 / args.repeats  # per call
         row["kv_pool_bytes"] = sum(e.pool.nbytes for e in engines)
         # copies: the sum of each copy's peak (copies serving at once hold them all).
         row["kv_peak_bytes"] = sum(kv_peak_bytes(h, [f"a{i % K}" for i in rows], [prompts[i] for i in rows],
@@ -285,9 +297,35 @@ def machine_info(args: Args, mm: float) -> dict:
     return {**machine(args.threads, args.device), "mm_shape": list(MM_SHAPE), "mm_gflops_per_s": mm}
 
 
+def k_sweep(args: Args, batch: int, rounds: int = 5) -> dict:
+    """The engine's tokens/s at each K of ``--ks`` measured interleaved in one process (one
+    host with max(K) adapters; round after round, one call per K, the prefix cache emptied
+    before each): the ratios to K=1 do not drift with the machine's speed as rows measured
+    minutes apart in separate processes do. Medians over ``rounds``."""
+    ks = [int(k) for k in args.ks.split(",")]
+    path = resolve_model(args.model)
+    cfg = model_config(path)
+    host = make_host(path, args, "own", list(range(max(ks))))
+    prompts = make_prompts(cfg["vocab_size"], batch, args.prompt_len, args.seed)
+    params = [SamplingParams(max_tokens=args.new_tokens)] * batch
+    seeds = [args.seed + i for i in range(batch)]
+    host.sample(["a0"], [prompts[0][:4]], [SamplingParams(max_tokens=2)], [0])  # warm-up
+    walls: dict[int, list[float]] = {K: [] for K in ks}
+    for _ in range(rounds):
+        for K in ks:
+            host.engine.blocks.retire_all()
+            t0 = time.perf_counter()
+            out = host.sample([f"a{i % K}" for i in range(batch)], prompts, params, seeds)
+            walls[K].append(time.perf_counter() - t0)
+            assert sum(len(r.tokens) for r in out) == batch * args.new_tokens
+    tps = {K: batch * args.new_tokens / statistics.median(w) for K, w in walls.items()}
+    return {"method": "engine_k_sweep", "batch": batch, "rounds": rounds, "walls_s": walls,
+            "tokens_per_s": tps, "vs_k1": {K: tps[K] / tps[ks[0]] for K in ks}}
+
+
 def measure(args: Args, method: str, K: int, batch: int) -> dict:
     """One row, in a fresh process; an ``error`` row if it failed (e.g. killed for memory)."""
-    fwd = [x for k, v in asdict(args).items() if k not in ("ks", "batches", "quick", "json")
+    fwd = [x for k, v in asdict(args).items() if k not in ("batches", "quick", "json")
            for x in (f"--{k}", str(v))]
     proc = subprocess.run([sys.executable, __file__, "--one", method, str(K), str(batch), *fwd],
                           capture_output=True, text=True)
@@ -332,7 +370,8 @@ def table(args: Args, rows: list[dict], machine: dict) -> Table:
 def main() -> None:
     args, one = parse()
     if one:
-        print("RESULT " + json.dumps(run_one(args, one[0], int(one[1]), int(one[2]))), flush=True)
+        row = (k_sweep(args, int(one[2])) if one[0] == "sweep" else run_one(args, one[0], int(one[1]), int(one[2])))
+        print("RESULT " + json.dumps(row), flush=True)
         return
     resolve_model(args.model)  # build the cached folder once, before the children race for it
     mm = mm_gflops(args)
@@ -351,7 +390,20 @@ def main() -> None:
             if args.json:  # after every row: a killed run keeps what it measured
                 Path(args.json).write_text(json.dumps({"machine": machine, "args": asdict(args), "rows": rows}, indent=1))
             progress.advance(task)
+        sweeps = []
+        for batch in map(int, args.batches.split(",")):  # the K ratios, interleaved in one process
+            progress.update(task, description=f"engine K sweep, batch={batch}")
+            sweeps.append(measure(args, "sweep", 0, batch))
+            if args.json:
+                Path(args.json).write_text(json.dumps({"machine": machine, "args": asdict(args), "rows": rows,
+                                                       "k_sweeps": sweeps}, indent=1))
     console.print(table(args, rows, machine))
+    for sw in sweeps:
+        if "error" in sw:
+            print(f"engine K sweep batch={sw['batch']} failed: {sw['error']}")
+            continue
+        print(f"engine, K interleaved in one process, batch {sw['batch']} (median of {sw['rounds']} rounds): " + ", ".join(
+            f"K={K} {t:.1f} tok/s ({sw['vs_k1'][K]:.2f}x K=1)" for K, t in sw["tokens_per_s"].items()))
     print(f"plain fp32 torch.mm {MM_SHAPE[0]}x{MM_SHAPE[1]} @ {MM_SHAPE[1]}x{MM_SHAPE[2]}: {mm:.1f} GFLOP/s at "
           f"{args.threads} threads. Model FLOPs = 2 x parameters touched per token (decoder linears + one "
           "adapter's LoRA for every forwarded token, prefill included; lm_head for drawn tokens only).")
