@@ -47,6 +47,10 @@ from opentinker.engine.sequence import SeqStatus, Sequence
 from protocols.messages import SamplingParams, StopReason
 
 
+TRIM_INTERVAL_S = 1.0
+"""Least time between two hand-backs of the heap's free pages when the engine goes idle."""
+
+
 class RequestTooLarge(ValueError):
     """A request that can never run: longer than the model's context, or needing more KV
     blocks than the whole pool holds. The message says which, with the numbers."""
@@ -114,6 +118,7 @@ class Engine:
         self._stacks = LoraStackCache()
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._busy = False
+        self._last_trim = float("-inf")
         self.running: list[Sequence] = []
         self.held: set[str] = set()
         """Adapters whose waiting rows are not admitted (an optimizer step waits for their
@@ -317,9 +322,13 @@ class Engine:
         allocations made meanwhile leave free holes in glibc's heap that the next request's
         differently sized transients do not fill, so without this each request's holes stay
         resident on top of the next one's (SmolLM2-135M, 16 adapters: +16 MB after one small
-        request, measured). The next request faults back in only what it uses."""
-        if self._busy and self.device.type == "cpu":
+        request, measured). The next request faults back in only what it uses, so this runs at
+        most once per ``TRIM_INTERVAL_S``: a rollout's many short calls in a row would otherwise
+        fault their transients in again at every call."""
+        now = time.monotonic()
+        if self._busy and self.device.type == "cpu" and now - self._last_trim >= TRIM_INTERVAL_S:
             trim_heap()
+            self._last_trim = now
         self._busy = False
 
     def _forward(self, plan: list[tuple[Sequence, int]]) -> list[tuple[int, float] | None]:
