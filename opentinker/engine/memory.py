@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import sys
 from collections.abc import Callable, Iterator
 
@@ -151,6 +152,19 @@ MALLOC_TRIM_THRESHOLD = 64 << 20
 _malloc_tuned = False
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (it has ``mallopt`` and ``malloc_trim``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (musl has neither)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def tune_malloc() -> bool:
     """Fix glibc's mmap and trim thresholds (once per process; False where not glibc).
 
@@ -162,28 +176,17 @@ def tune_malloc() -> bool:
     cost ~20 MB of peak RSS on that call. Process-wide: it also applies to whatever else runs
     in the process."""
     global _malloc_tuned
-    if _malloc_tuned:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, MALLOC_MMAP_THRESHOLD) == 1 and libc.mallopt(-1, MALLOC_TRIM_THRESHOLD) == 1
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt thresholds)
-        return False
-    _malloc_tuned = ok
-    return ok
+    libc = _glibc()
+    if _malloc_tuned or libc is None:
+        return _malloc_tuned
+    _malloc_tuned = libc.mallopt(-3, MALLOC_MMAP_THRESHOLD) == 1 and libc.mallopt(-1, MALLOC_TRIM_THRESHOLD) == 1
+    return _malloc_tuned
 
 
 def trim_heap() -> bool:
     """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; False where not
-    glibc). For rare events that free a lot below the mmap threshold at once (the LoRA slot
-    store's old buffer after it grows), not for every step: pages given back are faulted in
-    again when next used."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
+    glibc). For events that leave much freed below the mmap threshold (an adapter placed in
+    the slot store, the engine going idle: at most once a second), not for every step: pages
+    given back are faulted in again when next used."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False

@@ -46,7 +46,6 @@ from opentinker.engine.sampling import SamplingBatch
 from opentinker.engine.sequence import SeqStatus, Sequence
 from protocols.messages import SamplingParams, StopReason
 
-
 TRIM_INTERVAL_S = 1.0
 """Least time between two hand-backs of the heap's free pages when the engine goes idle."""
 
@@ -277,8 +276,8 @@ class Engine:
                 plan.append((seq, n))
                 budget -= n
         # Rows grouped by adapter, in slot order: batched LoRA then reads consecutive slots in place.
-        slot_of = getattr(self.registry, "slot_of", None)
-        plan.sort(key=lambda p: (p[0].adapter is not None, slot_of(p[0].adapter) if slot_of else 0, p[0].adapter or ""))
+        slot_of = self.registry.slot_of
+        plan.sort(key=lambda p: (p[0].adapter is not None, slot_of(p[0].adapter), p[0].adapter or ""))
         t0 = time.perf_counter()
         drawn = self._forward(plan)
         self.stats.forward_s += time.perf_counter() - t0
