@@ -59,7 +59,7 @@ from protocols.messages import EpisodeSpec, PolicyKind, PolicyRef, RunEpisodes, 
 
 PATHS = {"before": "peft", "engine": "own"}
 """Row name -> ``ModelHost(engine=...)``."""
-ENGINE_STATS = ("prefill_tokens", "prompt_tokens", "cached_tokens", "decode_tokens", "steps")
+ENGINE_STATS = ("prefill_tokens", "prompt_tokens", "cached_tokens", "twin_tokens", "decode_tokens", "steps")
 
 
 @dataclass

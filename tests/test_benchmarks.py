@@ -106,7 +106,7 @@ def test_rollout_benchmark(tmp_path, tiny_path):
             assert isinstance(x[k], float), k
         if x["path"] == "engine":  # the engine's own counters agree with the prompts and replies played
             e = x["engine_stats"]
-            assert e["prompt_tokens"] == x["prompt_tokens"] == e["prefill_tokens"] + e["cached_tokens"]
+            assert e["prompt_tokens"] == x["prompt_tokens"] == e["prefill_tokens"] + e["cached_tokens"] + e["twin_tokens"]
             assert e["decode_tokens"] == x["reply_tokens"] and e["prefill_tokens"] == x["prefill_tokens"]
         else:
             assert x["prefill_tokens"] <= x["padded_prefill_tokens"]

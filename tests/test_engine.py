@@ -418,17 +418,60 @@ def test_a_full_parameter_policy_trains_every_weight_and_saves_safetensors(tiny_
         peft.create_adapter("fullp", LoraSpec(full=True))
 
 
+def _alone(eng, adapter, prompt, params, seed):
+    """What ``seed`` draws from ``prompt`` as the only row of its step."""
+    row = eng.add(adapter, prompt, params, seed=seed)
+    eng.run_until_done([row])
+    return row
+
+
 def test_rows_with_the_same_prompt_compute_it_once(hosts):
     """A group's first turns (one prompt, several seeds) arrive together: one row computes the
-    prompt, the others join a step later and reuse its blocks."""
+    prompt; its twins take its keys and values and its last logits, and then draw what each
+    seed draws alone (so the copied KV is right)."""
     own, _ = hosts
     eng = own.engine
-    prompt = _prompts(1, seed=40, lo=50, hi=51)[0]
-    before = eng.stats.prefill_tokens
-    rows = own.sample(["pol"] * 4, [prompt] * 4, [SamplingParams(max_tokens=3)] * 4, [1, 2, 3, 4])
-    computed = eng.stats.prefill_tokens - before
-    assert len({r.tokens.tobytes() for r in rows}) > 1
-    assert computed < len(prompt) + 4 * eng.block_size  # not 4 x 50
+    prompt = _prompts(1, seed=40, lo=50, hi=51)[0]  # 50 tokens: 12 whole blocks of 4 and a part
+    params = SamplingParams(max_tokens=6, temperature=1.2)
+    before, twinned, twin_tokens = eng.stats.prefill_tokens, eng.stats.twinned, eng.stats.twin_tokens
+    rows = [eng.add("pol", prompt, params, seed=s) for s in (1, 2, 3, 4)]
+    eng.run_until_done(rows)
+    assert eng.stats.prefill_tokens - before == len(prompt)  # not 4 x 50
+    assert eng.stats.twinned - twinned == 3
+    assert eng.stats.twin_tokens - twin_tokens == 3 * (len(prompt) - 48)  # the part block after 12 cached
+    assert len({tuple(r.out_tokens) for r in rows}) > 1
+    for r in rows:
+        alone = _alone(eng, "pol", prompt, params, r.seed)
+        assert r.out_tokens == alone.out_tokens
+        np.testing.assert_allclose(r.out_logprobs, alone.out_logprobs, atol=1e-5)
+
+
+def test_twins_outlive_a_cancelled_leader_and_leave_when_cancelled(hosts):
+    """The row computing a prompt is cancelled half-way (the prompt comes in chunks): its twins
+    wait again, one of them computes the prompt, and each draws what it draws alone; a twin
+    cancelled while it waits leaves at the next step without tokens."""
+    own, _ = hosts
+    eng = own.engine
+    prompt = _prompts(1, seed=41, lo=30, hi=31)[0]
+    params = SamplingParams(max_tokens=4)
+    budget = eng.max_batch_tokens
+    eng.max_batch_tokens = 8
+    try:
+        leader, *twins = [eng.add(None, prompt, params, seed=s) for s in (5, 6, 7, 8)]
+        eng.step()
+        assert leader.num_computed == 8 and [t.leader for t in twins] == [leader] * 3
+        eng.cancel([leader, twins[2]])
+        eng.step()
+        assert leader.finished and leader.stop_reason is None and not leader.out_tokens
+        assert twins[2].finished and twins[2].stop_reason is None and not twins[2].out_tokens
+        eng.run_until_done(twins[:2])
+    finally:
+        eng.max_batch_tokens = budget
+    assert eng._n_twins == 0 and not eng.running and not eng.waiting
+    for t in twins[:2]:
+        alone = _alone(eng, None, prompt, params, t.seed)
+        assert t.out_tokens == alone.out_tokens
+        np.testing.assert_allclose(t.out_logprobs, alone.out_logprobs, atol=1e-5)
 
 
 def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(sched, monkeypatch):

@@ -109,6 +109,12 @@ class KVPool:
             num_layers, num_kv_heads, head_dim, block_size, dtype
         )
 
+    def copy_slots(self, src_N: torch.Tensor, dst_N: torch.Tensor) -> None:
+        """Copy the keys and values in slots ``src_N`` to slots ``dst_N`` (``int64[N]`` each),
+        every layer: a row that shares another's prompt takes its KV without computing it."""
+        self.k.index_copy_(1, dst_N, self.k.index_select(1, src_N))
+        self.v.index_copy_(1, dst_N, self.v.index_select(1, src_N))
+
     @property
     def nbytes(self) -> int:
         """Bytes of both tensors."""

@@ -65,6 +65,11 @@ class Sequence:
     alloc: Allocation | None = None
     slots_S: torch.Tensor | None = None
     """``int64[S]`` pool slot of every position it may fill (prompt + max_tokens), fixed at admission."""
+    twins: list[Sequence] = field(default_factory=list)
+    """Waiting rows with this row's namespace and prompt, admitted while it computes that
+    prompt: they take its prompt's keys, values and last logits instead of computing them."""
+    leader: Sequence | None = None
+    """The row whose prompt this twin waits on (``None`` once it runs on its own)."""
 
     def __post_init__(self) -> None:
         if not self.tokens:

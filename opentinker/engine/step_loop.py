@@ -7,7 +7,11 @@ Each :meth:`Engine.step` is one forward pass of the decoder over a flat batch of
 2. waiting rows are admitted in arrival order while KV blocks and row slots last: each
    reserves blocks for its prompt plus ``max_tokens`` (so a running row never runs out and
    nothing is ever preempted), reusing whatever prefix of its prompt is cached under its
-   (model copy, adapter, version) key;
+   (model copy, adapter, version) key; a row whose whole prompt another row is computing
+   under the same key becomes that row's *twin*: it computes nothing, and when the prompt is
+   done it takes the other row's keys and values (copied, at most a block's worth beyond the
+   shared cached blocks) and draws its first token from the same logits with its own seed;
+   a row sharing only a part of another's prompt being computed waits a step to reuse it;
 3. every decoding row gets one token and the prompts still being prefilled get chunks, oldest
    first, within ``max_batch_tokens`` (decodes first: a long prompt never stalls the rows
    already talking);
@@ -50,6 +54,10 @@ TRIM_INTERVAL_S = 1.0
 """Least time between two hand-backs of the heap's free pages when the engine goes idle."""
 
 
+Drawn = tuple[list["tuple[int, float] | None"], dict[int, tuple[int, float]]]
+"""What a forward draws: (token, log-prob) or None per planned row, and by ``seq_id`` for twins."""
+
+
 class RequestTooLarge(ValueError):
     """A request that can never run: longer than the model's context, or needing more KV
     blocks than the whole pool holds. The message says which, with the numbers."""
@@ -75,6 +83,12 @@ class EngineStats:
     cancelled: int = 0
     deferred: int = 0
     """Admissions put off by a step so a row could reuse another's prompt being computed."""
+    twinned: int = 0
+    """Rows that took the prompt KV and last logits of a row with the same prompt (a twin)
+    instead of computing them."""
+    twin_tokens: int = 0
+    """Prompt tokens of those rows copied from their twin (not cached, not computed):
+    ``prompt_tokens = prefill_tokens + cached_tokens + twin_tokens``."""
     last_step_rows: int = 0
     per_step_rows: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 
@@ -119,6 +133,8 @@ class Engine:
         self._busy = False
         self._last_trim = float("-inf")
         self.running: list[Sequence] = []
+        self._n_twins = 0
+        """Admitted rows waiting on a running twin's prompt (they count against ``max_rows``)."""
         self.held: set[str] = set()
         """Adapters whose waiting rows are not admitted (an optimizer step waits for their
         running rows to finish, so no row straddles two versions)."""
@@ -174,6 +190,7 @@ class Engine:
         return (self.registry.decoder_for(adapter)[1], adapter, self.registry.version(adapter))
 
     def _finish(self, seq: Sequence, reason: StopReason | None) -> None:
+        self._release_twins(seq)
         if seq.alloc is not None:
             self.blocks.free(seq.alloc)
             seq.alloc = None
@@ -188,13 +205,17 @@ class Engine:
         """Move waiting rows into the running set while blocks and row slots last."""
         gone: list[Sequence] = []
         keep: collections.deque[Sequence] = collections.deque()
+        # Rows computing their prompt, by (namespace, prompt): a waiting row with the same key
+        # becomes their twin instead of computing it again (a group's first turns).
+        prefilling = {(s.namespace, s.prompt.tobytes()): s for s in self.running
+                      if s.num_computed < s.num_prompt and s.leader is None}
         while self.waiting:
             seq = self.waiting.popleft()
             if seq.cancelled:
                 self._finish(seq, None)
                 gone.append(seq)
                 continue
-            if seq.adapter in self.held or len(self.running) >= self.max_rows:
+            if seq.adapter in self.held or len(self.running) + self._n_twins >= self.max_rows:
                 keep.append(seq)
                 continue
             if seq.adapter is not None and seq.adapter not in self.registry.adapters:
@@ -214,6 +235,12 @@ class Engine:
                     gone.append(seq)
                     continue
             ns = self._namespace(seq.adapter)
+            leader = prefilling.get((ns, seq.prompt.tobytes()))
+            if leader is not None:  # the same prompt is being computed: take its KV and logits
+                seq.leader = leader
+                leader.twins.append(seq)
+                self._n_twins += 1
+                continue
             if self._prefilling_same_prefix(ns, seq):
                 keep.append(seq)  # joins next step, reusing that row's prompt instead of recomputing it
                 self.stats.deferred += 1
@@ -223,17 +250,68 @@ class Engine:
                 keep.extend(self.waiting)  # first come, first served: nobody jumps the queue
                 self.waiting.clear()
                 break
-            seq.alloc = self.blocks.allocate(ns, seq.tokens, seq.params.max_tokens)
-            seq.namespace = ns
-            seq.version = ns[2]
-            seq.num_computed = seq.num_cached = seq.alloc.num_cached_tokens
-            seq.slots_S = seq.alloc.slots_tensor(0, seq.alloc.num_tokens, self.device)
-            seq.status = SeqStatus.RUNNING
-            self.stats.cached_tokens += seq.num_cached
-            self.stats.prompt_tokens += seq.num_prompt
-            self.running.append(seq)
+            self._start(seq, ns)
+            prefilling[(ns, seq.prompt.tobytes())] = seq
         self.waiting = keep
         return gone
+
+    def _start(self, seq: Sequence, ns: tuple[Hashable, str | None, int]) -> None:
+        """Give ``seq`` its KV blocks (its cached prefix shared) and make it a running row."""
+        seq.alloc = self.blocks.allocate(ns, seq.tokens, seq.params.max_tokens)
+        seq.namespace = ns
+        seq.version = ns[2]
+        seq.num_computed = seq.num_cached = seq.alloc.num_cached_tokens
+        seq.slots_S = seq.alloc.slots_tensor(0, seq.alloc.num_tokens, self.device)
+        seq.status = SeqStatus.RUNNING
+        self.stats.cached_tokens += seq.num_cached
+        self.stats.prompt_tokens += seq.num_prompt
+        self.running.append(seq)
+
+    def _release_twins(self, seq: Sequence) -> None:
+        """``seq`` leaves before its prompt is computed: its twins wait again, at the front of
+        the queue in their order (the next admission computes the prompt for them)."""
+        if seq.twins:
+            for t in seq.twins:
+                t.leader = None
+            self._n_twins -= len(seq.twins)
+            self.waiting.extendleft(reversed(seq.twins))
+            seq.twins = []
+
+    def _start_twins(self, leader: Sequence, draws: dict[int, tuple[int, float]],
+                     progressed: list[Sequence], finished: list[Sequence]) -> None:
+        """``leader`` computed its prompt this step: each twin gets its own blocks (the prompt's
+        cached prefix shared, now that the leader indexed it), the keys and values of the
+        rest of the prompt copied from the leader's slots, and the token it drew from the
+        leader's last logits. A twin that no longer fits (blocks or row slots) waits again."""
+        twins, leader.twins = leader.twins, []
+        self._n_twins -= len(twins)
+        back: list[Sequence] = []
+        started: list[Sequence] = []
+        L = leader.num_prompt
+        src, dst = [], []
+        for t in twins:
+            t.leader = None
+            if t.cancelled:
+                self._finish(t, None)
+                finished.append(t)
+                continue
+            ns = leader.namespace
+            if len(self.running) >= self.max_rows or not self.blocks.can_allocate(ns, t.tokens, t.params.max_tokens):
+                back.append(t)
+                continue
+            self._start(t, ns)
+            src.append(leader.slots_S[t.num_computed:L])
+            dst.append(t.slots_S[t.num_computed:L])
+            self.stats.twinned += 1
+            self.stats.twin_tokens += L - t.num_computed
+            t.num_computed = L
+            self.blocks.commit(t.alloc, t.tokens[:L])
+            started.append(t)
+        if src:
+            self.pool.copy_slots(torch.cat(src), torch.cat(dst))
+        for t in started:  # after the copy: a twin that stops at once frees its blocks
+            self._take(t, *draws[t.seq_id], progressed, finished)
+        self.waiting.extendleft(reversed(back))
 
     def _prefilling_same_prefix(self, ns: Hashable, seq: Sequence) -> bool:
         """Whether a running row of the same namespace is still computing at least one whole
@@ -255,6 +333,14 @@ class Engine:
         """Run one step. Returns ``(progressed, finished)``: rows that drew a token this step,
         and rows that ended (finished, cancelled or dropped), each once."""
         finished: list[Sequence] = []
+        for seq in self.running:
+            if any(t.cancelled for t in seq.twins):
+                for t in [t for t in seq.twins if t.cancelled]:
+                    seq.twins.remove(t)
+                    self._n_twins -= 1
+                    t.leader = None
+                    self._finish(t, None)
+                    finished.append(t)
         for seq in [s for s in self.running if s.cancelled]:
             self.running.remove(seq)
             self._finish(seq, None)
@@ -279,7 +365,7 @@ class Engine:
         slot_of = self.registry.slot_of
         plan.sort(key=lambda p: (p[0].adapter is not None, slot_of(p[0].adapter), p[0].adapter or ""))
         t0 = time.perf_counter()
-        drawn = self._forward(plan)
+        drawn, twin_draws = self._forward(plan)
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.rows += len(plan)
@@ -293,27 +379,31 @@ class Engine:
             else:
                 self.stats.prefill_tokens += max(0, seq.num_prompt - (seq.num_computed - n))
             self.blocks.commit(seq.alloc, seq.tokens[: seq.num_computed])
-            if tok_lp is None:
-                continue
-            tok, lp = tok_lp
-            seq.tokens.append(tok)
-            seq.out_tokens.append(tok)
-            seq.out_logprobs.append(lp)
-            self.stats.decode_tokens += 1
-            progressed.append(seq)
-            reason = None
-            if tok in seq.params.stop_token_ids:
-                reason = StopReason.STOP
-            elif len(seq.out_tokens) >= seq.params.max_tokens:
-                reason = StopReason.LENGTH
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                finished.append(seq)
+            if seq.twins and seq.num_computed == seq.num_prompt:
+                self._start_twins(seq, twin_draws, progressed, finished)
+            if tok_lp is not None:
+                self._take(seq, *tok_lp, progressed, finished)
         self._busy = True
         if not self.running and not self.waiting:
             self._went_idle()
         return progressed, finished
+
+    def _take(self, seq: Sequence, tok: int, lp: float, progressed: list[Sequence], finished: list[Sequence]) -> None:
+        """Append the drawn token to a running row; it ends on a stop token or at ``max_tokens``."""
+        seq.tokens.append(tok)
+        seq.out_tokens.append(tok)
+        seq.out_logprobs.append(lp)
+        self.stats.decode_tokens += 1
+        progressed.append(seq)
+        reason = None
+        if tok in seq.params.stop_token_ids:
+            reason = StopReason.STOP
+        elif len(seq.out_tokens) >= seq.params.max_tokens:
+            reason = StopReason.LENGTH
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+            finished.append(seq)
 
     def _went_idle(self) -> None:
         """The last row finished: a CPU engine gives the heap's free pages back (once per busy
@@ -330,9 +420,10 @@ class Engine:
             self._last_trim = now
         self._busy = False
 
-    def _forward(self, plan: list[tuple[Sequence, int]]) -> list[tuple[int, float] | None]:
+    def _forward(self, plan: list[tuple[Sequence, int]]) -> Drawn:
         """The drawn (token, log-prob) of each planned row whose chunk reaches its last token,
-        else None: one forward per model copy in the plan (the base with its LoRA adapters,
+        else None, and those of the twins of rows that complete their prompt (by twin
+        ``seq_id``): one forward per model copy in the plan (the base with its LoRA adapters,
         and each full-parameter policy's private copy)."""
         groups: dict[int, list[int]] = {}
         for i, (seq, _) in enumerate(plan):
@@ -340,14 +431,18 @@ class Engine:
         if len(groups) == 1:
             return self._forward_copy(plan)
         out: list[tuple[int, float] | None] = [None] * len(plan)
+        twins: dict[int, tuple[int, float]] = {}
         for rows in groups.values():
-            for i, r in zip(rows, self._forward_copy([plan[i] for i in rows])):
+            drawn, t = self._forward_copy([plan[i] for i in rows])
+            twins.update(t)
+            for i, r in zip(rows, drawn):
                 out[i] = r
-        return out
+        return out, twins
 
     @torch.no_grad()
-    def _forward_copy(self, plan: list[tuple[Sequence, int]]) -> list[tuple[int, float] | None]:
-        """One forward over the planned chunks of rows of one model copy."""
+    def _forward_copy(self, plan: list[tuple[Sequence, int]]) -> Drawn:
+        """One forward over the planned chunks of rows of one model copy; a row completing its
+        prompt draws for its twins too, from the same logits."""
         dev = self.device
         ids, pos, q_start, q_len, ctx_len, slots_write, ctx_rows = [], [], [], [], [], [], []
         start = 0
@@ -377,16 +472,22 @@ class Engine:
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.num_computed + n == len(seq.tokens)]
         out: list[tuple[int, float] | None] = [None] * len(plan)
         if not sampling:
-            return out
+            return out, {}
         last = torch.as_tensor([q_start[i] + q_len[i] - 1 for i in sampling], dtype=torch.long, device=dev)
         logits_R_V = decoder.logits(h_N_H.index_select(0, last))
         rows = [plan[i][0] for i in sampling]
+        # Twins draw from their leader's logits row (the same prompt under the same weights).
+        twins = [(r, t) for r, i in enumerate(sampling) for t in plan[i][0].twins if not t.cancelled]
+        if twins:
+            logits_R_V = torch.cat([logits_R_V, logits_R_V[torch.as_tensor([r for r, _ in twins], device=dev)]])
+            rows = rows + [t for _, t in twins]
         batch = SamplingBatch.from_params([s.params for s in rows], [s.seed for s in rows],
                                           [len(s.tokens) for s in rows], dev)
         tokens_R, logp_R = batch.sample(logits_R_V)
-        for i, t, lp in zip(sampling, tokens_R.tolist(), logp_R.float().tolist()):
+        drawn = list(zip(tokens_R.tolist(), logp_R.float().tolist()))
+        for i, (t, lp) in zip(sampling, drawn):
             out[i] = (int(t), float(lp))
-        return out
+        return out, {t.seq_id: (int(tok), float(lp)) for (_, t), (tok, lp) in zip(twins, drawn[len(sampling):])}
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -413,6 +514,8 @@ class Engine:
             "engine/decode_tokens": st.decode_tokens,
             "engine/prompt_tokens": st.prompt_tokens,
             "engine/cached_prompt_tokens": st.cached_tokens,
+            "engine/twinned_rows": st.twinned,
+            "engine/twin_prompt_tokens": st.twin_tokens,
             "engine/forward_ms": int(st.forward_s * 1000),
             "engine/kv_blocks_total": kv.blocks_total,
             "engine/kv_blocks_in_use": kv.blocks_in_use,
