@@ -15,6 +15,14 @@ socket at each loop turn for up to ``spin_s`` after a send) and with ``spin_s=0`
 loop wake-up); raw pyzmq; Ray. "CPU µs" is the client process's CPU time (all its threads) per
 round trip in the latency loop, the price of polling.
 
+Authentication: every bus socket authenticates its peers (PLAIN with the run's secret, checked
+by a ZAP handler; :mod:`opentinker.bus.auth`), so the ``bus_*`` rows include it. Its cost is
+in the handshake, not in the messages: ``raw_zmq_plain`` is the raw echo behind PLAIN and a
+ZAP handler, ``raw_zmq_curve`` behind CURVE (every frame encrypted), ``bus_sync_curve`` this
+bus with CURVE keys (what a socket facing the network uses). "connect µs" is the median time
+of ``--connects`` fresh connections, each to its first reply (handshake and authentication
+included), for the raw and ``bus_sync*`` rows.
+
 Latency: sequential request / reply, p50 and p99 of ``--n`` round trips (``--n_large`` for
 1 MiB) after a warm-up. Throughput: the same count with ``--window`` requests in flight;
 MiB/s counts the request's bytes once per round trip (one way). All servers run at once and
@@ -48,15 +56,18 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
+from _machine import machine as machine_info
 from opentinker.bus import (
     DEFAULT_SPIN_S,
     LOOPBACK,
     Client,
+    CurveKeys,
     LoopThread,
     Server,
     SyncClient,
     new_event_loop,
 )
+from opentinker.bus.auth import USERNAME, run_secret
 from protocols.codec import encode
 from protocols.messages import (
     Ack,
@@ -65,7 +76,9 @@ from protocols.messages import (
     Message,
 )
 
-KINDS = ("bus_sync", "bus_async", "bus_async_park", "raw_zmq", "ray")
+KINDS = ("bus_sync", "bus_async", "bus_async_park", "bus_sync_curve", "raw_zmq", "raw_zmq_plain", "raw_zmq_curve", "ray")
+MECH = {"raw_zmq": "null", "raw_zmq_plain": "plain", "raw_zmq_curve": "curve", "bus_sync_curve": "curve"}
+"""Security mechanism of each row (the other bus rows: PLAIN, the bus's default)."""
 PAYLOADS = ("small", "1MiB")
 LARGE_FLOATS = (1 << 20) // 4
 SERVER_LIFE_S = 1800.0
@@ -81,7 +94,9 @@ class Args:
     rounds: int = 10
     """Each row's requests are split into this many rounds, taken in turn with the other rows."""
     transports: str = "ipc,tcp"
-    kinds: str = "bus_sync,bus_async,bus_async_park,raw_zmq,ray"
+    kinds: str = "bus_sync,bus_async,bus_async_park,bus_sync_curve,raw_zmq,raw_zmq_plain,raw_zmq_curve,ray"
+    connects: int = 20
+    """Fresh connections timed to their first reply, per raw and bus_sync row (small payload)."""
     timeout: float = 30.0
     json: str = ""
 
@@ -107,14 +122,15 @@ def frame_bytes(frames: list[Any]) -> int:
 # Echo servers (each in its own spawned process)
 
 
-def serve_bus(bind: str, out: Any, stop: Any) -> None:
-    """A bus ``Server``: ``LogprobsResult`` is echoed back, anything else answered ``Ack``."""
+def serve_bus(bind: str, out: Any, stop: Any, keys: CurveKeys | None = None) -> None:
+    """A bus ``Server`` (PLAIN with the run's secret, inherited from the parent's environment;
+    CURVE with ``keys``): ``LogprobsResult`` is echoed back, anything else answered ``Ack``."""
 
     async def handler(msg: Message) -> Message:
         return msg if isinstance(msg, LogprobsResult) else Ack()
 
     lt = LoopThread("bench-bus-server")
-    server = Server(handler, bind, name="bench-echo")
+    server = Server(handler, bind, name="bench-echo", keys=keys)
     try:
         out.put(lt.run(server.start(lt.ctx), timeout=30))
         stop.wait(SERVER_LIFE_S)
@@ -123,12 +139,25 @@ def serve_bus(bind: str, out: Any, stop: Any) -> None:
         lt.stop()
 
 
-def serve_raw(bind: str, out: Any, stop: Any) -> None:
-    """A synchronous ROUTER that sends every request's frames back as they came, undecoded."""
+def serve_raw(bind: str, out: Any, stop: Any, mech: str = "null", keys: CurveKeys | None = None) -> None:
+    """A synchronous ROUTER that sends every request's frames back as they came, undecoded;
+    ``mech``: ``null`` (no security), ``plain`` (the run's secret, checked by pyzmq's ZAP
+    handler) or ``curve`` (``keys``, any client key)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 100)
+    auth = None
+    if mech == "plain":
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_plain("*", {USERNAME.decode(): run_secret().decode()})
+        sock.plain_server = True
+    elif mech == "curve":
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
     try:
         sock.bind(bind)
         out.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -145,17 +174,19 @@ def serve_raw(bind: str, out: Any, stop: Any) -> None:
                 break
     finally:
         sock.close(linger=0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
 class EchoServer:
     """A spawned server process; ``endpoint`` is what it bound (the OS-picked port for tcp)."""
 
-    def __init__(self, target: Callable, bind: str, timeout: float) -> None:
+    def __init__(self, target: Callable, bind: str, timeout: float, extra: tuple = ()) -> None:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         self.stop_event = ctx.Event()
-        self.proc = ctx.Process(target=target, args=(bind, out, self.stop_event), daemon=True)
+        self.proc = ctx.Process(target=target, args=(bind, out, self.stop_event, *extra), daemon=True)
         self.proc.start()
         self.endpoint = ""
         for _ in range(int(timeout * 10) + 1):
@@ -265,11 +296,11 @@ class AsyncBusPark(AsyncBus):
 
 
 class SyncBus:
-    """This bus's blocking client."""
+    """This bus's blocking client (CURVE when given ``keys``: its own pair and the server's)."""
 
-    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
-        self.msg, self.args = msg, args
-        self.client = SyncClient(endpoint, name="bench-sync", connect_timeout=args.timeout)
+    def __init__(self, endpoint: str, msg: Message, args: Args, keys: CurveKeys | None = None) -> None:
+        self.msg, self.args, self.endpoint, self.keys = msg, args, endpoint, keys
+        self.client = SyncClient(endpoint, name="bench-sync", connect_timeout=args.timeout, keys=keys)
         for _ in range(args.warmup):
             reply = self.client.request(msg, timeout=args.timeout)
         check_echo(msg, reply)
@@ -291,29 +322,60 @@ class SyncBus:
                 window.append(c.submit(self.msg))
         return time.perf_counter() - t
 
+    def connect_once(self) -> float:
+        """Seconds from a fresh client's creation (its handshake and Hello) to its first reply."""
+        t = time.perf_counter()
+        with SyncClient(self.endpoint, name="bench-connect", connect_timeout=self.args.timeout, keys=self.keys) as c:
+            c.request(self.msg, timeout=self.args.timeout)
+            return time.perf_counter() - t
+
     def close(self) -> None:
         self.client.close()
 
 
 class RawZmq:
-    """A synchronous DEALER sending the bus's frames, already encoded, to a raw echo."""
+    """A synchronous DEALER sending the bus's frames, already encoded, to a raw echo with the
+    security mechanism ``mech`` (``null``, ``plain``, ``curve`` with the server's ``keys``)."""
 
-    def __init__(self, endpoint: str, msg: Message, args: Args) -> None:
+    def __init__(self, endpoint: str, msg: Message, args: Args, mech: str = "null",
+                 keys: CurveKeys | None = None) -> None:
         self.frames = encode(msg, 1)
+        self.args, self.endpoint, self.mech, self.keys = args, endpoint, mech, keys
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, int(args.timeout * 1000))
-        self.sock.setsockopt(zmq.SNDTIMEO, int(args.timeout * 1000))
-        self.sock.connect(endpoint)
+        self.sock = self._socket()
         for _ in range(args.warmup):
             reply = self._round_trip()
         assert len(reply) == len(self.frames) and sum(len(f) for f in reply) == frame_bytes(self.frames)
         self.window = args.window
 
-    def _round_trip(self) -> list[zmq.Frame]:
-        self.sock.send_multipart(self.frames, copy=False)
-        return self.sock.recv_multipart(copy=False)  # zmq.Again after RCVTIMEO
+    def _socket(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(self.args.timeout * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(self.args.timeout * 1000))
+        if self.mech == "plain":
+            sock.plain_username, sock.plain_password = USERNAME, run_secret()
+        elif self.mech == "curve":
+            mine = CurveKeys.generate()
+            sock.curve_publickey, sock.curve_secretkey = mine.public, mine.secret
+            sock.curve_serverkey = self.keys.public
+        sock.connect(self.endpoint)
+        return sock
+
+    def _round_trip(self, sock: zmq.Socket | None = None) -> list[zmq.Frame]:
+        sock = sock or self.sock
+        sock.send_multipart(self.frames, copy=False)
+        return sock.recv_multipart(copy=False)  # zmq.Again after RCVTIMEO
+
+    def connect_once(self) -> float:
+        """Seconds from a fresh socket's connect (handshake included) to its first reply."""
+        t = time.perf_counter()
+        sock = self._socket()
+        try:
+            self._round_trip(sock)
+            return time.perf_counter() - t
+        finally:
+            sock.close(linger=0)
 
     def latency(self, n: int) -> list[float]:
         lat = []
@@ -404,21 +466,36 @@ def main() -> None:
     msgs = {"small": small_message(), "1MiB": large_message()}
     counts = {"small": args.n, "1MiB": args.n_large}
     tmp = tempfile.mkdtemp(prefix="otbus-")
-    servers: dict[tuple[str, str], EchoServer] = {}
+    servers: dict[tuple[str, str, str], EchoServer] = {}
     runners: dict[tuple[str, str, str], Any] = {}
+    run_secret()  # made now, so the spawned servers inherit it with the environment
+    server_keys = CurveKeys.generate()
+    connect_s: dict[tuple[str, str], list[float]] = {}
     try:
         # Every server runs at once, each in its own process; the clients then take turns in
         # rounds (the order rotating), so a change in the machine's load hits every row alike.
         for kind in (k for k in kinds if k != "ray"):
-            target = serve_raw if kind == "raw_zmq" else serve_bus
+            raw, mech = kind.startswith("raw_zmq"), MECH.get(kind, "plain")
+            target = serve_raw if raw else serve_bus
+            keys = server_keys if mech == "curve" else None
+            extra = (mech, keys) if raw else (keys,)
             for transport in transports:
-                key = (target.__name__, transport)
+                key = (target.__name__, mech, transport)
                 if key not in servers:
-                    bind = f"ipc://{os.path.join(tmp, target.__name__)}.sock" if transport == "ipc" else LOOPBACK
-                    servers[key] = EchoServer(target, bind, args.timeout * 2)
-                make = {"bus_sync": SyncBus, "bus_async": AsyncBus, "bus_async_park": AsyncBusPark, "raw_zmq": RawZmq}[kind]
+                    name = f"{target.__name__}_{mech}"
+                    bind = f"ipc://{os.path.join(tmp, name)}.sock" if transport == "ipc" else LOOPBACK
+                    servers[key] = EchoServer(target, bind, args.timeout * 2, extra)
+                ep = servers[key].endpoint
                 for payload in PAYLOADS:
-                    runners[(kind, transport, payload)] = make(servers[key].endpoint, msgs[payload], args)
+                    if raw:
+                        runner = RawZmq(ep, msgs[payload], args, mech, keys)
+                    elif kind.startswith("bus_sync"):
+                        runner = SyncBus(ep, msgs[payload], args, CurveKeys.generate().client_of(keys) if keys else None)
+                    else:
+                        runner = {"bus_async": AsyncBus, "bus_async_park": AsyncBusPark}[kind](ep, msgs[payload], args)
+                    runners[(kind, transport, payload)] = runner
+                if hasattr(runners[(kind, transport, "small")], "connect_once"):
+                    connect_s[(kind, transport)] = []
         if "ray" in kinds:
             import ray
 
@@ -442,14 +519,20 @@ def main() -> None:
                 cpu_s[key] += time.process_time() - cpu
                 tp_s[key] += runners[key].throughput(n)
                 done[key] += n
+                if key[2] == "small" and (key[0], key[1]) in connect_s:
+                    c = args.connects // args.rounds + (r < args.connects % args.rounds)
+                    connect_s[(key[0], key[1])] += [runners[key].connect_once() for _ in range(c)]
         nbytes = {p: frame_bytes(encode(m, 1)) for p, m in msgs.items()}
         nbytes_ray = {"small": nbytes["small"], "1MiB": msgs["1MiB"].logprobs[0].nbytes}
         rows: list[dict[str, Any]] = []
         for key in runners:
             kind, transport, payload = key
             nb = nbytes_ray[payload] if kind == "ray" else nbytes[payload]
+            conn = connect_s.get((kind, transport)) if payload == "small" else None
             rows.append({"kind": kind, "transport": transport, "payload": payload,
-                         **summary(lat[key], cpu_s[key], done[key], tp_s[key], nb)})
+                         "mechanism": "ray" if kind == "ray" else MECH.get(kind, "plain"),
+                         **summary(lat[key], cpu_s[key], done[key], tp_s[key], nb),
+                         "connect_us": float(np.median(conn) * 1e6) if conn else None})
     finally:
         for runner in runners.values():
             runner.close()
@@ -475,25 +558,26 @@ def main() -> None:
     table = Table(title=f"bus round trips (servers in other processes; {args.n} small / {args.n_large} x 1 MiB "
                         f"in {args.rounds} interleaved rounds, window {args.window}; MiB/s one way; "
                         "ray vs raw over tcp)")
-    cols = ("kind", "transport", "payload", "p50 µs", "p99 µs", "CPU µs", "msgs/s", "MiB/s",
-            "p50 vs raw", "throughput: raw / this", "Ray p50 / this")
+    cols = ("kind", "mechanism", "transport", "payload", "p50 µs", "p99 µs", "CPU µs", "msgs/s", "MiB/s",
+            "p50 vs raw", "throughput: raw / this", "Ray p50 / this", "connect µs")
     for col in cols:
-        table.add_column(col, justify="left" if col in ("kind", "transport", "payload") else "right")
+        table.add_column(col, justify="left" if col in ("kind", "mechanism", "transport", "payload") else "right")
 
     def x(v: float | None) -> str:
         return "—" if v is None else f"{v:.2f}x"
 
     for r in rows:
-        table.add_row(r["kind"], r["transport"], r["payload"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
+        table.add_row(r["kind"], r["mechanism"], r["transport"], r["payload"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
                       f"{r['cpu_us']:.0f}", f"{r['msgs_per_s']:.0f}", f"{r['mib_per_s']:.1f}", x(r["vs_raw_zmq"]),
-                      x(r["throughput_vs_raw_zmq"]), x(r["ray_p50_over_this"]))
+                      x(r["throughput_vs_raw_zmq"]), x(r["ray_p50_over_this"]),
+                      "—" if r["connect_us"] is None else f"{r['connect_us']:.0f}")
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 150)
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": asdict(args), "results": rows}, f, indent=1)
+            json.dump({"machine": machine_info(1, "cpu"), "args": asdict(args), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import zmq
 import zmq.asyncio
 
 from conftest import run
+from opentinker.bus.auth import secure_client
 from opentinker.bus import Client, Puller, Pusher, RemoteError, Server
 from protocols.messages import (
     Ack, AdamParams, ErrorCode, OptimStep, OptimStepResult, SampleRequest, SamplingParams, Trajectory,
@@ -42,6 +43,7 @@ def test_request_reply_many_in_flight_and_errors():
         assert e.value.error.code is ErrorCode.INVALID and "no model here" in str(e.value)
         # A malformed frame gets an Error reply and a counter; the server keeps serving.
         raw = ctx.socket(zmq.DEALER)
+        secure_client(raw)  # an authenticated peer sending garbage
         raw.connect(ep)
         await raw.send_multipart([b"not a header", b"x"])
         frames = await asyncio.wait_for(raw.recv_multipart(), 5)

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 from conftest import run
 
+from opentinker.bus.auth import secure_client
 from opentinker.bus import Client, Server
 from protocols.codec import Limits, encode
 from protocols.messages import (
@@ -129,6 +130,7 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
         greeted, stranger = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
         for s in (greeted, stranger):
             s.setsockopt(zmq.LINGER, 0)
+            secure_client(s)  # authenticated peers: their frames reach the decoder
             s.connect(ep)
         await greeted.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="fuzzer"), 1))
         await asyncio.wait_for(greeted.recv_multipart(), 10)

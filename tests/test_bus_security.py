@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 from conftest import DEVICE, run
 
+from opentinker.bus.auth import secure_client
 from opentinker.bus import (
     Client,
     LoopThread,
@@ -172,7 +173,7 @@ def test_limits_are_checked_and_configurable():
 ATTACKER = textwrap.dedent('''
     """Sends the worst message of each class, from a socket that never said Hello and from one
     that did, until its stdin closes; then prints what came back (a JSON object)."""
-    import json, sys, threading, collections
+    import json, os, sys, threading, collections
     import msgspec, zmq
     ep, version, body, nbuf = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     enc = msgspec.msgpack.encode
@@ -206,6 +207,7 @@ ATTACKER = textwrap.dedent('''
     socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
     for s in socks:
         s.setsockopt(zmq.LINGER, 0)
+        s.plain_username, s.plain_password = b"opentinker", os.environ["OPENTINKER_BUS_SECRET"].encode()  # an insider
         s.connect(ep)
     socks[1].send_multipart([H(), enc({"type": "Hello", "version": version, "peer": "attacker"})])
     socks[1].recv_multipart()
@@ -293,6 +295,7 @@ def _heartbeat_under_attack() -> None:
 def _raw(ctx: zmq.asyncio.Context, ep: str) -> zmq.asyncio.Socket:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    secure_client(s)
     s.connect(ep)
     return s
 

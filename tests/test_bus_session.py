@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 from conftest import run, until
 
+from opentinker.bus.auth import guard_server, secure_client
 from opentinker.bus import (
     Client,
     CurveKeys,
@@ -91,6 +92,7 @@ def test_handshake_and_version_mismatch_on_both_sides():
         assert server.peers == {"me": 0} and server.counters["handshakes"] == 1
         # A peer of another version, saying Hello: the server refuses it and counts it.
         raw = ctx.socket(zmq.DEALER)
+        secure_client(raw)
         raw.connect(ep)
         await raw.send_multipart(old_peer_frames(Hello(version=PROTOCOL_VERSION - 1, peer="old"), 7))
         rid, err = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
@@ -103,6 +105,7 @@ def test_handshake_and_version_mismatch_on_both_sides():
         assert (rid, err.code) == (8, ErrorCode.NO_HANDSHAKE) and server.counters["error/no_handshake"] == 1
         # The client's side of a mismatch: an old server answers with its own header version.
         old = ctx.socket(zmq.ROUTER)
+        old_guard = guard_server(old, "old", {})  # it checks the run's secret, as every server does
         port = old.bind_to_random_port("tcp://127.0.0.1")
         stale = Client(ctx, f"tcp://127.0.0.1:{port}", heartbeat_s=None)
         pending = asyncio.ensure_future(stale.request(step(), 5))
@@ -114,6 +117,7 @@ def test_handshake_and_version_mismatch_on_both_sides():
             await pending
         for s in (raw, old):
             s.close(0)
+        old_guard.close()
         stale.close()
         client.close()
         await server.stop()
@@ -424,6 +428,7 @@ def test_a_cancel_read_with_its_request_reaches_the_handler():
         ep = await server.start(ctx)
         raw = zmq.Context.shadow(ctx.underlying).socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
+        secure_client(raw)
         raw.connect(ep)
         raw.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="raw"), 1))
         await until(lambda: server.counters["handshakes"] == 1, "the handshake")

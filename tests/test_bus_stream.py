@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 from conftest import run, until
 
+from opentinker.bus.auth import secure_client
 from opentinker.bus import Client, RemoteError, Server, SyncClient
 from protocols.codec import DecodeError, decode, encode
 from protocols.messages import (
@@ -151,6 +152,7 @@ class Scope:
         """A bare DEALER (``plain``: the blocking API, on the same libzmq context)."""
         sock = (zmq.Context.shadow(self.ctx.underlying) if plain else self.ctx).socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock)
         sock.connect(endpoint)
         self.closers.append(lambda: sock.close(0))
         return sock

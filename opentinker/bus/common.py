@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from opentinker.bus.auth import secure_client
 from opentinker.bus.loop import Bounds, Cut
 from protocols.codec import (
     DEFAULT_LIMITS,
@@ -159,8 +160,10 @@ def configure(
 ) -> zmq.Socket:
     """Options every bus socket gets: ``LINGER=0``, bounded queues (``hwm`` messages each
     way), a hard cap of :func:`frame_cap` bytes per frame (libzmq drops a peer that sends more; a
-    message between ``max_bytes`` and that gets a ``too_large`` reply), and CURVE when
-    ``keys`` are given."""
+    message between ``max_bytes`` and that gets a ``too_large`` reply), and its credentials:
+    CURVE when ``keys`` are given, else a connecting socket presents the run's secret (PLAIN,
+    :mod:`opentinker.bus.auth`); a binding socket is made a PLAIN or CURVE server by
+    :func:`~opentinker.bus.auth.guard_server`."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
@@ -174,6 +177,8 @@ def configure(
             if not keys.server_public:
                 raise ValueError("a CURVE client needs the server's public key (CurveKeys.client_of)")
             sock.curve_serverkey = keys.server_public
+    elif not server:
+        secure_client(sock)
     return sock
 
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 import zmq
 import zmq.asyncio
 
+from opentinker.bus.auth import release_context
 from protocols.codec import BIG_BUFFERS, gc_pause, gc_resume
 
 T = TypeVar("T")
@@ -324,4 +325,5 @@ class LoopThread:
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
+        release_context(self.ctx)
         self.ctx.destroy(linger=0)

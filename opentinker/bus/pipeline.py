@@ -10,6 +10,7 @@ import logging
 import zmq
 import zmq.asyncio
 
+from opentinker.bus.auth import guard_server
 from opentinker.bus.common import (
     DEFAULT_HWM,
     LOOPBACK,
@@ -72,12 +73,18 @@ class Puller:
         check_bind(endpoint, keys)
         self.limits = (limits or DEFAULT_LIMITS).with_max_bytes(max_bytes)
         self.max_bytes = self.limits.max_bytes
+        self.counters = Counters()
         self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=self.max_bytes, keys=keys, server=True)
-        self._sock.bind(endpoint)
+        self._guard = guard_server(self._sock, "puller", self.counters, curve=keys is not None,
+                                   curve_allowed=keys.allowed_clients if keys is not None else ())
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
         self._plain = zmq.Socket.shadow(self._sock.underlying)
         self._bounds = read_bounds(self.limits)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.counters = Counters()
         self._log = LogEvery(log)
 
     async def recv(self) -> Message:
@@ -101,4 +108,5 @@ class Puller:
             return msg
 
     def close(self) -> None:
+        self._guard.close()
         self._sock.close(linger=0)

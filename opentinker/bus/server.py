@@ -51,6 +51,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from opentinker.bus.auth import Guard, guard_server
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
@@ -174,7 +175,7 @@ class Server:
         """Replies of state-changing requests by (peer identity, request id), oldest first."""
         self._cache_size = idempotency_cache
         self._log = LogEvery(log)
-        self._auth: Any = None
+        self._auth: Guard | None = None
         self.stopped: asyncio.Event | None = None
         """Set once the server has stopped (created in :meth:`start`, on the loop)."""
         self.endpoint = ""
@@ -188,10 +189,14 @@ class Server:
         # A reply to a peer whose queue is full fails (EAGAIN) instead of vanishing: partials
         # are then dropped and counted, a final reply waits for room (Parked).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if self.keys is not None and self.keys.allowed_clients:
-            self._auth = _allow_clients(ctx, self.name, self.keys.allowed_clients)
-            sock.zap_domain = self.name.encode()
-        sock.bind(self._bind_to)
+        self._auth = guard_server(sock, self.name, self.counters, curve=self.keys is not None,
+                                  curve_allowed=self.keys.allowed_clients if self.keys is not None else ())
+        try:
+            sock.bind(self._bind_to)
+        except zmq.ZMQError:
+            self._auth.close()
+            sock.close(linger=0)
+            raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
@@ -460,50 +465,7 @@ class Server:
             self._parked.clear()
             self._io.close()
         if self._auth is not None:
-            self._auth.stop()
+            self._auth.close()
             self._auth = None
         if self.stopped is not None:
             self.stopped.set()
-
-
-class _AllowList:
-    """ZAP credentials: the client public keys allowed per domain (one server each)."""
-
-    def __init__(self) -> None:
-        self.keys: dict[str, set[bytes]] = {}
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys.get(domain, ())
-
-
-_AUTH: dict[int, tuple[Any, _AllowList]] = {}
-"""One ZAP authenticator per libzmq context (libzmq allows one), by its address."""
-
-
-class _Auth:
-    def __init__(self, ctx: zmq.asyncio.Context, domain: str, keys: tuple[bytes, ...]) -> None:
-        from zmq.auth.asyncio import AsyncioAuthenticator
-
-        self.ctx_id, self.domain = ctx.underlying, domain
-        if self.ctx_id not in _AUTH:
-            actx = ctx if isinstance(ctx, zmq.asyncio.Context) else zmq.asyncio.Context.shadow(ctx.underlying)
-            auth, allow = AsyncioAuthenticator(actx), _AllowList()
-            auth.start()
-            _AUTH[self.ctx_id] = (auth, allow)
-        auth, allow = _AUTH[self.ctx_id]
-        if domain in allow.keys:
-            raise ValueError(f"a server named {domain!r} already authenticates clients on this context")
-        allow.keys[domain] = set(keys)
-        auth.configure_curve_callback(domain=domain, credentials_provider=allow)
-
-    def stop(self) -> None:
-        auth, allow = _AUTH[self.ctx_id]
-        allow.keys.pop(self.domain, None)
-        if not allow.keys:
-            auth.stop()
-            del _AUTH[self.ctx_id]
-
-
-def _allow_clients(ctx: zmq.asyncio.Context, domain: str, keys: tuple[bytes, ...]) -> _Auth:
-    """Let only ``keys`` connect to the server whose ZAP domain is ``domain``."""
-    return _Auth(ctx, domain, keys)

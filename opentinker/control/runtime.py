@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from opentinker.bus.auth import run_secret, set_run_secret
 from opentinker.config import JobConfig
 from protocols.messages import AdamParams
 
@@ -40,9 +41,14 @@ def _build(kind: str, kwargs: dict[str, Any]) -> Any:
 
 
 class Component:
-    """Holds one component; the Ray actor class and the local backend both use it."""
+    """Holds one component; the Ray actor class and the local backend both use it.
 
-    def __init__(self, kind: str, kwargs: dict[str, Any]) -> None:
+    ``bus_secret``: the driver's bus secret (:mod:`opentinker.bus.auth`), which an actor's
+    sockets then present and accept; ``""`` in the driver's own process."""
+
+    def __init__(self, kind: str, kwargs: dict[str, Any], bus_secret: str = "") -> None:
+        if bus_secret:
+            set_run_secret(bus_secret)
         self.kind = kind
         self.obj = _build(kind, kwargs)
         self.calls = 0
@@ -156,6 +162,7 @@ class Job:
                 object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False,
             )
         actor_cls = ray.remote(num_cpus=0)(Component)
+        secret = run_secret().decode()  # every actor's sockets present and accept the driver's
         timeout = cfg.runtime.startup_timeout_s
 
         def start_all(named: dict[str, Any]) -> dict[str, Any]:
@@ -166,22 +173,22 @@ class Job:
                 raise TimeoutError(f"actors still starting after {timeout:.0f} s: {names}")
             return {name: ray.get(ref) for name, ref in refs.items()}
 
-        sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs))
+        sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs, secret))
         ep = self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
         if self.scheduler_only:
             return
         group = {}
         for i in range(cfg.runtime.env_runners):
             group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
-                "env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}))
+                "env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}, secret))
         for p in cfg.policies:
-            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir)))
+            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir), secret))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
         coord = self._add("coordinator", actor_cls.remote("coordinator", {
             "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
-            "runner_endpoints": runners, "learner_endpoints": learners}))
+            "runner_endpoints": runners, "learner_endpoints": learners}, secret))
         start_all({"coordinator": coord})
 
     # --------------------------------------------------------------------------- calls
