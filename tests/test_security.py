@@ -397,3 +397,54 @@ def test_the_configs_mirrors_of_the_engine_are_current(tiny_path):
         config = json.loads(built[-1].read_text())
         assert KNOWN_MODELS["smollm2-135m"] == (config["model_type"], config["max_position_embeddings"])
     assert os.path.isdir(tiny_path) and check_model(tiny_path).family == "llama"
+
+
+# ------------------------------------------------------------------------------ adapter paths
+
+def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
+    """A scheduler given its run's folder saves and loads adapters there only: a path outside
+    it, reached through `..` or a symbolic link, or relative, is refused as `invalid` with the
+    same words whether or not it exists, and nothing is written outside; the scheduler keeps
+    serving."""
+
+    from conftest import DEVICE, run, with_client
+    from opentinker.bus import RemoteError
+    from opentinker.engine.service import Scheduler
+    from protocols.messages import CreateAdapter, ErrorCode, LoadAdapter, LoraSpec, SaveAdapter
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    run_dir.mkdir()
+    outside.mkdir()
+    (outside / "secret_folder").mkdir()
+    (run_dir / "link").symlink_to(outside)
+    s = Scheduler(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)])
+    s.start()
+    try:
+        async def body(c):
+            await c.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)))
+            saved = await c.request(SaveAdapter(adapter="pol", path=str(run_dir / "ckpt" / "pol")))
+            assert saved.version == 0 and (run_dir / "ckpt" / "pol" / "adapter_config.json").is_file()
+            await c.request(LoadAdapter(path=str(run_dir / "ckpt" / "pol"), name="copy"))
+            refused = {}
+            for what, path in {
+                "outside": outside / "pol", "dotdot": run_dir / ".." / "outside" / "pol",
+                "symlink": run_dir / "link" / "pol", "relative": Path("pol"), "root": Path("/"),
+            }.items():
+                with pytest.raises(RemoteError) as e:
+                    await c.request(SaveAdapter(adapter="pol", path=str(path)))
+                assert e.value.error.code is ErrorCode.INVALID
+                refused[what] = e.value.error.message
+            for path in (outside / "secret_folder", outside / "no_such_folder"):
+                with pytest.raises(RemoteError) as e:
+                    await c.request(LoadAdapter(path=str(path), name="stolen"))
+                refused[path.name] = e.value.error.message.replace(str(path), "<path>")
+            return refused
+
+        refused = run(with_client(s, body))
+    finally:
+        s.stop()
+    assert all("outside the folders this scheduler reads and writes" in m for k, m in refused.items() if k != "relative")
+    assert "must be an absolute path" in refused["relative"]
+    assert refused["secret_folder"] == refused["no_such_folder"]  # existence is not revealed
+    assert sorted(p.name for p in outside.iterdir()) == ["secret_folder"]  # nothing written outside
+    assert not Path("pol").exists()

@@ -117,7 +117,9 @@ class Job:
         self._handles: dict[str, Any] = {}
         threads = cfg.model.threads or os.cpu_count() or 1
         m = cfg.model
+        # The scheduler reads and writes adapters only inside the run's folder (none without one).
         sched_kwargs = {"model_path": model_path, "device": m.device, "threads": threads, "engine": m.engine,
+                        "adapter_roots": [self.run_dir] if self.run_dir else [],
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
                                            "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype}}
         if self.backend == "ray":

@@ -30,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +86,25 @@ def check_tokens(arr: Any, where: str, vocab_size: int) -> None:
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{where}: token id {lo if lo < 0 else hi} out of range [0, {vocab_size})")
+
+
+class PathNotAllowed(ValueError):
+    """An adapter path outside the scheduler's folders (an ``invalid`` error on the bus)."""
+
+
+def confined(path: str, roots: Sequence[str] | None) -> str:
+    """``path`` with symbolic links resolved, if it lies inside one of ``roots`` (resolved
+    already; ``None``: anywhere), else :class:`PathNotAllowed`. The message is the same whether or
+    not the path exists, and nothing outside the roots is opened."""
+    if roots is None:
+        return path
+    if not isinstance(path, str) or not path or "\0" in path or not os.path.isabs(path):
+        raise PathNotAllowed(f"adapter path {path!r}: must be an absolute path inside the run's folder")
+    real = os.path.realpath(path)
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+        raise PathNotAllowed(f"adapter path {path!r}: outside the folders this scheduler reads and writes "
+                              f"(the run's folder)")
+    return real
 
 
 def check_request(msg: Message, vocab_size: int) -> None:
@@ -144,13 +165,18 @@ class Scheduler:
         train_share: float = 0.5,
         fair_window_s: float = 10.0,
         limits: Limits | None = None,
+        adapter_roots: Sequence[str] | None = None,
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
         (decayed over ``fair_window_s``). ``batch_window_s``, ``max_batch_wait_s`` and
         ``max_batch_rows`` shape the PEFT path's whole-request batches. ``limits``: what one
-        request may be on the bus (default :data:`protocols.codec.DEFAULT_LIMITS`)."""
+        request may be on the bus (default :data:`protocols.codec.DEFAULT_LIMITS`).
+        ``adapter_roots``: the folders that ``SaveAdapter`` and ``LoadAdapter`` paths must lie in
+        (symbolic links resolved; a job gives its run folder); ``None``: anywhere (a scheduler
+        used as a library by its owner)."""
         self.limits = limits
+        self.adapter_roots = None if adapter_roots is None else [os.path.realpath(r) for r in adapter_roots]
         self.engine = engine
         self.engine_options = engine_options
         self.train_share = train_share
@@ -339,14 +365,15 @@ class Scheduler:
             version, grad_norm = host.optim_step(msg.adapter, msg.params)
             return OptimStepResult(version=version, grad_norm=grad_norm)
         if isinstance(msg, SaveAdapter):
-            return Saved(path=msg.path, version=host.save(msg.adapter, msg.path))
+            return Saved(path=msg.path, version=host.save(msg.adapter, confined(msg.path, self.adapter_roots)))
         if isinstance(msg, DropAdapter):
             host.drop_adapter(msg.name)
             return AdapterInfo(name=msg.name, version=-1)
         if isinstance(msg, SnapshotAdapter):
             return AdapterInfo(name=msg.name, version=host.snapshot(msg.adapter, msg.name))
         if isinstance(msg, LoadAdapter):
-            return AdapterInfo(name=msg.name, version=host.load(msg.path, msg.name, trainable=msg.trainable))
+            return AdapterInfo(name=msg.name, version=host.load(confined(msg.path, self.adapter_roots), msg.name,
+                                                                trainable=msg.trainable))
         raise ValueError(f"unexpected {type(msg).__name__}")
 
     def _reply(self, job: _Job, value: Any) -> None:

@@ -131,7 +131,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
     adam = AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)
     timeout = cfg.runtime.timeout_s
     name = policy.name
-    job = Job(cfg, model_path, scheduler_only=True)
+    job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
     try:
         with SyncClient(job.scheduler_endpoint, "offline") as client:
             def ask(msg: Message, unit: int = 1) -> Message:
