@@ -538,3 +538,42 @@ def test_bad_arrays_of_scoring_and_training_requests_are_invalid(scheduler):
     for (msg, what), err in zip(cases, errors):
         assert err.code is ErrorCode.INVALID and what in err.message, (what, err)
     assert scheduler.server.counters["error/internal"] == 0
+
+
+def test_work_is_bounded_by_the_context_and_the_servers_limit(scheduler):
+    """Requests whose work no bound allows are refused on arrival, each ``invalid`` naming the
+    field (before, ``max_tokens = 10**9`` kept the compute thread busy): ``max_tokens`` over the
+    scheduler's limit or filling the model's context (tiny-random: 2048 tokens), a prompt that
+    leaves no room for its ``max_tokens``, a sequence to score or train longer than the context."""
+    toks = np.arange(1, 9, dtype=np.int32)
+    long = np.ones(2000, np.int32)
+    cases = [
+        (SampleRequest(adapter=None, prompts=[toks], params=SamplingParams(max_tokens=10**9)),
+         "SamplingParams.max_tokens 1000000000 exceeds this scheduler's limit of 8192"),
+        (SampleRequest(adapter=None, prompts=[toks], params=SamplingParams(max_tokens=2048)),
+         "max_tokens 2048 leaves no room for a prompt in the model's context of 2048 tokens"),
+        (SampleRequest(adapter=None, prompts=[toks, long], params=SamplingParams(max_tokens=100)),
+         "SampleRequest.prompts[1] has 2000 tokens, more than 1948"),
+        (LogprobsRequest(adapter=None, sequences=[np.ones(2049, np.int32)]),
+         "LogprobsRequest.sequences[0] has 2049 tokens, more than 2048"),
+        (ForwardBackward(adapter="p", loss="ppo", normalizer=1.0,
+                         datums=[Datum(tokens=np.ones(2049, np.int32), loss_inputs={})]),
+         "ForwardBackward.datums[0].tokens has 2049 tokens, more than 2048"),
+    ]
+
+    async def body(c):
+        errors = []
+        for msg, _ in cases:
+            with pytest.raises(RemoteError) as e:
+                await c.request(msg, timeout=30)
+            errors.append(e.value.error)
+        ok = await c.request(SampleRequest(adapter=None, prompts=[toks], params=SamplingParams(max_tokens=3)))
+        return errors, ok
+
+    from conftest import with_client
+
+    errors, ok = run(with_client(scheduler, body))
+    for (_, what), err in zip(cases, errors):
+        assert err.code is ErrorCode.INVALID and what in err.message, (what, err)
+    assert isinstance(ok, SampleResult) and len(ok.tokens[0]) == 3
+    assert scheduler.server.counters["error/internal"] == 0

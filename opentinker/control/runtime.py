@@ -19,6 +19,7 @@ import msgspec
 
 from opentinker.bus.auth import run_secret, set_run_secret
 from opentinker.config import JobConfig
+from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class Job:
         # The scheduler reads and writes adapters only inside the run's folder (none without one).
         sched_kwargs = {"model_path": model_path, "device": m.device, "threads": threads, "engine": m.engine,
                         "adapter_roots": [self.run_dir] if self.run_dir else [],
+                        "max_new_tokens": max(DEFAULT_MAX_NEW_TOKENS, cfg.sampling.max_tokens),
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
                                            "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype}}
         if self.backend == "ray":

@@ -75,14 +75,17 @@ COMPUTE_OPS = (
 """Requests that queue for the compute thread."""
 
 
-def check_tokens(arr: Any, where: str, vocab_size: int) -> None:
+def check_tokens(arr: Any, where: str, vocab_size: int, max_len: int | None = None) -> None:
     """Raise ``ValueError`` naming ``where`` unless ``arr`` is a non-empty 1-D array of integer
-    token ids in ``[0, vocab_size)`` (a float or bool array is not token ids, whatever its values)."""
+    token ids in ``[0, vocab_size)`` (a float or bool array is not token ids, whatever its values),
+    at most ``max_len`` long."""
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
         got = f"{arr.ndim}-D {arr.dtype}" if isinstance(arr, np.ndarray) else type(arr).__name__
         raise ValueError(f"{where} must be a 1-D integer array of token ids, got {got}")
     if arr.size == 0:
         raise ValueError(f"{where} is empty")
+    if max_len is not None and arr.size > max_len:
+        raise ValueError(f"{where} has {arr.size} tokens, more than {max_len}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{where}: token id {lo if lo < 0 else hi} out of range [0, {vocab_size})")
@@ -107,24 +110,38 @@ def confined(path: str, roots: Sequence[str] | None) -> str:
     return real
 
 
-def check_request(msg: Message, vocab_size: int) -> None:
+DEFAULT_MAX_NEW_TOKENS = 8192
+"""The scheduler's own bound on ``SamplingParams.max_tokens`` (below the model's context)."""
+
+
+def check_request(msg: Message, vocab_size: int, max_context: int | None = None,
+                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> None:
     """Raise ``ValueError`` naming the field of ``msg`` whose arrays (dtype, rank, length, range)
     or sampling parameters no batch can take; called per request, before any batching, so a bad
-    request fails alone. (What needs the model's state, such as an adapter's existence or the
-    loss's inputs, is checked where the request runs.)"""
+    request fails alone: token ids in the vocabulary, every sequence within ``max_context``
+    (a prompt with its ``max_tokens``), ``max_tokens`` at most ``max_new_tokens``. (What needs
+    the model's state, such as an adapter's existence or the loss's inputs, is checked where the
+    request runs.)"""
     if isinstance(msg, SampleRequest):
         from opentinker.engine.peft_sampler import validate_params
 
         validate_params(msg.params)
+        n = msg.params.max_tokens
+        if n > max_new_tokens:
+            raise ValueError(f"SamplingParams.max_tokens {n} exceeds this scheduler's limit of {max_new_tokens}")
+        room = None if max_context is None else max_context - n
+        if room is not None and room < 1:
+            raise ValueError(f"SamplingParams.max_tokens {n} leaves no room for a prompt in the model's context "
+                             f"of {max_context} tokens")
         for i, p in enumerate(msg.prompts):
-            check_tokens(p, f"SampleRequest.prompts[{i}]", vocab_size)
+            check_tokens(p, f"SampleRequest.prompts[{i}]", vocab_size, room)
     elif isinstance(msg, (LogprobsRequest, ValuesRequest)):
         for i, seq in enumerate(msg.sequences):
-            check_tokens(seq, f"{type(msg).__name__}.sequences[{i}]", vocab_size)
+            check_tokens(seq, f"{type(msg).__name__}.sequences[{i}]", vocab_size, max_context)
     elif isinstance(msg, ForwardBackward):
         for i, d in enumerate(msg.datums):
             where = f"ForwardBackward.datums[{i}]"
-            check_tokens(d.tokens, f"{where}.tokens", vocab_size)
+            check_tokens(d.tokens, f"{where}.tokens", vocab_size, max_context)
             for k, v in d.loss_inputs.items():
                 if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype.kind not in "biuf":
                     got = f"{v.ndim}-D {v.dtype}" if isinstance(v, np.ndarray) else type(v).__name__
@@ -166,6 +183,7 @@ class Scheduler:
         fair_window_s: float = 10.0,
         limits: Limits | None = None,
         adapter_roots: Sequence[str] | None = None,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
@@ -174,7 +192,9 @@ class Scheduler:
         request may be on the bus (default :data:`protocols.codec.DEFAULT_LIMITS`).
         ``adapter_roots``: the folders that ``SaveAdapter`` and ``LoadAdapter`` paths must lie in
         (symbolic links resolved; a job gives its run folder); ``None``: anywhere (a scheduler
-        used as a library by its owner)."""
+        used as a library by its owner). ``max_new_tokens``: the most tokens one row may ask to
+        draw (with its prompt, it must also fit the model's context)."""
+        self.max_new_tokens = int(max_new_tokens)
         self.limits = limits
         self.adapter_roots = None if adapter_roots is None else [os.path.realpath(r) for r in adapter_roots]
         self.engine = engine
@@ -223,7 +243,8 @@ class Scheduler:
             return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
         if not isinstance(msg, COMPUTE_OPS):
             raise TypeError(f"the scheduler does not serve {type(msg).__name__}")
-        check_request(msg, self.host.registry.vocab_size)
+        reg = self.host.registry
+        check_request(msg, reg.vocab_size, reg.max_context, self.max_new_tokens)
         loop = asyncio.get_running_loop()
         job = _Job(msg, loop.create_future(), loop)
         if isinstance(msg, SampleRequest) and wants_stream(msg):
