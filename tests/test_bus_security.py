@@ -7,6 +7,7 @@ scheduler checks every request's arrays before it can share a batch."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import statistics
@@ -577,3 +578,45 @@ def test_work_is_bounded_by_the_context_and_the_servers_limit(scheduler):
         assert err.code is ErrorCode.INVALID and what in err.message, (what, err)
     assert isinstance(ok, SampleResult) and len(ok.tokens[0]) == 3
     assert scheduler.server.counters["error/internal"] == 0
+
+
+def test_one_name_cannot_fill_the_session_table():
+    """Eight sessions of one name fill a table of 8 (before, every other client then got
+    ``busy``): each legitimate component that says Hello is admitted, evicting a session of the
+    name holding the most, and more Hellos from that name only evict its own sessions."""
+
+    async def handler(msg):
+        return Ack()
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server = Server(handler, heartbeat_s=None, max_peers=8, name="full")
+        ep = await server.start(ctx)
+        flood = []
+
+        async def hello_flood(n):
+            for _ in range(n):
+                s = _raw(ctx, ep)
+                flood.append(s)
+                await s.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="flood"), 1))
+                await asyncio.wait_for(s.recv_multipart(), 5)
+
+        await hello_flood(8)
+        assert len(server._peers) == 8
+        legit = [Client(ctx, ep, name=f"learner{i}", heartbeat_s=None) for i in range(3)]
+        for c in legit:
+            assert isinstance(await c.request(OptimStep(adapter="a", params=AdamParams()), 10), Ack)
+        await hello_flood(5)  # the flood comes back: it evicts only its own sessions
+        names = collections.Counter(p.name for p in server._peers.values())
+        assert names == {"flood": 5, "learner0": 1, "learner1": 1, "learner2": 1}
+        assert server.counters["peer_evicted"] == 8 and server.counters["error/busy"] == 0
+        for c in legit:  # still served
+            assert isinstance(await c.request(OptimStep(adapter="b", params=AdamParams()), 10), Ack)
+        for s in flood:
+            s.close(0)
+        for c in legit:
+            c.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())

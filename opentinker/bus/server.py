@@ -110,6 +110,8 @@ class _Peer:
     inflight: dict[int, asyncio.Task] = field(default_factory=dict)
     streams: dict[int, Emitter] = field(default_factory=dict)
     """Emitters of its streamed requests in flight, by request id (closed on Cancel)."""
+    last_request: int = 0
+    """The server's request count when it last sent a request (its handshake counts)."""
 
 
 class Server:
@@ -128,7 +130,8 @@ class Server:
         idempotency_cache: replies of state-changing requests remembered for retries, by
             (peer identity, request id).
         max_inflight: requests handled at once (all peers); more get ``Error(busy)``.
-        max_peers: sessions at once; a ``Hello`` beyond gets ``Error(busy)``.
+        max_peers: sessions at once; a ``Hello`` beyond evicts the least recently active
+            session of the peer name that holds the most (see :meth:`_evict_for`).
         heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
         keys: CURVE keys; ``keys.allowed_clients`` restricts who may connect.
         on_shutdown: called after a ``Shutdown`` request is acknowledged.
@@ -171,6 +174,8 @@ class Server:
         self._tasks: list[asyncio.Task] = []
         self._peers: dict[bytes, _Peer] = {}
         self._running = 0
+        self._seen = 0
+        """Requests and handshakes so far: orders sessions by their last request."""
         self._done: collections.OrderedDict[tuple[bytes, int], asyncio.Future] = collections.OrderedDict()
         """Replies of state-changing requests by (peer identity, request id), oldest first."""
         self._cache_size = idempotency_cache
@@ -258,16 +263,22 @@ class Server:
         lost = [ident for ident, p in self._peers.items() if p.beats.tick()]
         names = []
         for ident in lost:
-            peer = self._peers.pop(ident)
+            peer = self._peers[ident]
             names.append(peer.name)
             self.counters["peer_lost"] += 1
             log.warning("%s: peer %s lost (no frame in %d heartbeats); cancelling %d requests",
                         self.name, peer.name, peer.beats.limit, len(peer.inflight))
-            for task in peer.inflight.values():
-                task.cancel()
-            for em in peer.streams.values():
-                self._outbox.close(em)
+            self._drop(ident)
         return names
+
+    def _drop(self, ident: bytes) -> _Peer:
+        """End a session: its requests in flight are cancelled, its streams closed."""
+        peer = self._peers.pop(ident)
+        for task in peer.inflight.values():
+            task.cancel()
+        for em in peer.streams.values():
+            self._outbox.close(em)
+        return peer
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -295,6 +306,8 @@ class Server:
                 self.counters["dedup"] += 1
                 return
             if type(msg) not in _SESSION and self._running < self.max_inflight:  # the hot path
+                self._seen += 1
+                peer.last_request = self._seen
                 self._running += 1
                 task = run_eager(self._request(identity, peer, rid, msg), self._loop)
                 if task is not None:  # it waits for something: cancellable while in flight
@@ -341,16 +354,31 @@ class Server:
             self._send(identity, Error(code=ErrorCode.BAD_VERSION,
                                        message=f"peer speaks protocol {msg.version}, this side {PROTOCOL_VERSION}"), rid)
             return
+        name = msg.peer or identity.hex()
         if identity not in self._peers and len(self._peers) >= self.max_peers:
-            self.counters["error/busy"] += 1
-            self._send(identity, Error(code=ErrorCode.BUSY, message=f"{self.name}: {len(self._peers)} peers (max)"), rid)
-            return
+            self._evict_for(name)
         old = self._peers.get(identity)
-        self._peers[identity] = _Peer(name=msg.peer or identity.hex(), beats=BeatCounter(),
+        self._seen += 1
+        self._peers[identity] = _Peer(name=name, beats=BeatCounter(),
                                       inflight=old.inflight if old else {},
-                                      streams=old.streams if old else {})
+                                      streams=old.streams if old else {}, last_request=self._seen)
         self.counters["handshakes"] += 1
         self._send(identity, Welcome(version=PROTOCOL_VERSION, peer=self.name, heartbeat_s=self.heartbeat_s or 0.0), rid)
+
+    def _evict_for(self, name: str) -> None:
+        """The session table is full and ``name`` says Hello: make room, never refuse (a
+        component can always reconnect). The session evicted belongs to the name holding the
+        most sessions (so one name, or one process opening many, cannot fill the table), and is
+        the one of them that sent a request longest ago; its requests are cancelled as if it
+        were lost. A name's sessions never crowd out another's."""
+        per_name = collections.Counter(p.name for p in self._peers.values())
+        crowded = max(per_name.values())
+        victim = min((ident for ident, p in self._peers.items() if per_name[p.name] == crowded),
+                     key=lambda ident: self._peers[ident].last_request)
+        peer = self._drop(victim)
+        self.counters["peer_evicted"] += 1
+        self._log.warning("evict", "%s: session table full (%d): evicted a session of %s (%d of its sessions) "
+                          "for %s", self.name, self.max_peers, peer.name, crowded, name)
 
     async def _request(self, identity: bytes, peer: _Peer, rid: int, msg: Message) -> None:
         em = None
