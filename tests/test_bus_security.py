@@ -620,3 +620,34 @@ def test_one_name_cannot_fill_the_session_table():
         ctx.destroy(0)
 
     run(main())
+
+
+def test_only_the_peer_that_made_an_adapter_may_drop_it(scheduler):
+    from protocols.messages import AdapterInfo, CreateAdapter, DropAdapter, LoraSpec, SnapshotAdapter
+
+    async def main():
+        ctxs = [zmq.asyncio.Context() for _ in range(2)]
+        owner, other = (Client(c, scheduler.endpoint, name=n) for c, n in zip(ctxs, ("coordinator", "intruder")))
+        await owner.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)))
+        await other.request(SnapshotAdapter(adapter="pol", name="pol_copy"))  # made by the intruder: its own
+        refused = []
+        for client, name in ((other, "pol"), (owner, "pol_copy")):
+            with pytest.raises(RemoteError) as e:
+                await client.request(DropAdapter(name=name))
+            refused.append(e.value.error)
+        kept = await owner.request(LogprobsRequest(adapter="pol", sequences=[np.arange(1, 5, dtype=np.int32)]))
+        dropped = [await other.request(DropAdapter(name="pol_copy")), await owner.request(DropAdapter(name="pol"))]
+        again = await other.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)))  # a free name again
+        await other.request(DropAdapter(name="pol"))
+        for c in (owner, other):
+            c.close()
+        for c in ctxs:
+            c.destroy(0)
+        return refused, kept, dropped, again
+
+    refused, kept, dropped, again = run(main())
+    assert [e.code for e in refused] == [ErrorCode.INVALID] * 2
+    assert "adapter 'pol' was made by 'coordinator': only it may drop it, not 'intruder'" in refused[0].message
+    assert "made by 'intruder'" in refused[1].message
+    assert isinstance(kept, LogprobsResult) and all(isinstance(d, AdapterInfo) and d.version == -1 for d in dropped)
+    assert isinstance(again, AdapterInfo)

@@ -378,12 +378,18 @@ def test_curve_encrypts_and_authenticates():
     run(main())
 
 
-def test_shutdown_is_acknowledged_then_the_server_stops():
+def test_shutdown_is_obeyed_only_from_an_owner_then_the_server_stops():
     async def main():
         ctx = zmq.asyncio.Context()
         called = []
-        server = Server(Gate(), heartbeat_s=None, on_shutdown=lambda: called.append(1))
-        client = Client(ctx, await server.start(ctx), heartbeat_s=None)
+        server = Server(Gate(), heartbeat_s=None, on_shutdown=lambda: called.append(1), owners={"driver"})
+        ep = await server.start(ctx)
+        stranger = Client(ctx, ep, name="learner", heartbeat_s=None)
+        with pytest.raises(RemoteError, match=r"Shutdown is only for its owners \(\['driver'\]\), not 'learner'"):
+            await stranger.request(Shutdown(reason="not mine"), 10)
+        assert not server.stopped.is_set() and server.counters["error/not_owner"] == 1
+        stranger.close()
+        client = Client(ctx, ep, name="driver", heartbeat_s=None)
         assert isinstance(await client.request(Shutdown(reason="test"), 10), Ack)
         await asyncio.wait_for(server.stopped.wait(), 5)
         assert called == [1]

@@ -44,7 +44,7 @@ import asyncio
 import collections
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,10 +97,10 @@ HELLO_LIMITS = Limits(max_bytes=4096, max_buffers=0, max_body_bytes=4096, max_nd
 one is not decoded and gets ``Error(no_handshake)`` (a bundled client then says ``Hello`` and
 retries), so a peer without a session costs the server next to nothing."""
 
-_SERVING: contextvars.ContextVar[tuple[Server, Emitter | None] | None] = contextvars.ContextVar(
+_SERVING: contextvars.ContextVar[tuple[Server, Emitter | None, str] | None] = contextvars.ContextVar(
     "opentinker_bus_serving", default=None)
-"""In a request's task (each has its own context): its server and its emitter (None unless the
-request asked for a stream)."""
+"""In a request's task (each has its own context): its server, its emitter (None unless the
+request asked for a stream) and the name its peer gave in ``Hello``."""
 
 
 @dataclass
@@ -135,6 +135,9 @@ class Server:
         heartbeat_s: interval of :meth:`tick`; ``None``: no automatic ticks (tests tick).
         keys: CURVE keys; ``keys.allowed_clients`` restricts who may connect.
         on_shutdown: called after a ``Shutdown`` request is acknowledged.
+        owners: peer names (from ``Hello``) whose ``Shutdown`` is obeyed; another peer's gets
+            ``Error(invalid)``, counted ``error/not_owner`` (none by default: the process that
+            made the server stops it).
         stream_backlog: partials of one request waiting to be sent, at most (more are
             dropped, see :mod:`opentinker.bus.stream`).
     """
@@ -155,6 +158,7 @@ class Server:
         hwm: int = DEFAULT_HWM,
         on_shutdown: Callable[[], Any] | None = None,
         stream_backlog: int = DEFAULT_BACKLOG,
+        owners: Collection[str] = (),
     ) -> None:
         check_bind(endpoint, keys)
         self.handler = handler
@@ -167,6 +171,7 @@ class Server:
         self.keys = keys
         self.hwm = hwm
         self.on_shutdown = on_shutdown
+        self.owners = frozenset(owners)
         self.stream_backlog = stream_backlog
         self.counters = Counters()
         self._bind_to = endpoint
@@ -221,10 +226,19 @@ class Server:
         emitter from any thread: ``emit(SampleChunk(...))``. Raises RuntimeError outside a
         handler of this server.
         """
+        return self._serving("emitter")[1]
+
+    def peer_name(self) -> str:
+        """The name (from its ``Hello``) of the peer whose request the handler is serving; call
+        it in the handler's task. Only authenticated peers have sessions, so this tells the
+        run's components apart, not adversaries."""
+        return self._serving("peer_name")[2]
+
+    def _serving(self, what: str) -> tuple[Server, Emitter | None, str]:
         serving = _SERVING.get()
         if serving is None or serving[0] is not self:
-            raise RuntimeError(f"{self.name}: Server.emitter() is for this server's handler, while it serves a request")
-        return serving[1]
+            raise RuntimeError(f"{self.name}: Server.{what}() is for this server's handler, while it serves a request")
+        return serving
 
     @property
     def peers(self) -> dict[str, int]:
@@ -334,6 +348,12 @@ class Server:
                 task.cancel()
                 self._send(identity, Ack(), rid)
         elif isinstance(msg, Shutdown):
+            if peer.name not in self.owners:
+                self.counters["error/not_owner"] += 1
+                log.warning("%s: refused a shutdown from %s (not an owner)", self.name, peer.name)
+                self._send(identity, Error(code=ErrorCode.INVALID, message=(
+                    f"{self.name}: Shutdown is only for its owners ({sorted(self.owners)}), not {peer.name!r}")), rid)
+                return
             log.info("%s: shutdown requested by %s: %s", self.name, peer.name, msg.reason)
             self._send(identity, Ack(), rid)
             asyncio.get_running_loop().call_soon(self._shutdown)
@@ -384,7 +404,7 @@ class Server:
         em = None
         if wants_stream(msg):
             em = peer.streams[rid] = self._outbox.emitter(identity, rid)
-        _SERVING.set((self, em))  # this task's own context (run_eager): read by emitter()
+        _SERVING.set((self, em, peer.name))  # this task's own context (run_eager): read by emitter(), peer_name()
         try:
             if isinstance(msg, STATE_CHANGING):
                 reply = await self._once(identity, rid, msg)

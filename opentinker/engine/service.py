@@ -195,6 +195,9 @@ class Scheduler:
         used as a library by its owner). ``max_new_tokens``: the most tokens one row may ask to
         draw (with its prompt, it must also fit the model's context)."""
         self.max_new_tokens = int(max_new_tokens)
+        self._owner: dict[str, str] = {}
+        """Adapter name -> the peer that made it (created, loaded or snapshotted): only that peer
+        may drop it."""
         self.limits = limits
         self.adapter_roots = None if adapter_roots is None else [os.path.realpath(r) for r in adapter_roots]
         self.engine = engine
@@ -245,6 +248,23 @@ class Scheduler:
             raise TypeError(f"the scheduler does not serve {type(msg).__name__}")
         reg = self.host.registry
         check_request(msg, reg.vocab_size, reg.max_context, self.max_new_tokens)
+        peer = self.server.peer_name()
+        if isinstance(msg, DropAdapter):
+            owner = self._owner.get(msg.name)
+            if owner is not None and owner != peer:
+                self.compute_counters["refused/not_owner"] += 1
+                raise ValueError(f"adapter {msg.name!r} was made by {owner!r}: only it may drop it, not {peer!r}")
+        reply = await self._submit(msg)
+        if isinstance(reply, AdapterInfo):  # made, loaded, snapshotted or dropped
+            if isinstance(msg, DropAdapter):
+                self._owner.pop(msg.name, None)
+            else:
+                self._owner.setdefault(msg.name, peer)
+        return reply
+
+    async def _submit(self, msg: Message) -> Message:
+        """Queue ``msg`` for the compute thread and wait for its reply (a cancelled caller drops
+        it while queued, frees its rows while sampling, else waits for the state change)."""
         loop = asyncio.get_running_loop()
         job = _Job(msg, loop.create_future(), loop)
         if isinstance(msg, SampleRequest) and wants_stream(msg):
