@@ -91,7 +91,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from opentinker.run import run_job
 
-    run_job(cfg, resume=Path(args.resume) if args.resume else None)
+    try:
+        run_job(cfg, resume=Path(args.resume) if args.resume else None)
+    except TimeoutError as e:
+        # Every component was stopped on the way out (run_job's finally); say why in one line:
+        # the first line of the original error (Ray wraps it in a remote traceback).
+        cause = getattr(e, "cause", None)
+        why = str(cause if isinstance(cause, BaseException) else e).strip().splitlines() or [type(e).__name__]
+        print(f"opentinker: timed out: {escape_controls(why[0])} (runtime.timeout_s = "
+              f"{cfg.runtime.timeout_s:g} s; the run folder keeps every checkpoint written: "
+              "continue with --resume RUN_DIR)", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -1,7 +1,8 @@
 """Fuzz the server with 10,000 frames (seeded): random bytes and mutations of valid messages,
 including one of each hostile class of issue #14 (huge array ranks, a buffer named twice, deep
-nesting, too many frames, an oversized body), with a valid request every 200 frames that must
-succeed. Every error counter ends above zero and the server is still serving."""
+nesting, too many frames, an oversized body) and an outsider without the run's secret, with a
+valid request every 200 frames that must succeed. Every error counter ends above zero, the
+outsider never gets a session or a reply, and the server is still serving."""
 
 from __future__ import annotations
 
@@ -132,6 +133,20 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
             s.setsockopt(zmq.LINGER, 0)
             secure_client(s)  # authenticated peers: their frames reach the decoder
             s.connect(ep)
+        # And an outsider with a wrong secret (authentication, #14): it may send what it likes,
+        # none of it is decoded and nothing comes back.
+        outsider = zmq.Context.shadow(ctx.underlying).socket(zmq.DEALER)  # the blocking API: NOBLOCK raises
+        outsider.setsockopt(zmq.LINGER, 0)
+        outsider.plain_username, outsider.plain_password = b"opentinker", b"not the run's secret, at least 32 chars"
+        outsider.connect(ep)
+
+        def outsider_sends(frames):  # they just queue (no connection is ever admitted)
+            try:
+                outsider.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
+        outsider_sends(encode(Hello(version=PROTOCOL_VERSION, peer="outsider"), 1))
         await greeted.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="fuzzer"), 1))
         await asyncio.wait_for(greeted.recv_multipart(), 10)
         rng = np.random.default_rng(1234)
@@ -141,6 +156,8 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
             frames = templates[int(rng.integers(len(templates)))]
             sock = stranger if n % 10 == 0 else greeted
             await sock.send_multipart(frames if n % 10 == 0 else mutate(rng, frames))
+            if n % 50 == 0:
+                outsider_sends(mutate(rng, frames))
             if n % VALID_EVERY == VALID_EVERY - 1:
                 reply = await good.request(LogprobsResult(logprobs=[np.full(4, n, np.float32)], adapter_version=n), 30)
                 assert reply.adapter_version == n and reply.logprobs[0][0] == n
@@ -154,8 +171,10 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
         assert sum(server.counters[f"error/{e}"] for e in ERRORS) > N_FRAMES // 2
         assert server.counters["error/internal"] == 0
         assert server.counters["dropped/too_many_frames"] > 0  # read frame by frame, answered too_large
+        assert server.counters["auth_denied"] >= 1 and outsider.poll(100) == 0
+        assert set(server.peers) == {"good", "fuzzer"}  # the outsider never had a session
         print({k: v for k, v in sorted(server.counters.items()) if k.startswith(("error/", "recv/"))})
-        for s in (greeted, stranger):
+        for s in (greeted, stranger, outsider):
             s.close(0)
         good.close()
         await server.stop()

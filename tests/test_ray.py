@@ -55,3 +55,54 @@ def test_ray_job_processes_and_constant_ray_calls(ray_session, tiny_path):
         finally:
             job.shutdown()
     assert per_step[1] == per_step[6] == 1.0, per_step
+
+
+def test_local_job_listens_on_loopback(ray_session, tiny_path):
+    """Every socket a local Ray job listens on, in this process and every process below it
+    (Ray's GCS, raylet, agents and workers, our actors), listed while the job trains: the bus
+    sockets of our components are on 127.0.0.1; what listens on other interfaces is Ray's own
+    gRPC and agent servers (Ray has no option to bind them to loopback), and the cluster
+    requires Ray's token authentication for them (docs/security.md)."""
+    import ipaddress
+
+    import psutil
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    job = Job(_cfg(1), tiny_path)
+    try:
+        job.coordinator("train_step", 1)  # every component up and talking
+        me = psutil.Process()
+        listening = set()
+        tree = [me, *me.children(recursive=True)]
+        for p in tree:
+            try:
+                name, cmd, conns = p.name(), " ".join(p.cmdline()), p.net_connections(kind="inet")
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            listening |= {(p.pid, name, cmd[:200], c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+        actors = {i["pid"] for i in job.info().values()}
+        ours = [job.scheduler_endpoint]
+        auth_mode = get_authentication_mode()
+    finally:
+        job.shutdown()
+    for row in sorted(listening, key=lambda r: r[1]):
+        print(row)
+    assert actors <= {p.pid for p in tree}  # the actors were among the processes listed
+    assert all(e.startswith("tcp://127.0.0.1:") for e in ours)
+    bus_ports = {int(e.rsplit(":", 1)[1]) for e in ours}
+    wide: dict[int, list] = {}
+    for pid, name, cmd, ip, port in listening:
+        if port in bus_ports:
+            assert ip == "127.0.0.1", (name, ip, port)
+        if not ipaddress.ip_address(ip).is_loopback:
+            wide.setdefault(pid, []).append((name, ip, port))
+    ray_servers = {"gcs_server", "raylet", "ray::RuntimeEnvAgent", "ray::DashboardAgent"}
+    for pid, socks in wide.items():
+        if socks[0][0] in ray_servers:
+            continue
+        # A Ray worker (our actors) or the driver: only Ray's core-worker gRPC server, one
+        # wildcard port; every bus socket of ours is on 127.0.0.1 (a non-loopback bind needs
+        # CURVE keys, which a local job never has).
+        assert len(socks) == 1 and socks[0][1] in ("::", "0.0.0.0"), (pid, socks)
+    assert sum(1 for pid, *_, ip, _ in listening if pid in actors and ip == "127.0.0.1") >= len(actors)  # our bus
+    assert auth_mode == AuthenticationMode.TOKEN

@@ -448,3 +448,23 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
     assert refused["secret_folder"] == refused["no_such_folder"]  # existence is not revealed
     assert sorted(p.name for p in outside.iterdir()) == ["secret_folder"]  # nothing written outside
     assert not Path("pol").exists()
+
+
+# ------------------------------------------------------------------------------ timeouts
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["own", "peft"])
+def test_a_timed_out_job_shuts_down_cleanly(engine, tmp_path):
+    """A job whose rollout outlasts runtime.timeout_s (1,500-token replies, a 2 s timeout) stops
+    every component and exits with status 3 and one line saying what timed out; before, the
+    process aborted (exit 134, "terminate called without an active exception") with the
+    scheduler's compute thread still inside torch."""
+    out = subprocess.run(
+        [sys.executable, "-m", "opentinker.cli", "run", "--set", "model.base=tiny-random",
+         "--set", "runtime.backend=local", "--set", f"model.engine={engine}", "--set", "runtime.timeout_s=2",
+         "--set", "sampling.max_tokens=1500", "--set", "train.steps=2", "--set", f"out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("opentinker: timed out:")]
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert len(lines) == 1 and "no reply to RunEpisodes" in lines[0] and "runtime.timeout_s = 2 s" in lines[0]
+    assert "Traceback" not in out.stderr and "terminate called" not in out.stderr

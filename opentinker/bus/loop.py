@@ -199,6 +199,11 @@ class SocketReader:
                     return
                 self._read_one()
             self.kick()
+        except zmq.ZMQError as e:
+            # Closed under us while a read was scheduled: its context was destroyed at shutdown,
+            # or the socket was closed through another view of it (``closed`` is per view).
+            if e.errno not in (zmq.ENOTSOCK, zmq.ETERM):
+                raise
         finally:
             self._draining = False
 

@@ -11,6 +11,7 @@ that predict a selected token.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
     from opentinker.engine.step_loop import Engine
 
 
+class Interrupted(RuntimeError):
+    """A call cut short because its process is stopping."""
+
+
 class ModelRunner:
     """Runs the registry's model: ``sample``, ``logprobs``, ``values`` (no gradients) and the
     hidden-state and log-prob passes the trainer differentiates."""
@@ -47,6 +52,9 @@ class ModelRunner:
         """The step loop that samples (the engine's own forward); ``None``: PEFT's mixed batches."""
         self.share_prefix = True
         """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
+        self.interrupt = threading.Event()
+        """Set when the owner stops: a PEFT sampling call then ends at its next token with
+        :class:`Interrupted` (the engine's step loop stops between steps on its own)."""
 
     # ----------------------------------------------------------------------------- sampling
 
@@ -73,6 +81,8 @@ class ModelRunner:
         mixed = reg.model is not reg.base and len(set(names)) > 1
 
         def forward(ids, mask, pos, past, rows):
+            if self.interrupt.is_set():
+                raise Interrupted("sampling interrupted: the scheduler is stopping")
             kwargs = {
                 "input_ids": ids, "attention_mask": mask, "position_ids": pos, "cache": past,
                 "use_cache": True, "logits_to_keep": 1,

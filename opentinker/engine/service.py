@@ -110,6 +110,9 @@ def confined(path: str, roots: Sequence[str] | None) -> str:
     return real
 
 
+STOP_TIMEOUT_S = 60.0
+"""How long :meth:`Scheduler.stop` waits for the compute thread's current work."""
+
 DEFAULT_MAX_NEW_TOKENS = 8192
 """The scheduler's own bound on ``SamplingParams.max_tokens`` (below the model's context)."""
 
@@ -430,13 +433,24 @@ class Scheduler:
             out.update(engine.metrics())
         return out
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop serving, then wait (at most ``timeout`` s) for the compute thread to finish what
+        it runs: the engine stops between two steps, the PEFT path after its current call. A
+        process that exited with the thread still inside torch would abort (``terminate called
+        without an active exception``, exit 134)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        if self.host is not None:
+            self.host.runner.interrupt.set()
         if hasattr(self, "loop"):
             self.loop.run(self.server.stop())
             self.loop.stop()
+        worker = getattr(self, "_worker", None)
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+            if worker.is_alive():
+                log.warning("scheduler: the compute thread is still busy after %.0f s", timeout)
         if self.host is not None:
             unsettle_heap()
 
