@@ -123,3 +123,28 @@ def test_fuzzing_a_real_scheduler_never_stops_it(tiny_path, tmp_path):
     assert codes[ErrorCode.INVALID.value] > N_REQUESTS // 3 and codes[ErrorCode.NOT_FOUND.value] > 0
     assert isinstance(after, LogprobsResult)
     assert sorted(p.name for p in outside.iterdir()) == []  # nothing written outside the run's folder
+
+
+def test_a_saved_adapter_with_a_hostile_spec_is_refused_before_allocation(scheduler, tmp_path):
+    """A checkpoint folder whose ``opentinker.json`` was edited to rank 10**6 (it used to be
+    allocated: gigabytes) is refused as ``invalid`` naming the file; the scheduler keeps serving."""
+    import json
+
+    from conftest import with_client
+
+    folder = tmp_path / "pol"
+
+    async def body(c):
+        await c.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)))
+        await c.request(SaveAdapter(adapter="pol", path=str(folder)))
+        meta = json.loads((folder / "opentinker.json").read_text())
+        meta["spec"]["rank"] = 10**6
+        (folder / "opentinker.json").write_text(json.dumps(meta))
+        with pytest.raises(RemoteError) as e:
+            await c.request(LoadAdapter(path=str(folder), name="big"))
+        ok = await c.request(LogprobsRequest(adapter="pol", sequences=[np.arange(1, 5, dtype=np.int32)]))
+        return e.value.error, ok
+
+    err, ok = run(with_client(scheduler, body))
+    assert err.code is ErrorCode.INVALID and "opentinker.json: LoraSpec.rank must be in [1," in err.message, err
+    assert isinstance(ok, LogprobsResult)

@@ -27,6 +27,7 @@ import msgspec
 import torch
 
 from opentinker.engine import value_head
+from opentinker.engine.spec_checks import check_spec
 from protocols.messages import LoraSpec
 
 if TYPE_CHECKING:
@@ -276,6 +277,10 @@ def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True
             f"{meta.base_fingerprint}); this host serves {registry.model_path!r} "
             f"(fingerprint {registry.base_fingerprint})"
         )
+    try:
+        check_spec(meta.spec, registry.hidden_size)  # before anything is allocated
+    except ValueError as e:
+        raise ValueError(f"{folder / META}: {e}") from None
     weights, moments = read_adapter(folder, meta.spec, trainable)
     state = registry.add(name, meta.spec, trainable=trainable)
     try:
