@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from dataclasses import dataclass
 
 import zmq
@@ -104,9 +103,11 @@ class _Handler(ThreadAuthenticator):
     domain's allowed keys; refusals counted per domain."""
 
     def __init__(self, ctx: zmq.Context) -> None:
+        from opentinker.bus.common import LogEvery  # common imports this module
+
         super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
         self.domains: dict[str, _Domain] = {}
-        self._warned = float("-inf")
+        self._log = LogEvery(log)
         self._domain = ""
         """The domain of the request being answered (one at a time, in the handler's thread)."""
 
@@ -126,11 +127,8 @@ class _Handler(ThreadAuthenticator):
             d = self.domains.get(self._domain)
             if d is not None:
                 d.counters["auth_denied"] = d.counters.get("auth_denied", 0) + 1
-            now = time.monotonic()
-            if now - self._warned >= 1.0:
-                self._warned = now
-                log.warning("bus: refused a connection to %s: %s", d.where if d else "a server",
-                            status_text.decode("ascii", "replace"))
+            self._log.warning("refused", "bus: refused a connection to %s: %s", d.where if d else "a server",
+                              status_text.decode("ascii", "replace"))
         super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -138,8 +136,8 @@ class _Handler(ThreadAuthenticator):
         await super().handle_zap_message(msg)
 
 
-_handlers: dict[int, tuple[_Handler, int]] = {}
-"""ZAP handler of each libzmq context (by its address) and how many sockets use it."""
+_handlers: dict[int, _Handler] = {}
+"""ZAP handler of each libzmq context (by its address); its ``domains`` are the sockets using it."""
 _ids = itertools.count()
 
 
@@ -152,13 +150,8 @@ class Guard:
 
     def close(self) -> None:
         with _lock:
-            entry = _handlers.get(self._ctx_addr)
-            if entry is None or self.domain not in entry[0].domains:
-                return
-            handler, users = entry
-            del handler.domains[self.domain]
-            if users > 1:
-                _handlers[self._ctx_addr] = (handler, users - 1)
+            handler = _handlers.get(self._ctx_addr)
+            if handler is None or handler.domains.pop(self.domain, None) is None or handler.domains:
                 return
             del _handlers[self._ctx_addr]
         handler.stop()
@@ -171,20 +164,17 @@ def guard_server(sock: zmq.Socket, name: str, counters: dict, curve: bool = Fals
     if not curve:
         sock.plain_server = True
         run_secret()
+    from opentinker.bus.common import plain_context  # common imports this module
+
     domain = f"{name}/{next(_ids)}"
     sock.zap_domain = domain.encode()
-    ctx = sock.context
-    addr = ctx.underlying
+    addr = sock.context.underlying
     with _lock:
-        entry = _handlers.get(addr)
-        if entry is None:
-            plain_ctx = ctx if type(ctx) is zmq.Context else zmq.Context.shadow(addr)
-            handler = _Handler(plain_ctx)
+        handler = _handlers.get(addr)
+        if handler is None:
+            handler = _handlers[addr] = _Handler(plain_context(sock.context))
             handler.start()
-            entry = (handler, 0)
-        handler, users = entry
         handler.domains[domain] = _Domain(counters, name, frozenset(curve_allowed) if curve_allowed else None)
-        _handlers[addr] = (handler, users + 1)
     return Guard(addr, domain)
 
 
@@ -192,9 +182,9 @@ def release_context(ctx: zmq.Context) -> None:
     """Stop the ZAP handler of ``ctx``, if any, whatever still uses it: call before destroying
     the context (its handler's sockets would otherwise keep the context's termination waiting)."""
     with _lock:
-        entry = _handlers.pop(ctx.underlying, None)
-    if entry is not None:
-        entry[0].stop()
+        handler = _handlers.pop(ctx.underlying, None)
+    if handler is not None:
+        handler.stop()
 
 
 def handlers_running() -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from opentinker.bus.auth import secure_client
+from opentinker.bus.auth import Guard, guard_server, secure_client
 from opentinker.bus.loop import Bounds, Cut
 from protocols.codec import (
     DEFAULT_LIMITS,
@@ -180,6 +180,23 @@ def configure(
     elif not server:
         secure_client(sock)
     return sock
+
+
+def bind_guarded(sock: zmq.Socket, endpoint: str, name: str, counters: Counters,
+                 keys: CurveKeys | None) -> Guard:
+    """Make ``sock`` (configured with ``server=True``) a PLAIN server with the run's secret, or
+    a CURVE server with ``keys`` (only ``keys.allowed_clients`` when given), and bind it; on a
+    failed bind the registration and the socket are closed. :meth:`Guard.close` goes with the
+    socket's close."""
+    guard = guard_server(sock, name, counters, curve=keys is not None,
+                         curve_allowed=keys.allowed_clients if keys is not None else ())
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        guard.close()
+        sock.close(linger=0)
+        raise
+    return guard
 
 
 def read_bounds(limits: Limits, router: bool = False) -> Bounds:

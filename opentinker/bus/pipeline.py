@@ -10,13 +10,13 @@ import logging
 import zmq
 import zmq.asyncio
 
-from opentinker.bus.auth import guard_server
 from opentinker.bus.common import (
     DEFAULT_HWM,
     LOOPBACK,
     Counters,
     CurveKeys,
     LogEvery,
+    bind_guarded,
     check_bind,
     configure,
     cut_error,
@@ -75,13 +75,7 @@ class Puller:
         self.max_bytes = self.limits.max_bytes
         self.counters = Counters()
         self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=self.max_bytes, keys=keys, server=True)
-        self._guard = guard_server(self._sock, "puller", self.counters, curve=keys is not None,
-                                   curve_allowed=keys.allowed_clients if keys is not None else ())
-        try:
-            self._sock.bind(endpoint)
-        except zmq.ZMQError:
-            self.close()
-            raise
+        self._guard = bind_guarded(self._sock, endpoint, "puller", self.counters, keys)
         self._plain = zmq.Socket.shadow(self._sock.underlying)
         self._bounds = read_bounds(self.limits)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -51,7 +51,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from opentinker.bus.auth import Guard, guard_server
+from opentinker.bus.auth import Guard
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
@@ -60,6 +60,7 @@ from opentinker.bus.common import (
     Counters,
     CurveKeys,
     LogEvery,
+    bind_guarded,
     check_bind,
     configure,
     cut_error,
@@ -199,14 +200,7 @@ class Server:
         # A reply to a peer whose queue is full fails (EAGAIN) instead of vanishing: partials
         # are then dropped and counted, a final reply waits for room (Parked).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._auth = guard_server(sock, self.name, self.counters, curve=self.keys is not None,
-                                  curve_allowed=self.keys.allowed_clients if self.keys is not None else ())
-        try:
-            sock.bind(self._bind_to)
-        except zmq.ZMQError:
-            self._auth.close()
-            sock.close(linger=0)
-            raise
+        self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys)
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
@@ -350,7 +344,7 @@ class Server:
         elif isinstance(msg, Shutdown):
             if peer.name not in self.owners:
                 self.counters["error/not_owner"] += 1
-                log.warning("%s: refused a shutdown from %s (not an owner)", self.name, peer.name)
+                self._log.warning("not_owner", "%s: refused a shutdown from %s (not an owner)", self.name, peer.name)
                 self._send(identity, Error(code=ErrorCode.INVALID, message=(
                     f"{self.name}: Shutdown is only for its owners ({sorted(self.owners)}), not {peer.name!r}")), rid)
                 return

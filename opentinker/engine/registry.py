@@ -153,8 +153,8 @@ class AdapterRegistry(AdapterTable):
         self.pad_id = int(self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0)
         self.vocab_size = int(self.base.config.vocab_size)
         self.max_context = int(getattr(self.base.config, "max_position_embeddings", None) or 2048)
-        self.hidden_size = int(self.base.config.hidden_size)
         """Longest sequence (prompt + reply) the model was built for."""
+        self.hidden_size = int(self.base.config.hidden_size)
         self.base_fingerprint = adapter_io.fingerprint(self.base)
         """Identifies the base weights in saved adapters (:func:`opentinker.engine.adapter_io.fingerprint`)."""
 

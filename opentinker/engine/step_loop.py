@@ -287,7 +287,7 @@ class Engine:
         self._n_twins -= len(twins)
         back: list[Sequence] = []
         started: list[Sequence] = []
-        L = leader.num_prompt
+        L, ns = leader.num_prompt, leader.namespace
         src, dst = [], []
         for t in twins:
             t.leader = None
@@ -295,7 +295,6 @@ class Engine:
                 self._finish(t, None)
                 finished.append(t)
                 continue
-            ns = leader.namespace
             if len(self.running) >= self.max_rows or not self.blocks.can_allocate(ns, t.tokens, t.params.max_tokens):
                 back.append(t)
                 continue
@@ -333,14 +332,12 @@ class Engine:
         """Run one step. Returns ``(progressed, finished)``: rows that drew a token this step,
         and rows that ended (finished, cancelled or dropped), each once."""
         finished: list[Sequence] = []
-        for seq in self.running:
-            if any(t.cancelled for t in seq.twins):
-                for t in [t for t in seq.twins if t.cancelled]:
-                    seq.twins.remove(t)
-                    self._n_twins -= 1
-                    t.leader = None
-                    self._finish(t, None)
-                    finished.append(t)
+        for t in [t for s in self.running for t in s.twins if t.cancelled]:
+            t.leader.twins.remove(t)
+            t.leader = None
+            self._n_twins -= 1
+            self._finish(t, None)
+            finished.append(t)
         for seq in [s for s in self.running if s.cancelled]:
             self.running.remove(seq)
             self._finish(seq, None)
