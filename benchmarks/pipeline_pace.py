@@ -109,7 +109,7 @@ def job_config(args: Args, backend: str) -> JobConfig:
         "train": {"groups_per_step": args.groups, "group_size": args.group_size, "lr": args.lr},
         # The evaluation timed is games against the random opponent only (no logprobs
         # pass for exploitability), so the single-process loop can play the same one.
-        "eval": {"exploitability": False},
+        "eval": {"exact": False},
     })
 
 

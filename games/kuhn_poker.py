@@ -63,6 +63,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.text_env import TextAECEnv
+from games.evaluation import Distribution, ExactMeasure, GameEval
 
 CARDS = "JQK"
 DEALS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))
@@ -363,3 +364,29 @@ def decision_dialogues() -> list[Decision]:
             Decision(state, agent, deal, tuple(observations), tuple(replies), _MOVES[history])
         )
     return out
+
+def _exploitability(dist: Distribution) -> float:
+    """`exploitability` of the policy whose probability of each decision's aggressive move is
+    read from `dist` ({infostate: {move: probability}})."""
+    return exploitability({s: float(dist[s][_MOVES[s[1:]][1]]) for s in INFO_STATES})
+
+
+EVALUATION = GameEval(
+    unit="chips",
+    per="hand",
+    starts=tuple({"deal": d} for d in range(len(DEALS))),
+    scripted=("kuhn_equilibrium",),
+    system_prompt="You are a poker player.",
+    references={"best response to random": 0.458},
+    exact=(
+        ExactMeasure(
+            name="exploitability",
+            decisions=decision_dialogues,
+            value=_exploitability,
+            better="lower",
+            references={"uniform play": 11 / 24, "equilibrium": 0.0},
+            description="exploitability (NashConv/2)",
+        ),
+    ),
+)
+"""The evaluation hook: chips per hand, stratified by the 6 deals, exact exploitability."""

@@ -72,6 +72,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.text_env import TextAECEnv
+from games.evaluation import GameEval
 
 MAX_TEXT = 2048
 FACES = 6
@@ -405,3 +406,7 @@ class CautiousPolicy:
 
 SCRIPTED_POLICIES: dict[str, type] = {"liars_dice_cautious": CautiousPolicy}
 """Scripted policies of this game by name, for `games.scripted.SCRIPTED`."""
+
+EVALUATION = GameEval(unit="points", per="game", scripted=tuple(SCRIPTED_POLICIES),
+                      system_prompt="You are playing liar's dice. Reply with a bid such as \"3 5s\", or with \"liar\".")
+"""The evaluation hook: points per game (zero-sum; the loser -1)."""

@@ -64,6 +64,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.dialogue import DialogueEnv, View, check_decision
+from games.evaluation import GameEval
 
 AGENTS = ("player_0", "player_1")
 ITEMS = ("book", "hat", "ball")
@@ -353,3 +354,11 @@ SCRIPTED_POLICIES: dict[str, type] = {
     "negotiation_greedy": GreedyNegotiator,
 }
 """Scripted policies of this game by name, for `games.scripted.SCRIPTED`."""
+
+EVALUATION = GameEval(
+    unit="points", per="game", scripted=tuple(SCRIPTED_POLICIES),
+    system_prompt=("You negotiate with another player over how to split some items. Keep messages short. To make "
+                   "your final offer, write: propose: books=N hats=N balls=N (the items you take). When you get an "
+                   "offer, reply accept or reject."),
+)
+"""The evaluation hook: points per game; the seat with more points wins a pairing's game."""

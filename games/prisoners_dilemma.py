@@ -66,6 +66,7 @@ from pettingzoo.utils import wrappers
 from pettingzoo.utils.conversions import parallel_to_aec_wrapper
 
 from games.bridge import printable
+from games.evaluation import GameEval
 
 AGENTS = ("player_0", "player_1")
 MAX_TEXT = 1024
@@ -390,3 +391,7 @@ SCRIPTED_POLICIES: dict[str, type] = {
     "pd_always_cooperate": AlwaysCooperatePolicy,
 }
 """Scripted policies of this game by name, for `games.scripted.SCRIPTED`."""
+
+EVALUATION = GameEval(unit="points", per="game", scripted=tuple(SCRIPTED_POLICIES),
+                      system_prompt="You are playing an iterated prisoner's dilemma. Keep every reply short.")
+"""The evaluation hook: points per game; the seat with more points wins a pairing's game."""

@@ -51,6 +51,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.dialogue import DialogueEnv, View, check_decision
+from games.evaluation import GameEval
 
 AGENTS = ("speaker", "listener")
 ATTRIBUTES = (
@@ -199,3 +200,11 @@ class ReferentialPolicy:
 
 SCRIPTED_POLICIES: dict[str, type] = {"referential_heuristic": ReferentialPolicy}
 """Scripted policies of this game by name, for `games.scripted.SCRIPTED`."""
+
+EVALUATION = GameEval(
+    unit="success", per="game", scripted=tuple(SCRIPTED_POLICIES), competitive=False,
+    system_prompt=("You play a cooperative game with objects described by size, color and shape. As the speaker, "
+                   "describe the target in a few words so your partner can pick it out. As the listener, reply "
+                   "with the number of the object the speaker means."),
+)
+"""The evaluation hook: the shared success rate (cooperative: no winner, no ratings)."""

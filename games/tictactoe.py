@@ -60,6 +60,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.text_env import TextAECEnv
+from games.evaluation import GameEval
 
 AGENTS = ("player_x", "player_o")
 MARKS = ("X", "O")
@@ -258,3 +259,7 @@ def env(**kwargs: Any) -> AECEnv[str, dict[str, str], str]:
     """Make the order-enforced tic-tac-toe env (`raw_env(**kwargs)`); Text spaces rule out the
     AssertOutOfBounds wrapper."""
     return wrappers.OrderEnforcingWrapper(raw_env(**kwargs))
+
+EVALUATION = GameEval(unit="score", per="game", scripted=("tictactoe_minimax",),
+                      system_prompt="You are playing tic-tac-toe.")
+"""The evaluation hook: win +1, draw 0, loss -1 per game; the minimax player as a scripted seat."""

@@ -62,6 +62,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.dialogue import DialogueEnv, View, check_decision
+from games.evaluation import GameEval
 
 AGENTS = ("asker", "answerer")
 FIELDS = ("category", "color", "size")
@@ -284,3 +285,11 @@ class TwentyQuestionsPolicy:
 
 SCRIPTED_POLICIES: dict[str, type] = {"twenty_questions_heuristic": TwentyQuestionsPolicy}
 """Scripted policies of this game by name, for `games.scripted.SCRIPTED`."""
+
+EVALUATION = GameEval(
+    unit="score", per="game", scripted=tuple(SCRIPTED_POLICIES), competitive=False,
+    system_prompt=("You play twenty questions as a team. As the asker, ask one short yes/no question per turn "
+                   "about the secret object, or write: guess: <object>. As the answerer, reply yes or no, "
+                   "truthfully."),
+)
+"""The evaluation hook: the shared score (cooperative: no winner, no ratings)."""

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job (no config: the bundled default job)")
-    run.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job (default, tictactoe)")
+    run.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job (opentinker/configs/<name>.toml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
                      "(its config.toml, with any --set, e.g. train.steps=100 to train on)")

@@ -59,8 +59,8 @@ MAX_EPISODES_PER_STEP = 2**14
 episodes to the runners in one message each, and 160,000 episodes made a 17 MB message, past
 the bus's 4 MiB limit on a body."""
 MAX_HANDS_PER_STRATUM = 1000
-"""Evaluation hands per (deal, seat); the default is 34 (408 hands of Kuhn poker, a 95%
-interval of about +-0.1 chips), 1000 gives 12,000 hands (+-0.02)."""
+"""Evaluation games per (start, seat) (the game's evaluation hook has the starts); in the default
+job 34 give 408 games, a 95% interval of about +-0.1 per game, and 1000 give 12,000 (+-0.02)."""
 MAX_LORA_RANK = 4096
 """A rank beyond a layer's width adds nothing; the widest open models are ~16k wide, and
 ranks in use are 8-256."""
@@ -165,7 +165,7 @@ class PolicyConfig(_Config):
         default_factory=lambda: {"random": 1.0})
     """Opponent mix: weight per ``self`` (the policy in both seats), ``base`` (the base model),
     ``past`` (a league snapshot of itself, :class:`LeagueConfig`), a scripted policy of
-    ``games`` (``random``, ``kuhn_equilibrium``, ...) or another policy's name."""
+    ``games`` (``random``, or one the game's evaluation hook lists) or another policy's name."""
     kind: Literal["lora", "full"] = "lora"
     """``lora``: an adapter on the shared base model; ``full``: a private copy of every base
     weight on the same scheduler, AdamW on all of them (LoRA and full-parameter training on
@@ -328,7 +328,9 @@ class EvalConfig(_Config):
     cross_play_per_stratum: Hands = 10
     """A job with several policies: hands per (deal, seat) of every policy against every other
     one, at the first and last eval (the cross-play matrix); 0: none."""
-    exploitability: bool = True
+    exact: bool = True
+    """Compute the game's exact measures at every evaluation (its evaluation hook's ``exact``:
+    e.g. an exploitability); a game without any has nothing to compute."""
 
 
 class RuntimeConfig(_Config):
@@ -385,10 +387,11 @@ class JobConfig(_Config):
     game: Annotated[str, Meta(max_length=256)] = "kuhn_poker_v0"
     game_kwargs: Annotated[dict[str, int | float | str | bool], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=dict)
-    """Keyword arguments of the game's ``env(...)``, e.g. ``{num_players = 4}`` for
-    ``liars_dice_v0`` or ``{max_rounds = 5}`` for ``negotiation_v0``."""
-    system_prompt: Annotated[str, Meta(max_length=MAX_TEXT)] = "You are a poker player."
-    """The system message of every LLM seat (explicit: SmolLM2 injects its own otherwise)."""
+    """Keyword arguments of the game's ``env(...)``, e.g. ``{num_players = 4}`` or
+    ``{board_size = 9}``."""
+    system_prompt: Annotated[str, Meta(max_length=MAX_TEXT)] = ""
+    """The system message of every LLM seat (explicit: SmolLM2 injects its own otherwise);
+    empty: the game's own (its evaluation hook's ``system_prompt``)."""
     out_dir: PathStr = "runs"
     """Run folders are made inside it (``<out_dir>/<run name>``)."""
     model: ModelConfig = ModelConfig()
@@ -441,7 +444,12 @@ class JobConfig(_Config):
             raise ValueError("league.eval_per_stratum: evaluates against league snapshots, and there are none "
                              "(league.snapshot_every = 0)")
         if not self.system_prompt:
-            raise ValueError("system_prompt: must be non-empty (SmolLM2 injects its own otherwise)")
+            import games
+
+            try:
+                msgspec.structs.force_setattr(self, "system_prompt", games.evaluation(self.game).system_prompt)
+            except ValueError as e:
+                raise ValueError(f"game: {e}") from None
         for p in self.policies:
             self.train_for(p.name)
 
@@ -523,7 +531,7 @@ MAX_CONFIG_BYTES = 1 << 20
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> JobConfig:
     """Decode a TOML job file (``None``: the bundled default job; a bare name such as
-    ``tictactoe``: a bundled job), apply overrides (a nested dict), and validate the result.
+    ``default``: a bundled job in ``opentinker/configs/``), apply overrides (a nested dict), and validate the result.
 
     Raises:
         ConfigError: a field that cannot work, as ``<field>: <reason>`` (``config: ...`` for

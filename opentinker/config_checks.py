@@ -59,7 +59,7 @@ def check_config(cfg: JobConfig) -> None:
     cost; raises :class:`ConfigError` (``<field>: <reason>``) for the first field that cannot
     work. ``opentinker run`` and :func:`opentinker.run.run_job` call it before the run folder
     or any actor exists (the decoding in :func:`load_config` has checked types and ranges)."""
-    _check_game(cfg.game, cfg.game_kwargs)
+    _check_game(cfg)
     _check_out_dir(cfg.out_dir)
     cfg.run_dir()  # neither the name nor the game can lead the run folder out of out_dir
     oc = cfg.offline_job()
@@ -98,28 +98,36 @@ def _check_out_dir(out_dir: str) -> None:
         raise ConfigError("out_dir", f"cannot make folders in {str(ancestor)!r} (permission denied)")
 
 
-def _check_game(game: str, kwargs: dict[str, Any]) -> None:
-    """``game`` is registered, its constructor takes every key of ``kwargs``, and it accepts
-    their values (the game is made once, which builds no model and starts nothing)."""
+def _check_game(cfg: JobConfig) -> None:
+    """``game`` is registered or an importable PettingZoo env, its constructor takes every key
+    of ``game_kwargs`` and accepts their values (the game is made once, which builds no model
+    and starts nothing), and every scripted opponent plays it (its evaluation hook)."""
     import inspect
 
     import games
 
-    known = games.names()
-    if game not in known:
-        close = difflib.get_close_matches(game, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError("game", f"{game!r} is not a registered game; {hint}known: {', '.join(known)}")
-    params = inspect.signature(type(games.make(game).unwrapped).__init__).parameters.values()
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        takes = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        for key in kwargs:
-            if key not in takes:
-                raise ConfigError(_kwarg_field(key), f"{game} takes no {key!r}; it takes {', '.join(takes) or 'none'}")
+    game, kwargs = cfg.game, cfg.game_kwargs
     try:
-        games.make(game, **kwargs)
+        games.resolve(game)
+    except ValueError as e:
+        raise ConfigError("game", str(e)) from None
+    if game in games.names():  # a registered game names what it takes
+        params = inspect.signature(type(games.make(game).unwrapped).__init__).parameters.values()
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            takes = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            for key in kwargs:
+                if key not in takes:
+                    raise ConfigError(_kwarg_field(key), f"{game} takes no {key!r}; it takes {', '.join(takes) or 'none'}")
+    try:
+        games.make(game, **kwargs).close()
     except Exception as e:  # noqa: BLE001  (a game's own check of its arguments, whatever it raises)
         raise ConfigError("game_kwargs", f"{game} refuses {kwargs}: {e}") from None
+    plays = {"random", *games.evaluation(game).scripted}
+    for p in cfg.policies:
+        for o in sorted(p.opponents):
+            if o in games.SCRIPTED and o not in plays:
+                raise ConfigError(f"policies[{p.name}].opponents",
+                                  f"the scripted policy {o!r} does not play {game}; the ones that do: {', '.join(sorted(plays))}")
 
 
 def check_model(spec: str) -> ModelInfo:

@@ -24,6 +24,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+import games
 from opentinker.config import JobConfig, to_toml
 from opentinker.config_checks import check_config
 from opentinker.control.checkpoints import (
@@ -126,6 +127,16 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         console.print(f"resumed from {ckpt.folder} (step {ckpt.step})")
     ev = cfg.eval
     final_n = ev.final_hands_per_stratum or ev.hands_per_stratum
+    game_eval = games.evaluation(cfg.game)
+    plain = not console.is_terminal  # a log file, nohup, CI: one plain line per step and evaluation
+
+    def report(step: int, kind: str, m: dict[str, float]) -> str:
+        status = _status(m, policies, kind, game_eval)
+        if plain:
+            console.print(f"step {step}/{cfg.train.steps} {kind}: {status} "
+                          f"({time.perf_counter() - t_start:.0f} s)", highlight=False)
+        return status
+
     feed: EpisodeFeed | None = None
     try:
         with Progress(
@@ -145,21 +156,22 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             if ckpt is None:
                 first = job.coordinator("evaluate", 0, True, final_n, feed.endpoint)
                 log.write(0, "eval", first)
+                report(0, "eval", first)
                 last = first
             else:
                 first, last = ckpt.first_eval, ckpt.last_eval
-            progress.update(task, description="train", status=_status(last, policies, "eval"))
+            progress.update(task, description="train", status=_status(last, policies, "eval", game_eval))
             for step in range(start, cfg.train.steps + 1):
                 m = job.coordinator("train_step", step, feed.endpoint)
                 log.write(step, "train", m)
-                progress.update(task, advance=1, status=_status(m, policies, "train"))
+                progress.update(task, advance=1, status=report(step, "train", m))
                 final = step == cfg.train.steps
                 if final or (ev.every and step % ev.every == 0):
                     progress.update(task, description="eval")
                     last = job.coordinator("evaluate", step, final, final_n if final else ev.hands_per_stratum,
                                            feed.endpoint)
                     log.write(step, "eval", last)
-                    progress.update(task, description="train", status=_status(last, policies, "eval"))
+                    progress.update(task, description="train", status=report(step, "eval", last))
                 if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                     write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
                                      lambda paths: save_learner_states(job.learner_states(), paths), first, last)
@@ -172,10 +184,10 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             feed.close()
         job.shutdown()
         log.close()
-    unit = "chips/hand" if cfg.game == "kuhn_poker_v0" else "reward/game"
-    plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, unit)
-    plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png", unit)
-    console.print(summary_table(first, last, policies, cfg.train.steps, unit))
+    plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)
+    plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png",
+                    game_eval)
+    console.print(summary_table(first, last, policies, cfg.train.steps, game_eval))
     total = time.perf_counter() - t_start
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total,
                                                       "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)},
@@ -203,8 +215,15 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
                      rows=log.rows, info={})
 
 
-def _status(m: dict[str, float], policies: list[str], kind: str) -> str:
+def _status(m: dict[str, float], policies: list[str], kind: str, game_eval: games.GameEval) -> str:
+    """One line about the first policy: its training reward, or its evaluation against random
+    (and the game's exact measures)."""
     p = policies[0]
     if kind == "train":
         return f"reward {m.get(f'train/{p}/reward', float('nan')):+.2f} invalid {m.get(f'train/{p}/invalid_rate', float('nan')):.0%}"
-    return f"eval vs random {m.get(f'eval/{p}/vs_random/chips', float('nan')):+.3f}"
+    unit = game_eval.unit
+    line = f"eval vs random {m.get(f'eval/{p}/vs_random/{unit}', float('nan')):+.3f} {game_eval.label}"
+    for x in game_eval.exact:
+        if f"eval/{p}/{x.name}" in m:
+            line += f", {x.name} {m[f'eval/{p}/{x.name}']:.3f}"
+    return line

@@ -3,8 +3,9 @@ import math
 import numpy as np
 import pytest
 
+import games
 from games import kuhn_poker
-from opentinker.eval.evaluation import SPELLINGS, kuhn_policy_from_logprobs, kuhn_policy_sequences, stratified_mean_ci
+from opentinker.eval.evaluation import SPELLINGS, policy_from_logprobs, policy_sequences, stratified_mean_ci
 
 
 def test_stratified_interval_by_hand():
@@ -18,24 +19,36 @@ def test_stratified_interval_by_hand():
 
 
 def test_policy_from_logprobs_and_uniform_exploitability(chat_tok):
-    seqs, n_reply = kuhn_policy_sequences(chat_tok, "You are a poker player.")
+    # Through the game's evaluation hook, as the coordinator does.
+    measure = games.evaluation("kuhn_poker_v0").measure("exploitability")
+    decisions = measure.decisions()
+    seqs, n_reply = policy_sequences(chat_tok, "You are a poker player.", decisions)
     k = len(SPELLINGS)
     assert len(seqs) == len(n_reply) == 12 * 2 * k
     assert all(s[-1] == chat_tok.eos_id for s in seqs)
     # Each reply is scored by its own tokens only: equal log-probs everywhere -> uniform.
     flat = [np.full(len(s), -0.1, np.float32) for s in seqs]
-    policy, mass = kuhn_policy_from_logprobs(flat, n_reply)
-    assert kuhn_poker.exploitability(policy) == pytest.approx(kuhn_poker.exploitability({s: 0.5 for s in kuhn_poker.INFO_STATES}), abs=0.05)
+    dist, mass = policy_from_logprobs(flat, n_reply, decisions)
+    assert set(dist) == set(kuhn_poker.INFO_STATES)
+    assert all(sum(d.values()) == pytest.approx(1.0) for d in dist.values())
+    assert measure.value(dist) == pytest.approx(kuhn_poker.exploitability({s: 0.5 for s in kuhn_poker.INFO_STATES}), abs=0.05)
     # Put all mass on the aggressive spellings at every state: always bet / call.
     sharp = [np.full(len(s), -0.01 if (i // k) % 2 else -30.0, np.float32) for i, s in enumerate(seqs)]
-    policy, mass = kuhn_policy_from_logprobs(sharp, n_reply)
-    assert all(p > 0.999 for p in policy.values())
-    assert kuhn_poker.exploitability(policy) == pytest.approx(1 / 3, abs=1e-3)
+    dist, mass = policy_from_logprobs(sharp, n_reply, decisions)
+    assert all(d["bet" if "bet" in d else "call"] > 0.999 for d in dist.values())
+    assert measure.value(dist) == pytest.approx(1 / 3, abs=1e-3)
+    # The equilibrium's own probabilities give exploitability 0 through the same path.
+    eq = kuhn_poker.equilibrium_policy(0.2)
+    exact = {d.infostate: {d.legal_moves[0]: 1 - eq[d.infostate], d.legal_moves[1]: eq[d.infostate]} for d in decisions}
+    assert measure.value(exact) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="log-prob rows"):
+        policy_from_logprobs(flat[:-1], n_reply[:-1], decisions)
 
 
 def test_summary_table_has_a_row_per_opponent_in_order():
     from rich.console import Console
 
+    from games import GameEval
     from opentinker.eval.report import summary_table
 
     def ev(x):
@@ -43,13 +56,13 @@ def test_summary_table_has_a_row_per_opponent_in_order():
                 for k, v in (("chips", x), ("ci95", 0.1), ("invalid_rate", 0.5), ("hands", 12))}
 
     console = Console(width=200, record=True)
-    console.print(summary_table(ev(0.25), ev(0.75), ["main"], 3, unit="reward/game"))
+    console.print(summary_table(ev(0.25), ev(0.75), ["main"], 3, GameEval(unit="chips", per="game")))
     text = console.export_text()
     lines = [ln for ln in text.splitlines() if ln.startswith("│") and "vs" in ln]
     labels = [ln.split("│")[2].strip() for ln in lines]
     assert labels == [
-        "reward/game vs random (95% CI)", "games vs random", "invalid replies vs random",
-        "reward/game vs referential_heuristic (95% CI)", "invalid replies vs referential_heuristic",
-        "reward/game vs base model (95% CI)", "invalid replies vs base",
+        "chips/game vs random (95% CI)", "games vs random", "invalid replies vs random",
+        "chips/game vs referential_heuristic (95% CI)", "invalid replies vs referential_heuristic",
+        "chips/game vs base model (95% CI)", "invalid replies vs base",
     ]
     assert "+0.250 ± 0.100" in lines[3] and "+0.750 ± 0.100" in lines[3]

@@ -28,7 +28,7 @@ def _cfg(tmp_path, steps: int, **league) -> JobConfig:
         "train": {"steps": steps, "checkpoint_every": 1, "groups_per_step": 4, "group_size": 2, "lr": 1e-2,
                   "advantage": "gae"},  # a critic: nonzero updates even when every reply forfeits
         "game": "kuhn_poker_v0", "sampling": {"max_tokens": 3},
-        "eval": {"every": 0, "hands_per_stratum": 1, "head_to_head_per_stratum": 0, "exploitability": False},
+        "eval": {"every": 0, "hands_per_stratum": 1, "head_to_head_per_stratum": 0, "exact": False},
         "league": {"snapshot_every": 1, "keep": 2, "eval_per_stratum": 1, **league},
         "policies": [{"name": "main", "opponents": {"past": 3, "random": 1}}],
     }, JobConfig)
@@ -60,7 +60,7 @@ def test_snapshots_come_last_in_the_cross_play_columns_in_step_order():
     from opentinker.eval.report import cross_play_matrix
 
     ev = {f"eval/a/vs_{o}/chips": 0.0 for o in ("a__s10", "base", "a__s2", "random", "b", "kuhn_equilibrium")}
-    assert cross_play_matrix([("x", ev)], ["a", "b"])[1] == [
+    assert cross_play_matrix([("x", ev)], ["a", "b"], "chips")[1] == [
         "random", "kuhn_equilibrium", "base", "b", "a__s2", "a__s10"]
 
 

@@ -41,7 +41,7 @@ def _cfg(**over) -> JobConfig:
         "train": {"groups_per_step": 2, "group_size": 2, "lr": 1e-2},
         "sampling": {"max_tokens": 3},
         "eval": {"hands_per_stratum": 1, "head_to_head_per_stratum": 0, "cross_play_per_stratum": 0,
-                 "exploitability": False},
+                 "exact": False},
         "policies": [{"name": n, "opponents": o, "train": t} for n, (o, t) in POLICIES.items()],
     }
     raw.update(over)

@@ -98,7 +98,7 @@ def _job(tmp_path, **over) -> JobConfig:
         "train": {"steps": 1, "groups_per_step": 4, "group_size": 4, "lr": 1e-2,
                   "advantage": "role_ema", "entropy_coef": 0.01},
         "sampling": {"max_tokens": 4},
-        "eval": {"hands_per_stratum": 1, "head_to_head_per_stratum": 0, "exploitability": False},
+        "eval": {"hands_per_stratum": 1, "head_to_head_per_stratum": 0, "exact": False},
         "policies": [{"name": "main", "opponents": {"random": 1}}],
     }
     raw.update(over)

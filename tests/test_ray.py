@@ -106,3 +106,33 @@ def test_local_job_listens_on_loopback(ray_session, tiny_path):
         assert len(socks) == 1 and socks[0][1] in ("::", "0.0.0.0"), (pid, socks)
     assert sum(1 for pid, *_, ip, _ in listening if pid in actors and ip == "127.0.0.1") >= len(actors)  # our bus
     assert auth_mode == AuthenticationMode.TOKEN
+
+
+def test_a_pettingzoo_env_named_in_a_config_trains_under_ray(ray_session, tiny_path):
+    """``game = "pettingzoo.classic.connect_four_v3"``: every actor makes the bridged env from
+    its name (no code), two training steps run, and it is evaluated against random."""
+    cfg = msgspec.convert(
+        {
+            "game": "pettingzoo.classic.connect_four_v3",
+            "model": {"base": "tiny-random", "threads": 1},
+            "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 120},
+            "train": {"groups_per_step": 2, "group_size": 2},
+            "sampling": {"max_tokens": 3},
+            "eval": {"head_to_head_per_stratum": 0},
+            "policies": [{"name": "main", "opponents": {"random": 1, "self": 1}}],
+        },
+        JobConfig,
+    )
+    assert "connect_four_v3" in cfg.system_prompt  # the bridged env's default hook
+    job = Job(cfg, tiny_path)
+    try:
+        metrics = [job.coordinator("train_step", s) for s in (1, 2)]
+        assert [m["train/main/version"] for m in metrics] == [1, 2]
+        assert sum(m["train/episodes"] for m in metrics) == 2 * 2 * 2
+        assert sum(m["train/main/n_datums"] for m in metrics) >= 2 * 2 * 2
+        ev = job.coordinator("evaluate", 2, False, 1)
+        assert ev["eval/main/vs_random/hands"] == 6 * 2  # 6 blocks of seeds x 2 seats
+        assert -1.0 <= ev["eval/main/vs_random/reward"] <= 1.0
+        assert ev["eval/main/vs_random/wins"] + ev["eval/main/vs_random/draws"] + ev["eval/main/vs_random/losses"] == 12
+    finally:
+        job.shutdown()

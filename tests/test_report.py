@@ -8,6 +8,8 @@ import math
 
 from conftest import read_tensorboard
 
+import games
+
 from opentinker.eval.report import MetricsLog
 
 
@@ -54,16 +56,17 @@ def test_cross_play_matrix_rows_columns_and_values(tmp_path):
                    "a/vs_b": (0.05, 0.3), "b/vs_a": (-0.05, 0.3)})
     last = _eval({"a/vs_random": (0.4, 0.1), "a/vs_kuhn_equilibrium": (-0.1, 0.1), "a/vs_base": (0.9, 0.1),
                   "b/vs_random": (0.2, 0.1), "a/vs_b": (0.3, 0.2), "b/vs_a": (-0.3, 0.2)})
-    rows, cols, mean, ci = cross_play_matrix([("step 0", first), ("step 9", last)], ["a", "b"])
+    kuhn = games.evaluation("kuhn_poker_v0")
+    rows, cols, mean, ci = cross_play_matrix([("step 0", first), ("step 9", last)], ["a", "b"], "chips")
     assert rows == ["a (step 0)", "b (step 0)", "a (step 9)", "b (step 9)"]
     assert cols == ["random", "kuhn_equilibrium", "base", "a", "b"]
     want = np.array([[-0.9, np.nan, 0.0, np.nan, 0.05], [-0.8, np.nan, np.nan, -0.05, np.nan],
                      [0.4, -0.1, 0.9, np.nan, 0.3], [0.2, np.nan, np.nan, -0.3, np.nan]])
     assert np.array_equal(mean, want, equal_nan=True) and ci[2, 2] == 0.1 and np.isnan(ci[1, 2])
-    plot_cross_play([("step 0", first), ("step 9", last)], ["a", "b"], tmp_path / "x.png")
+    plot_cross_play([("step 0", first), ("step 9", last)], ["a", "b"], tmp_path / "x.png", kuhn)
     assert (tmp_path / "x.png").stat().st_size > 10_000
     # The summary table names another policy as one: "vs policy b".
-    labels = [c for col in summary_table(first, last, ["a", "b"], 9).columns[1:2] for c in col._cells]
+    labels = [c for col in summary_table(first, last, ["a", "b"], 9, kuhn).columns[1:2] for c in col._cells]
     assert "chips/hand vs policy b (95% CI)" in labels and "chips/hand vs kuhn_equilibrium (95% CI)" in labels
     assert labels.index("chips/hand vs base model (95% CI)") < labels.index("chips/hand vs policy b (95% CI)")
 

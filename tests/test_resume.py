@@ -26,7 +26,7 @@ def _cfg(tmp_path, steps: int) -> JobConfig:
                   "advantage": "reinforce_ema"},  # a learner with state to carry over
         "game": "referential_v0", "system_prompt": "You play a word game.",
         "sampling": {"max_tokens": 4},
-        "eval": {"every": 0, "hands_per_stratum": 2, "head_to_head_per_stratum": 0, "exploitability": False},
+        "eval": {"every": 0, "hands_per_stratum": 2, "head_to_head_per_stratum": 0, "exact": False},
         "policies": [{"name": "main", "opponents": {"referential_heuristic": 1}}],
     }, JobConfig)
 
@@ -56,7 +56,7 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypat
     tb = read_tensorboard(half.run_dir / "tb")  # two processes' event files, read as TensorBoard does
     want = {(r["step"], round(r["train/main/reward"], 5)) for r in rows if r["kind"] == "train"}
     assert {(s, round(v, 5)) for s, v in tb["train/main/reward"]} == want and len(tb["train/main/reward"]) == 2
-    assert [s for s, _ in tb["eval/main/vs_referential_heuristic/chips"]] == [0, 1, 2]
+    assert [s for s, _ in tb["eval/main/vs_referential_heuristic/success"]] == [0, 1, 2]
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):

@@ -3,7 +3,9 @@ learner and coordinator in one process."""
 
 from __future__ import annotations
 
+import math
 import msgspec
+
 import pytest
 
 from conftest import DEVICE
@@ -101,19 +103,11 @@ def test_evaluation_reports_strata_and_exploitability(job):
         assert 0.0 < ev[f"eval/{p}/exploitability"] < 1.0
 
 
-PARTNERS = {
-    "kuhn_poker_v0": "kuhn_equilibrium", "tictactoe_v0": "tictactoe_minimax",
-    "negotiation_v0": "negotiation_fair", "referential_v0": "referential_heuristic",
-    "twenty_questions_v0": "twenty_questions_heuristic", "liars_dice_v0": "liars_dice_cautious",
-    "prisoners_dilemma_v0": "pd_tit_for_tat",
-}
-"""A scripted seat of each game (every registered game needs one here)."""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("game", __import__("games").names())
 def test_every_game_trains_and_evaluates_through_the_runtime(game, tiny_path):
-    partner = PARTNERS[game]
+    hook = __import__("games").evaluation(game)
+    partner = hook.scripted[0]  # every registered game declares a scripted seat of its own
     cfg = _cfg(game=game, policies=[{"name": "main", "opponents": {"random": 1, "self": 1, partner: 1}}])
     job = Job(cfg, tiny_path)
     try:
@@ -125,7 +119,13 @@ def test_every_game_trains_and_evaluates_through_the_runtime(game, tiny_path):
         for opp in ("random", partner):
             assert ev[f"eval/main/vs_{opp}/hands"] == 6 * n_seats, opp
             assert 0.0 <= ev[f"eval/main/vs_{opp}/invalid_rate"] <= 1.0
-        assert ("eval/main/exploitability" in ev) == (game == "kuhn_poker_v0")
+            assert math.isfinite(ev[f"eval/main/vs_{opp}/{hook.unit}"])  # the metric is named by the game's unit
+            if hook.competitive:  # every game won, drawn or lost
+                assert sum(ev[f"eval/main/vs_{opp}/{k}"] for k in ("wins", "draws", "losses")) == 6 * n_seats
+            else:
+                assert f"eval/main/vs_{opp}/wins" not in ev
+        assert {k.rsplit("/", 1)[1] for k in ev if k.startswith("eval/main/") and k.count("/") == 2} >= {
+            m.name for m in hook.exact}
     finally:
         job.shutdown()
 

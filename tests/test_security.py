@@ -203,8 +203,10 @@ def test_run_job_checks_before_making_its_folder(tmp_path, monkeypatch):
     monkeypatch.undo()  # the real run_job
     from opentinker.run import run_job
 
-    cfg = msgspec.convert({"out_dir": str(tmp_path / "runs"), "game": "../../escape", "model": {"base": "tiny-random"}},
-                          JobConfig)
+    raw = {"out_dir": str(tmp_path / "runs"), "game": "../../escape", "model": {"base": "tiny-random"}}
+    with pytest.raises(msgspec.ValidationError, match=r"^game: '../../escape' is not a registered game"):
+        msgspec.convert(raw, JobConfig)  # the decoder, when it needs the game's own system prompt
+    cfg = msgspec.convert({**raw, "system_prompt": "x"}, JobConfig)
     with pytest.raises(ConfigError, match=r"^game: '../../escape' is not a registered game"):
         run_job(cfg)
     assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == []

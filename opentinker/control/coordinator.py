@@ -15,18 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from games import names as game_names
-from games.kuhn_poker import exploitability
+import games
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
-from opentinker.rollout.episodes import KUHN, game_agents, strata_episodes, train_episodes
-from opentinker.eval.evaluation import (
-    kuhn_policy_from_logprobs,
-    kuhn_policy_sequences,
-    stratified_mean_ci,
-)
+from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
+from opentinker.eval.evaluation import policy_from_logprobs, policy_sequences, stratified_mean_ci
 from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
     CreateAdapter,
@@ -60,9 +55,9 @@ class Coordinator:
         runner_endpoints: list[str],
         learner_endpoints: dict[str, tuple[str, str]],
     ) -> None:
-        if cfg.game not in game_names():
-            raise ValueError(f"game {cfg.game!r} is not registered; known: {game_names()}")
+        games.resolve(cfg.game)  # ValueError naming an unknown game
         game_agents(cfg.game, cfg.game_kwargs)  # ValueError naming a bad game_kwargs
+        self.game_eval = games.evaluation(cfg.game)
         # (opponent names were checked when the config was read: JobConfig.__post_init__)
         self.cfg = cfg
         self.model_path = model_path
@@ -200,22 +195,33 @@ class Coordinator:
 
     def evaluate(self, step: int, head_to_head: bool, hands_per_stratum: int, progress: str = "") -> dict[str, float]:
         """Every policy against the random opponent and against each scripted policy in its
-        opponent mix (stratified over the starts and seats: Kuhn poker's 6 deals), against its
-        league snapshots (``league.eval_per_stratum``; not the one taken at this very step),
+        opponent mix (stratified over the game's starts and seats), against its league
+        snapshots (``league.eval_per_stratum``; not the one taken at this very step),
         optionally (``head_to_head``) against the base model and every other policy of the
-        job, and (Kuhn poker) its exploitability."""
+        job, and the game's exact measures (its evaluation hook). Metrics are
+        ``eval/<policy>/vs_<opponent>/<unit>`` (the hook's unit), ``ci95``, ``invalid_rate``,
+        ``hands`` and, in a competitive game, ``wins`` / ``draws`` / ``losses``."""
         return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum, progress))
 
-    def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> tuple[float, float, float, int]:
+    def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> dict[str, float]:
+        """A pairing's metrics (without the ``eval/<policy>/vs_<opponent>/`` prefix). A game
+        is won when the policy's reward exceeds the mean of the other seats' (drawn when equal)."""
         strata: dict[int, list[float]] = {}
         invalid = turns = 0
+        outcome = np.zeros(3, dtype=np.int64)  # wins, draws, losses
         for spec, s in zip(specs, summaries):
             seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
-            strata.setdefault(spec.group_id, []).append(s.rewards[seat])
+            mine = s.rewards[seat]
+            strata.setdefault(spec.group_id, []).append(mine)
             invalid += s.invalid.get(seat, 0)
             turns += s.turns.get(seat, 0)
+            others = float(np.mean([r for a, r in s.rewards.items() if a != seat]))
+            outcome[0 if mine > others else 1 if mine == others else 2] += 1
         mean, ci = stratified_mean_ci(list(strata.values()))
-        return mean, ci, invalid / max(turns, 1), len(specs)
+        out = {self.game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs))}
+        if self.game_eval.competitive:
+            out.update(wins=float(outcome[0]), draws=float(outcome[1]), losses=float(outcome[2]))
+        return out
 
     async def _evaluate(self, step: int, head_to_head: bool, n: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
@@ -242,21 +248,28 @@ class Coordinator:
             summaries = await self._run(flat, step, train=False, progress=progress)
             by_id = {s.episode_id: s for s in summaries}
             for (label, _, _), specs in zip(jobs, all_specs):
-                mean, ci, inv, hands = self._score(p.name, specs, [by_id[s.episode_id] for s in specs])
-                out[f"eval/{p.name}/vs_{label}/chips"] = mean
-                out[f"eval/{p.name}/vs_{label}/ci95"] = ci
-                out[f"eval/{p.name}/vs_{label}/invalid_rate"] = inv
-                out[f"eval/{p.name}/vs_{label}/hands"] = hands
-            if self.cfg.eval.exploitability and self.cfg.game == KUHN:
-                seqs, n_reply = kuhn_policy_sequences(self.tok, self.cfg.system_prompt)
-                res = await request_split_async(lambda m: self.scheduler.request(m, self.cfg.runtime.timeout_s),
-                                                LogprobsRequest(adapter=p.name, sequences=seqs))
-                assert isinstance(res, LogprobsResult)
-                policy, mass = kuhn_policy_from_logprobs(res.logprobs, n_reply)
-                out[f"eval/{p.name}/exploitability"] = exploitability(policy)
-                out[f"eval/{p.name}/canonical_mass"] = mass
-                out[f"eval/{p.name}/version"] = res.adapter_version
+                scores = self._score(p.name, specs, [by_id[s.episode_id] for s in specs])
+                out.update({f"eval/{p.name}/vs_{label}/{k}": v for k, v in scores.items()})
+            if self.cfg.eval.exact:
+                out.update(await self._exact_measures(p.name))
         out["timing_s/eval"] = time.perf_counter() - t0
+        return out
+
+    async def _exact_measures(self, policy: str) -> dict[str, float]:
+        """The game's exact measures of ``policy`` (``eval/<policy>/<measure>``), from the
+        scheduler's teacher-forced log-probs of every legal move's canonical reply, with the
+        mass on those replies (``canonical_mass``) and the adapter version scored."""
+        out: dict[str, float] = {}
+        for m in self.game_eval.exact:
+            decisions = m.decisions()
+            seqs, n_reply = policy_sequences(self.tok, self.cfg.system_prompt, decisions)
+            res = await request_split_async(lambda q: self.scheduler.request(q, self.cfg.runtime.timeout_s),
+                                            LogprobsRequest(adapter=policy, sequences=seqs))
+            assert isinstance(res, LogprobsResult)
+            dist, mass = policy_from_logprobs(res.logprobs, n_reply, decisions)
+            out[f"eval/{policy}/{m.name}"] = float(m.value(dist))
+            out[f"eval/{policy}/canonical_mass"] = mass
+            out[f"eval/{policy}/version"] = res.adapter_version
         return out
 
     # ----------------------------------------------------------------------------- outputs

@@ -139,7 +139,7 @@ class Job:
             return
         runners = []
         for i in range(cfg.runtime.env_runners):
-            r = self._add(f"env_runner{i}", Component("env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}))
+            r = self._add(f"env_runner{i}", Component("env_runner", self._runner_kwargs(i, ep)))
             runners.append(r.start())
         learners = {}
         for p in cfg.policies:
@@ -153,6 +153,11 @@ class Job:
     def _add(self, name: str, handle: Any) -> Any:
         self._handles[name] = handle
         return handle
+
+    def _runner_kwargs(self, i: int, scheduler_endpoint: str) -> dict[str, Any]:
+        """An env runner's arguments: it may play the registered games and the job's own."""
+        return {"name": f"runner{i}", "scheduler_endpoint": scheduler_endpoint, "model_path": self.model_path,
+                "games": (self.cfg.game,)}
 
     # --------------------------------------------------------------------------- ray
 
@@ -184,7 +189,7 @@ class Job:
         group = {}
         for i in range(cfg.runtime.env_runners):
             group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
-                "env_runner", {"name": f"runner{i}", "scheduler_endpoint": ep, "model_path": self.model_path}, secret))
+                "env_runner", self._runner_kwargs(i, ep), secret))
         for p in cfg.policies:
             group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir), secret))
         eps = start_all(group)

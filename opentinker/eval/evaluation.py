@@ -1,14 +1,14 @@
-"""Evaluation helpers: stratified intervals, and an LLM policy's exact Kuhn exploitability.
+"""Evaluation helpers: stratified intervals, and a policy's exact measures (a game's hook).
 
-* :func:`stratified_mean_ci`: the mean over equally weighted strata (deal x seat) and its 95%
+* :func:`stratified_mean_ci`: the mean over equally weighted strata (start x seat) and its 95%
   normal interval, ``1.96 * sqrt(sum_h s_h^2 / n_h) / H``.
-* :func:`kuhn_policy_sequences` / :func:`kuhn_policy_from_logprobs`: an LLM's probability of
-  each legal action at each of Kuhn poker's 12 information states comes from the
+* :func:`policy_sequences` / :func:`policy_from_logprobs`: an LLM's probability of each legal
+  move at each decision a game's :class:`~games.evaluation.ExactMeasure` lists comes from the
   teacher-forced log-probs of the canonical one-word replies (with the stop token), summed
-  over their spellings ``bet``, ``Bet``, ``bet.``, ``Bet.`` and renormalised over the two
-  legal moves; the policy's exploitability is then exact (``games.kuhn_poker.exploitability``,
-  OpenSpiel's NashConv / 2). The mass the model puts on these replies at all is reported
-  beside it (``canonical_mass``), with the invalid-reply rate of the evaluation games.
+  over their spellings ``bet``, ``Bet``, ``bet.``, ``Bet.`` and renormalised over the legal
+  moves; the measure (e.g. an exploitability, OpenSpiel's NashConv / 2) is then exact.
+  The mass the model puts on these replies at all is reported beside it
+  (``canonical_mass``), with the invalid-reply rate of the evaluation games.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from games import kuhn_poker
+from games.evaluation import DecisionPoint
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
 
 
@@ -40,11 +40,14 @@ SPELLINGS = ("{}", "{}.", "{cap}", "{cap}.")
 """Surface forms of a canonical reply that count as that reply."""
 
 
-def kuhn_policy_sequences(tok: ChatTokenizer, system_prompt: str) -> tuple[list[np.ndarray], list[int]]:
-    """Token sequences (per information state: the passive move's spellings, then the
-    aggressive move's) and, for each, the number of trailing reply tokens that score it."""
+def policy_sequences(
+    tok: ChatTokenizer, system_prompt: str, decisions: Sequence[DecisionPoint]
+) -> tuple[list[np.ndarray], list[int]]:
+    """Token sequences (per decision, per legal move in order, each of its :data:`SPELLINGS`:
+    the decision's dialogue, then the reply and the stop token) and, for each, the number of
+    trailing reply tokens that score it."""
     seqs, n_reply = [], []
-    for d in kuhn_poker.decision_dialogues():
+    for d in decisions:
         r = SeatRenderer(tok, system_prompt)
         for obs, reply in zip(d.observations[:-1], d.replies):
             r.observe(obs)
@@ -60,19 +63,28 @@ def kuhn_policy_sequences(tok: ChatTokenizer, system_prompt: str) -> tuple[list[
     return seqs, n_reply
 
 
-def kuhn_policy_from_logprobs(
-    logprobs: Sequence[np.ndarray], n_reply: Sequence[int]
-) -> tuple[dict[str, float], float]:
-    """``(policy, canonical_mass)``: P(aggressive move) per information state, and the mean
-    probability the model puts on the two canonical replies at all (1 = always canonical)."""
+def policy_from_logprobs(
+    logprobs: Sequence[np.ndarray], n_reply: Sequence[int], decisions: Sequence[DecisionPoint]
+) -> tuple[dict[str, dict[str, float]], float]:
+    """``(distribution, canonical_mass)`` from the per-token log-probs of
+    :func:`policy_sequences`' sequences: ``{infostate: {move: probability}}`` over each
+    decision's legal moves, and the mean probability the model puts on the canonical replies
+    at all (1 = always canonical)."""
     k = len(SPELLINGS)
-    policy: dict[str, float] = {}
+    expected = k * sum(len(d.legal_moves) for d in decisions)
+    if len(logprobs) != expected or len(n_reply) != expected:
+        raise ValueError(f"{len(logprobs)} log-prob rows and {len(n_reply)} reply lengths for {expected} scored "
+                         f"replies of {len(decisions)} decisions")
+    dist: dict[str, dict[str, float]] = {}
     mass = []
-    for i, state in enumerate(kuhn_poker.INFO_STATES):
-        lp = [float(np.sum(logprobs[j][-n_reply[j]:])) for j in range(2 * k * i, 2 * k * (i + 1))]
+    j = 0
+    for d in decisions:
+        lp = [float(np.sum(logprobs[i][-n_reply[i]:])) for i in range(j, j + k * len(d.legal_moves))]
+        j += k * len(d.legal_moves)
         top = max(lp)
         w = [math.exp(x - top) for x in lp]
-        passive, aggressive = sum(w[:k]), sum(w[k:])
-        policy[state] = aggressive / (passive + aggressive)
-        mass.append(math.exp(top) * (passive + aggressive))
-    return policy, float(np.mean(mass))
+        per_move = [sum(w[m * k:(m + 1) * k]) for m in range(len(d.legal_moves))]
+        total = sum(per_move)
+        dist[d.infostate] = {move: p / total for move, p in zip(d.legal_moves, per_move)}
+        mass.append(math.exp(top) * total)
+    return dist, float(np.mean(mass))

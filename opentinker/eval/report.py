@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from games.evaluation import GameEval
 from opentinker.config import SNAPSHOT_SUFFIX
 
 
 class MetricsLog:
     """Appends one JSON object per line, ``{"step": s, "kind": "train"|"eval", ...}``, to
     ``path``, and every finite number of the row as a TensorBoard scalar (tag = the metric's
-    name, e.g. ``eval/main/vs_random/chips``) to ``tb/`` beside it (``tensorboard --logdir runs``).
+    name, e.g. ``eval/main/vs_random/hands``) to ``tb/`` beside it (``tensorboard --logdir runs``).
     Both are on disk when :meth:`write` returns.
 
     Args:
@@ -90,24 +91,25 @@ def _clean(v: Any) -> Any:
     return v
 
 
-KUHN_BEST_VS_RANDOM = 0.458
-"""Chips per hand of a best response to the uniformly random Kuhn poker player."""
-
-
-def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: Path,
-                         game: str = "kuhn_poker_v0", unit: str = "chips/hand") -> None:
+def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: Path, game: str,
+                         game_eval: GameEval) -> None:
     """Reward against the random opponent (eval, with 95% bands) and the training reward per
-    step, plus the invalid-reply rate, one colour per policy."""
+    step, plus the invalid-reply rate, one colour per policy; and, for a game with exact
+    measures (its evaluation hook, e.g. an exploitability), each measure over steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    key = game_eval.unit
+    measures = [m for m in game_eval.exact
+                if any(r.get(f"eval/{p}/{m.name}") is not None for r in rows for p in policies)]
+    fig, axes = plt.subplots(1, 2 + len(measures), figsize=(11 + 4.5 * len(measures), 4))
+    ax, ax2 = axes[0], axes[1]
     for i, p in enumerate(policies):
         color = f"C{i % 10}"
         tr = [r for r in rows if r["kind"] == "train" and r.get(f"train/{p}/reward") is not None]
-        ev = [r for r in rows if r["kind"] == "eval" and r.get(f"eval/{p}/vs_random/chips") is not None]
+        ev = [r for r in rows if r["kind"] == "eval" and r.get(f"eval/{p}/vs_random/{key}") is not None]
         if tr:
             x, y = [r["step"] for r in tr], [r[f"train/{p}/reward"] for r in tr]
             ax.plot(x, y, alpha=0.2, color=color)
@@ -118,28 +120,38 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
                      label=f"{p}: train")
         if ev:
             x = [r["step"] for r in ev]
-            y = [r[f"eval/{p}/vs_random/chips"] for r in ev]
+            y = [r[f"eval/{p}/vs_random/{key}"] for r in ev]
             ci = [r.get(f"eval/{p}/vs_random/ci95") or 0.0 for r in ev]
             ax.plot(x, y, "o--", color=color, label=f"{p}: eval vs random (95% CI)")
             ax.fill_between(x, [a - b for a, b in zip(y, ci)], [a + b for a, b in zip(y, ci)], color=color, alpha=0.15)
             ax2.plot(x, [r[f"eval/{p}/vs_random/invalid_rate"] for r in ev], "o--", color=color, label=f"{p}: eval")
     ax.axhline(0.0, color="grey", lw=0.8)
-    if game == "kuhn_poker_v0":
-        ax.axhline(KUHN_BEST_VS_RANDOM, color="green", lw=0.8, ls="--",
-                   label=f"best response to random (+{KUHN_BEST_VS_RANDOM})")
-    ax.set(xlabel="training step", ylabel=unit, title=f"{game}: learning curve")
+    for j, (name, level) in enumerate(game_eval.references.items()):
+        ax.axhline(level, color="green", lw=0.8, ls=("--", ":", "-.")[j % 3], label=f"{name} ({level:+.3f})")
+    ax.set(xlabel="training step", ylabel=game_eval.label, title=f"{game}: learning curve")
     ax.legend(fontsize=7)
     ax2.set(xlabel="training step", ylabel="invalid-reply rate", title="Invalid replies", ylim=(-0.02, 1.02))
     ax2.legend(fontsize=7)
+    for m, axm in zip(measures, axes[2:]):
+        for i, p in enumerate(policies):
+            pts = [(r["step"], r[f"eval/{p}/{m.name}"]) for r in rows
+                   if r["kind"] == "eval" and r.get(f"eval/{p}/{m.name}") is not None]
+            if pts:
+                axm.plot(*zip(*pts), "o-", color=f"C{i % 10}", label=p)
+        for j, (name, level) in enumerate(m.references.items()):
+            axm.axhline(level, color="grey", lw=0.8, ls=("--", ":", "-.")[j % 3], label=f"{name} ({level:.3f})")
+        axm.set(xlabel="training step", ylabel=m.name, title=f"{m.name} ({m.better} is better)")
+        axm.set_ylim(bottom=min(0.0, axm.get_ylim()[0]))
+        axm.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def opponents_of(ev: dict[str, Any], policy: str, policies: list[str]) -> list[str]:
+def opponents_of(ev: dict[str, Any], policy: str, policies: list[str], unit: str) -> list[str]:
     """The opponents ``policy`` was evaluated against in ``ev``, in the order random, the
     scripted policies, the base model, the job's other policies, league snapshots (by step)."""
-    found = {k.split("/")[2][3:] for k in ev if k.startswith(f"eval/{policy}/vs_") and k.endswith("/chips")}
+    found = {k.split("/")[2][3:] for k in ev if k.startswith(f"eval/{policy}/vs_") and k.endswith(f"/{unit}")}
     return _ordered(found, policies)
 
 
@@ -151,12 +163,13 @@ def _ordered(found: set[str], policies: list[str]) -> list[str]:
     return [o for o in ("random", *scripted, "base") if o in found] + others + snaps
 
 
-def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[str]
+def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[str], unit: str
                       ) -> tuple[list[str], list[str], np.ndarray, np.ndarray]:
     """Rows ``"<policy> (<label>)"`` for each evaluation ``(label, eval row)`` and policy;
     columns every opponent any of them met (:func:`opponents_of` order). Returns the labels
-    and ``mean``, ``ci95``: float arrays ``[rows, cols]``, NaN where a pair was not played."""
-    cols = _ordered({o for _, ev in evals for p in policies for o in opponents_of(ev, p, policies)}, policies)
+    and ``mean``, ``ci95``: float arrays ``[rows, cols]`` of the metric ``unit`` (the game's
+    evaluation hook), NaN where a pair was not played."""
+    cols = _ordered({o for _, ev in evals for p in policies for o in opponents_of(ev, p, policies, unit)}, policies)
     rows = []
     mean = np.full((len(evals) * len(policies), len(cols)), np.nan)
     ci = mean.copy()
@@ -165,7 +178,7 @@ def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[st
             r = i * len(policies) + j
             rows.append(f"{p} ({label})")
             for c, o in enumerate(cols):
-                for arr, key in ((mean, "chips"), (ci, "ci95")):
+                for arr, key in ((mean, unit), (ci, "ci95")):
                     v = ev.get(f"eval/{p}/vs_{o}/{key}")
                     if v is not None:
                         arr[r, c] = v
@@ -173,7 +186,7 @@ def cross_play_matrix(evals: list[tuple[str, dict[str, Any]]], policies: list[st
 
 
 def plot_cross_play(evals: list[tuple[str, dict[str, Any]]], policies: list[str], path: Path,
-                    unit: str = "chips/hand") -> None:
+                    game_eval: GameEval) -> None:
     """Heat map of :func:`cross_play_matrix`: each policy (before and after training) against
     each opponent, mean reward per game with its 95% half width; blank: not played."""
     import matplotlib
@@ -181,7 +194,8 @@ def plot_cross_play(evals: list[tuple[str, dict[str, Any]]], policies: list[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, cols, mean, ci = cross_play_matrix(evals, policies)
+    rows, cols, mean, ci = cross_play_matrix(evals, policies, game_eval.unit)
+    unit = game_eval.label
     if not cols:
         return
     fig, ax = plt.subplots(figsize=(max(6.5, 2.5 + 1.3 * len(cols)), max(3.2, 1.6 + 0.55 * len(rows))))
@@ -203,7 +217,7 @@ def plot_cross_play(evals: list[tuple[str, dict[str, Any]]], policies: list[str]
 
 
 def summary_table(
-    first: dict[str, float], last: dict[str, float], policies: list[str], steps: int, unit: str = "chips/hand"
+    first: dict[str, float], last: dict[str, float], policies: list[str], steps: int, game_eval: GameEval
 ) -> Table:
     """Untrained start and trained policy side by side (rows a game does not report are left out)."""
     table = Table(title="OpenTinker: untrained start vs trained policy")
@@ -225,18 +239,17 @@ def summary_table(
         return f"{v:.4f}"
 
     for p in policies:
-        opponents = opponents_of({**first, **last}, p, policies)
+        opponents = opponents_of({**first, **last}, p, policies, game_eval.unit)
         rows = []
         for o in opponents:
             name = "base model" if o == "base" else f"policy {o}" if o in policies else o
-            rows += [(f"{unit} vs {name} (95% CI)", f"eval/{p}/vs_{o}/chips", f"eval/{p}/vs_{o}/ci95", False)]
+            rows += [(f"{game_eval.label} vs {name} (95% CI)", f"eval/{p}/vs_{o}/{game_eval.unit}",
+                      f"eval/{p}/vs_{o}/ci95", False)]
             if o == "random":
-                rows += [(f"{'hands' if unit == 'chips/hand' else 'games'} vs random", f"eval/{p}/vs_random/hands", None, False)]
+                rows += [(f"{game_eval.per}s vs random", f"eval/{p}/vs_random/hands", None, False)]
             rows += [(f"invalid replies vs {o}", f"eval/{p}/vs_{o}/invalid_rate", None, True)]
-        rows += [
-            ("exploitability (NashConv/2)", f"eval/{p}/exploitability", None, False),
-            ("prob. mass on canonical replies", f"eval/{p}/canonical_mass", None, False),
-        ]
+        rows += [(m.description or m.name, f"eval/{p}/{m.name}", None, False) for m in game_eval.exact]
+        rows += [("prob. mass on canonical replies", f"eval/{p}/canonical_mass", None, False)]
         for label, key, ci, pct in rows:
             if key not in first and key not in last:
                 continue

@@ -42,9 +42,12 @@ class EnvRunner:
 
     def __init__(
         self, name: str, scheduler_endpoint: str, model_path: str, endpoint: str = LOOPBACK,
-        sample_timeout_s: float = 900.0,
+        sample_timeout_s: float = 900.0, games: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.games = frozenset(games)
+        """Games beside the registered ones that episodes may name (the job's imported
+        PettingZoo env): a message never makes a runner import a module it was not given."""
         self.scheduler_endpoint = scheduler_endpoint
         self.model_path = model_path
         self.sample_timeout_s = sample_timeout_s
@@ -76,8 +79,8 @@ class EnvRunner:
         if not isinstance(msg, RunEpisodes):
             raise ValueError(f"an env runner does not serve {type(msg).__name__}")
         for spec in msg.episodes:
-            if spec.game not in games.names():
-                raise ValueError(f"unknown game {spec.game!r}; known: {games.names()}")
+            if spec.game not in self.games and spec.game not in games.names():
+                raise ValueError(f"unknown game {spec.game!r}; known: {[*games.names(), *sorted(self.games)]}")
         for name, ep in msg.learners.items():
             if name not in self.pushers:
                 self.pushers[name] = Pusher(self.loop.ctx, ep)

@@ -16,7 +16,6 @@ import msgspec
 import numpy as np
 
 import games
-from games.kuhn_poker import DEALS
 from games.scripted import SCRIPTED
 from opentinker.config import JobConfig, league_pool
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
@@ -34,7 +33,6 @@ from protocols.messages import (
     Turn,
 )
 
-KUHN = "kuhn_poker_v0"
 MAX_AGENT_STEPS = 1000
 """Upper bound on agent-steps in one episode: a game that runs longer is an error."""
 
@@ -78,12 +76,10 @@ def _game_agents(game: str, kwargs: tuple) -> tuple[str, ...]:
         raise ValueError(f"game_kwargs {dict(kwargs)} for {game}: {e}") from None
 
 
-def eval_starts(game: str) -> list[dict[str, int]]:
-    """The strata of an evaluation: game kwargs of each start. Kuhn poker has 6 deals; other
-    games are stratified by seat only (6 blocks of seeds each)."""
-    if game == KUHN:
-        return [{"deal": d} for d in range(len(DEALS))]
-    return [{} for _ in range(6)]
+def eval_starts(game: str) -> list[dict]:
+    """The strata of an evaluation: game kwargs of each start, from the game's evaluation
+    hook (by default 6 blocks of seeds, each played from every seat)."""
+    return [dict(kw) for kw in games.evaluation(game).starts]
 
 
 def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
@@ -126,7 +122,7 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
 
 
 def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, first_id: int) -> list[EpisodeSpec]:
-    """Evaluation episodes: ``n`` per (start, seat) (Kuhn poker: per deal and seat), the
+    """Evaluation episodes: ``n`` per (start, seat) (:func:`eval_starts`), the
     policy in that seat and ``opponent`` in every other; the same seeds every time, so
     evaluations before and after training are paired. ``group_id`` is the stratum."""
     agents = game_agents(cfg.game, cfg.game_kwargs)

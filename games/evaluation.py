@@ -1,0 +1,100 @@
+"""The evaluation hook: what a game tells the runtime about measuring a policy in it.
+
+A game declares a :class:`GameEval` beside its rules and registers it with the game
+(``games.register(name, factory, evaluation=...)``); ``games.evaluation(name)`` returns it, and
+a default one for a game that declares none (a bridged PettingZoo env). The runtime reads only
+this: it never names a game.
+
+* ``unit`` / ``per``: what a seat's total reward counts ("chips" per "hand", "points" per
+  "game"); ``unit`` names the metric (``eval/<policy>/vs_<opponent>/<unit>``).
+* ``starts``: the strata of an evaluation, one dict of game kwargs per start (Kuhn poker: its
+  6 deals); each start is played from every seat, with the same seeds every time.
+* ``scripted``: the scripted seats (``games.SCRIPTED``) that can play this game, beside
+  ``random`` which plays every game.
+* ``competitive``: seats are opponents, so a game has a winner (the seat with the larger
+  reward) and pairings feed ratings; False for a cooperative game.
+* ``references``: reference levels of the reward for plots (Kuhn: a best response to random).
+* ``exact``: exact measures of a policy computed from its action probabilities at a list of
+  decisions (Kuhn poker's exploitability): :class:`ExactMeasure`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+
+class DecisionPoint(Protocol):
+    """One decision as the deciding seat lives it (for teacher-forced scoring)."""
+
+    infostate: str
+    """The decision's key (an information state)."""
+    observations: tuple[str, ...]
+    """The seat's user messages in order; the last one asks for this decision."""
+    replies: tuple[str, ...]
+    """The seat's earlier replies (one fewer than ``observations``)."""
+    legal_moves: tuple[str, ...]
+    """The canonical one-word replies of the legal moves."""
+
+
+Distribution = Mapping[str, Mapping[str, float]]
+"""``{infostate: {move: probability}}``, each inner mapping summing to 1 over the legal moves."""
+
+
+@dataclass(frozen=True)
+class ExactMeasure:
+    """A number computed exactly from a policy's action probabilities at ``decisions()``.
+
+    The runtime scores every legal move's canonical reply at every decision (teacher-forced
+    log-probabilities), renormalises over the legal moves, and calls ``value`` with the
+    resulting :data:`Distribution`; the metric is ``eval/<policy>/<name>``."""
+
+    name: str
+    decisions: Callable[[], Sequence[DecisionPoint]]
+    value: Callable[[Distribution], float]
+    better: Literal["lower", "higher"] = "lower"
+    references: Mapping[str, float] = field(default_factory=dict)
+    """Reference levels for plots, e.g. ``{"uniform play": 0.458, "equilibrium": 0.0}``."""
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class GameEval:
+    """How a game is evaluated; see the module docstring."""
+
+    unit: str = "reward"
+    per: str = "game"
+    starts: tuple[Mapping[str, Any], ...] = ({},) * 6
+    scripted: tuple[str, ...] = ()
+    competitive: bool = True
+    system_prompt: str = "You are playing a game. Reply with your move only."
+    references: Mapping[str, float] = field(default_factory=dict)
+    exact: tuple[ExactMeasure, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.unit.isidentifier():
+            raise ValueError(f"GameEval.unit must be an identifier (it names a metric), got {self.unit!r}")
+        if not self.starts:
+            raise ValueError("GameEval.starts needs at least one start")
+        if not self.system_prompt:
+            raise ValueError("GameEval.system_prompt must be non-empty")
+
+    @property
+    def label(self) -> str:
+        """The unit as an axis label, e.g. ``chips/hand``."""
+        return f"{self.unit}/{self.per}"
+
+    def measure(self, name: str) -> ExactMeasure:
+        """The exact measure called ``name`` (``KeyError`` naming the ones there are)."""
+        for m in self.exact:
+            if m.name == name:
+                return m
+        raise KeyError(f"no exact measure {name!r}; this game has {[m.name for m in self.exact] or 'none'}")
+
+
+def with_defaults(ev: GameEval | None, *, system_prompt: str | None = None) -> GameEval:
+    """``ev``, or the default :class:`GameEval` (with ``system_prompt`` when given)."""
+    if ev is not None:
+        return ev
+    return GameEval(system_prompt=system_prompt) if system_prompt else GameEval()
