@@ -303,6 +303,18 @@ def league_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
     return [f"{policy}__s{s}" for s in range(every, step, every)][-cfg.league.keep:]
 
 
+def opponent_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
+    """Who ``past`` can be for ``policy`` at step ``step``: its league snapshots
+    (:func:`league_pool`) and, with ``league.pool = "all"``, every other policy of the job and
+    its snapshots."""
+    pool = league_pool(cfg, policy, step)
+    if cfg.league.pool == "all":
+        for q in cfg.policies:
+            if q.name != policy:
+                pool += [q.name, *league_pool(cfg, q.name, step)]
+    return pool
+
+
 SCHEDULE_FIELDS = ("steps", "checkpoint_every", "groups_per_step", "group_size", "record_trajectories")
 """``[train]`` fields that every policy shares (the others a policy may override)."""
 
@@ -329,6 +341,13 @@ class EvalConfig(_Config):
     """A job with several policies: hands per (deal, seat) of every policy against every other
     one, at the first and last eval (the cross-play matrix); 0: none."""
     exact: bool = True
+    ratings: bool = True
+    """In a competitive game, rate every evaluated pairing: a Bradley-Terry fit of each
+    evaluation's games (``ratings/bt/<player>``, log-odds against ``random`` = 0, with a 95%
+    bootstrap interval) and a running openskill table over the run
+    (``ratings/openskill/<player>``); ``ratings.png`` and the final table show them."""
+    rating_bootstrap: Annotated[int, Meta(ge=0, le=10_000)] = 200
+    """Bootstrap resamples of each Bradley-Terry fit (0: no interval)."""
     """Compute the game's exact measures at every evaluation (its evaluation hook's ``exact``:
     e.g. an exploitability); a game without any has nothing to compute."""
 
@@ -366,9 +385,21 @@ class OfflineConfig(_Config):
 class LeagueConfig(_Config):
     """Past selves as opponents (fictitious self-play): every ``snapshot_every`` steps each
     policy's adapter is frozen on the scheduler as ``<policy>__s<step>``; the opponent
-    ``past`` in a policy's mix is one of its ``keep`` newest snapshots, drawn uniformly (itself
-    before the first snapshot). Which snapshots exist at a step follows from the config, so
-    episodes stay a pure function of the config and the step, and ``--resume`` restores them."""
+    ``past`` in a policy's mix is drawn from its pool (:func:`opponent_pool`: its ``keep``
+    newest snapshots, or with ``pool = "all"`` also the job's other policies and their
+    snapshots; itself before the first snapshot) by ``matchmaking``: ``uniform``, or
+    prioritized fictitious self-play (AlphaStar) on the coordinator's estimate of the win
+    probability against each (``hard``: weight (1 - p)^``pfsp_power``, the opponents it loses
+    to; ``variance``: p (1 - p), those of its own strength). Which snapshots exist at a step
+    follows from the config; the win-rate estimates are saved with every checkpoint, so
+    ``--resume`` draws the same opponents."""
+
+    matchmaking: Literal["uniform", "hard", "variance"] = "uniform"
+    pool: Literal["own", "all"] = "own"
+    pfsp_power: Annotated[float, Meta(gt=0, le=10)] = 2.0
+    win_rate_decay: Annotated[float, Meta(gt=0, le=1)] = 0.9
+    """Each step's games against an opponent count 1, the previous step's ``win_rate_decay``,
+    and so on (a memory of about ``1 / (1 - win_rate_decay)`` steps); 1: plain counts."""
 
     snapshot_every: Steps = 0
     """Freeze every policy after each this many steps; 0: no league."""

@@ -1,8 +1,9 @@
-"""The driver of ``opentinker run``: start a job, train with a progress bar, evaluate, and
-write ``runs/<name>/`` (resolved config, ``metrics.jsonl`` and TensorBoard events in ``tb/``,
-adapters in PEFT format, checkpoints, recorded trajectories, the learning-curve and
-cross-play PNGs, sample transcripts, and ``summary.json``: the first and last evaluations, the
-adapter paths, the wall time)."""
+"""The driver of ``opentinker run``: start a job, train with a progress bar (plain lines when
+stdout is not a terminal), evaluate, and write ``runs/<name>/`` (resolved config,
+``metrics.jsonl`` and TensorBoard events in ``tb/``, adapters in PEFT format, checkpoints,
+recorded trajectories, the learning-curve and cross-play PNGs, ``ratings.png`` in a
+competitive game, sample transcripts, and ``summary.json``: the first and last evaluations,
+the adapter paths, the wall time)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ from opentinker.eval.report import (
     MetricsLog,
     plot_cross_play,
     plot_learning_curves,
+    rating_history,
+    ratings_table,
     summary_table,
 )
+from opentinker.eval.ratings import plot_ratings
 from opentinker.machine import machine
 from opentinker.progress import EpisodeFeed
 
@@ -188,6 +192,10 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png",
                     game_eval)
     console.print(summary_table(first, last, policies, cfg.train.steps, game_eval))
+    history = rating_history(log.rows)
+    if history:
+        plot_ratings(history, run_dir / "ratings.png")
+        console.print(ratings_table(last, cfg.train.steps))
     total = time.perf_counter() - t_start
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total,
                                                       "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)},

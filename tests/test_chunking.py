@@ -376,6 +376,7 @@ def test_an_evaluation_in_slices_plays_and_scores_the_same(scheduler, tiny_path,
     try:
         coord.start()
         specs = strata_episodes(cfg, "main", PolicyRef(kind=PolicyKind.SCRIPTED, name="random"), 2, 1 << 41)
+        league0 = coord.league_state()  # the running ratings: both evaluations start from the same table
         want_eval = coord.evaluate(1, False, 1)
         want_run = coord.loop.run(coord._run(specs, 1, train=False))
         base = dict(scheduler.server.counters)
@@ -386,6 +387,7 @@ def test_an_evaluation_in_slices_plays_and_scores_the_same(scheduler, tiny_path,
             coord.runners = [Client(coord.loop.ctx, sliced_ep, name="coordinator->sliced")]
 
         coord.loop.run(to_sliced())
+        coord.load_league_state(league0)
         with monkeypatch.context() as m:
             m.setattr(codec, "DEFAULT_LIMITS", TINY)
             got_eval = coord.evaluate(1, False, 1)

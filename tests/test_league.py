@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 from opentinker.cli import main
 from opentinker.config import JobConfig, league_pool
+from opentinker.eval.ratings import RunningRatings, outcomes_of
 from opentinker.rollout.episodes import train_episodes
 from opentinker.run import run_job
 from protocols.messages import PolicyKind
@@ -70,7 +71,7 @@ def _tensors(folder):
 
 @pytest.mark.slow
 def test_a_league_run_snapshots_evaluates_and_resumes_bit_for_bit(tmp_path, tiny_path, monkeypatch):
-    straight = run_job(_cfg(tmp_path / "a", 3), run_dir=tmp_path / "a" / "run")
+    straight = run_job(_cfg(tmp_path / "a", 3, matchmaking="hard"), run_dir=tmp_path / "a" / "run")
     adapters = straight.run_dir / "adapters"
     assert sorted(p.name for p in (adapters / "league").iterdir()) == ["main__s2", "main__s3"]  # keep = 2: s1 dropped
     rows = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -92,7 +93,12 @@ def test_a_league_run_snapshots_evaluates_and_resumes_bit_for_bit(tmp_path, tiny
     assert moved == any((s2["adapter_model.safetensors"][k] != s3["adapter_model.safetensors"][k]).any()
                         for k in s2["adapter_model.safetensors"])
 
-    half = run_job(_cfg(tmp_path / "b", 2), run_dir=tmp_path / "b" / "run")
+    # PFSP's win rates come from the training games against snapshots; ratings from evaluations.
+    assert any(k.startswith("league/main/p_win/main__s") for k in trains[2])
+    assert last["ratings/bt/random"] == 0.0 and "ratings/bt/main__s2" in last and "ratings/openskill/main" in last
+    assert (straight.run_dir / "ratings.png").stat().st_size > 10_000
+
+    half = run_job(_cfg(tmp_path / "b", 2, matchmaking="hard"), run_dir=tmp_path / "b" / "run")
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--resume", str(half.run_dir), "--set", "train.steps=3"]) == 0
     a, b = _tensors(adapters / "main"), _tensors(half.run_dir / "adapters" / "main")
@@ -101,3 +107,35 @@ def test_a_league_run_snapshots_evaluates_and_resumes_bit_for_bit(tmp_path, tiny
         for key in a[name]:
             assert (a[name][key] == b[name][key]).all(), (name, key)
     assert sorted(p.name for p in (half.run_dir / "adapters" / "league").iterdir()) == ["main__s2", "main__s3"]
+    # The win rates were restored bit for bit and went on identically; so were the ratings
+    # (the half run's own final evaluation at step 2 rated more games than the straight run's).
+    state = json.loads((adapters / "league_state.json").read_text())
+    resumed = json.loads((half.run_dir / "adapters" / "league_state.json").read_text())
+    assert state["win_rates"] == resumed["win_rates"] and state["win_rates"]["counts"]["main"]
+    saved = json.loads((half.run_dir / "checkpoints" / "step_2" / "adapters" / "league_state.json").read_text())
+    table = RunningRatings.from_state(saved["ratings"])
+    evals = [json.loads(line) for line in (half.run_dir / "metrics.jsonl").read_text().splitlines()]
+    table.update(outcomes_of([r for r in evals if r["kind"] == "eval"][-1]))
+    assert table.state() == resumed["ratings"] and resumed["ratings"]["n_games"] > saved["ratings"]["n_games"]
+
+
+def test_prioritized_matchmaking_draws_by_the_win_rates(tmp_path):
+    from opentinker.rollout.matchmaking import WinRates
+
+    cfg = _cfg(tmp_path, 9, keep=5, matchmaking="hard")
+    wr = WinRates()
+    wr.update("main", "main__s1", wins=50, draws=0, losses=0)  # beaten: rarely drawn
+    wr.update("main", "main__s2", wins=0, draws=0, losses=50)  # the one it loses to: mostly
+
+    def drawn(cfg, win_rates):
+        names = [spec.seats[a].name for step in range(4, 9) for spec in train_episodes(cfg, step, win_rates)
+                 for a in spec.seats if spec.seats[a].name.startswith("main__s")]
+        return {n: names.count(n) / len(names) for n in set(names)}
+
+    hard = drawn(cfg, wr)
+    assert hard["main__s2"] > 0.5 > hard.get("main__s1", 0.0)
+    uniform = drawn(_cfg(tmp_path, 9, keep=5), wr)  # uniform ignores the estimates: today's draws
+    assert uniform == drawn(_cfg(tmp_path, 9, keep=5), None)
+    assert uniform["main__s2"] < 0.3 and hard.get("main__s1", 0.0) < uniform["main__s1"] / 2
+    everyone = _cfg(tmp_path, 9, keep=5, pool="all")
+    assert league_pool(everyone, "main", 4) == ["main__s1", "main__s2", "main__s3"]

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from opentinker.control.matchmaking import WinRates, draw_opponent, pfsp_weights
+from opentinker.rollout.matchmaking import WinRates, draw_opponent, pfsp_weights
 
 POOL = ["main__s10", "main__s20", "main__s30", "main__s40"]
 

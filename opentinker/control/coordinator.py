@@ -8,6 +8,7 @@ the number of episodes.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import time
@@ -20,8 +21,10 @@ from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
-from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
 from opentinker.eval.evaluation import policy_from_logprobs, policy_sequences, stratified_mean_ci
+from opentinker.eval.ratings import RunningRatings, bradley_terry, outcomes_of
+from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
+from opentinker.rollout.matchmaking import WinRates
 from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
     CreateAdapter,
@@ -44,6 +47,18 @@ from protocols.messages import (
 )
 
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
+LEAGUE_STATE = "league_state.json"
+"""Beside the saved adapters: the matchmaking win rates and the running ratings."""
+RATING_ANCHOR = "random"
+"""The player every rating is relative to (it plays every game)."""
+
+
+def game_result(rewards: dict[str, float], seat: str) -> int:
+    """0 (won), 1 (drawn) or 2 (lost) for ``seat``: won when its reward exceeds the mean
+    reward of the other seats."""
+    mine = rewards[seat]
+    others = float(np.mean([r for a, r in rewards.items() if a != seat]))
+    return 0 if mine > others else 1 if mine == others else 2
 
 
 class Coordinator:
@@ -71,6 +86,10 @@ class Coordinator:
         self.transcripts: list[str] = []
         self.league: dict[str, list[str]] = {p.name: [] for p in cfg.policies}
         """Policy -> its league snapshots on the scheduler, oldest first."""
+        self.win_rates = WinRates(decay=cfg.league.win_rate_decay)
+        """Matchmaking's estimates of P[policy beats opponent] from training games."""
+        self.ratings = RunningRatings(anchor=RATING_ANCHOR)
+        """The running openskill table over every evaluated pairing."""
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -132,7 +151,7 @@ class Coordinator:
     async def _train_step(self, step: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         before = (await self.scheduler.request(SchedulerStats())).counters
-        specs = train_episodes(self.cfg, step)
+        specs = train_episodes(self.cfg, step, self.win_rates)
         summaries = await self._run(specs, step, train=True, progress=progress)
         t1 = time.perf_counter()
         after = (await self.scheduler.request(SchedulerStats())).counters
@@ -151,6 +170,7 @@ class Coordinator:
                         turns += s.turns.get(seat, 0)
             metrics[f"train/{p.name}/reward"] = float(np.mean(rewards)) if rewards else float("nan")
             metrics[f"train/{p.name}/invalid_rate"] = invalid / max(turns, 1)
+        metrics.update(self._update_win_rates(specs, by_id))
         results = await asyncio.gather(
             *(
                 self.learners[name].request(LearnerStep(step=step, expected=n, timeout_s=self.cfg.runtime.timeout_s),
@@ -178,6 +198,26 @@ class Coordinator:
         self.transcripts = [line for s in summaries[:4] for line in [f"# episode {s.episode_id}", *s.transcript]]
         return metrics
 
+    def _update_win_rates(self, specs: list[EpisodeSpec], by_id: dict[int, EpisodeSummary]) -> dict[str, float]:
+        """Feed the step's games of every policy against another adapter (a snapshot, another
+        policy) to the matchmaking win rates, one update per pair; returns the estimates
+        (``league/<policy>/p_win/<opponent>``)."""
+        tally: dict[tuple[str, str], np.ndarray] = {}
+        for spec in specs:
+            # The group's own seat (train_episodes: the policy in it, one opponent in the others).
+            seat = next(a for a, g in spec.seat_groups.items() if g == spec.group_id)
+            me = spec.seats[seat].name
+            opp = next(r for a, r in spec.seats.items() if a != seat)
+            if opp.kind is not PolicyKind.ADAPTER or opp.name == me:
+                continue  # scripted, the base model, or plain self-play
+            counts = tally.setdefault((me, opp.name), np.zeros(3, dtype=np.int64))
+            counts[game_result(by_id[spec.episode_id].rewards, seat)] += 1
+        out = {}
+        for (policy, opp), (w, d, l) in sorted(tally.items()):
+            self.win_rates.update(policy, opp, int(w), int(d), int(l))
+            out[f"league/{policy}/p_win/{opp}"] = self.win_rates.p_win(policy, opp)
+        return out
+
     async def _snapshot(self, step: int) -> None:
         """Freeze every policy as ``<policy>__s<step>``; drop the snapshots that leave the
         league (:func:`~opentinker.config.league_pool` of the next step)."""
@@ -190,6 +230,7 @@ class Coordinator:
             for old in [n for n in self.league[p.name] if n not in keep]:
                 await self.scheduler.request(DropAdapter(name=old), timeout)
                 self.league[p.name].remove(old)
+                self.win_rates.forget(old)
 
     # ----------------------------------------------------------------------------- evaluation
 
@@ -211,12 +252,10 @@ class Coordinator:
         outcome = np.zeros(3, dtype=np.int64)  # wins, draws, losses
         for spec, s in zip(specs, summaries):
             seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
-            mine = s.rewards[seat]
-            strata.setdefault(spec.group_id, []).append(mine)
+            strata.setdefault(spec.group_id, []).append(s.rewards[seat])
             invalid += s.invalid.get(seat, 0)
             turns += s.turns.get(seat, 0)
-            others = float(np.mean([r for a, r in s.rewards.items() if a != seat]))
-            outcome[0 if mine > others else 1 if mine == others else 2] += 1
+            outcome[game_result(s.rewards, seat)] += 1
         mean, ci = stratified_mean_ci(list(strata.values()))
         out = {self.game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs))}
         if self.game_eval.competitive:
@@ -252,7 +291,28 @@ class Coordinator:
                 out.update({f"eval/{p.name}/vs_{label}/{k}": v for k, v in scores.items()})
             if self.cfg.eval.exact:
                 out.update(await self._exact_measures(p.name))
+        out.update(self._rate(out, step))
         out["timing_s/eval"] = time.perf_counter() - t0
+        return out
+
+    def _rate(self, ev: dict[str, float], step: int) -> dict[str, float]:
+        """Ratings of every player of this evaluation's pairings (a competitive game): the
+        Bradley-Terry fit of these games (log-odds, ``random`` = 0, 95% bootstrap interval)
+        and the running openskill table after them (relative to ``random``)."""
+        if not (self.cfg.eval.ratings and self.game_eval.competitive):
+            return {}
+        outcomes = outcomes_of(ev)
+        if not outcomes:
+            return {}
+        self.ratings.update(outcomes)
+        out: dict[str, float] = {}
+        bt = bradley_terry(outcomes, anchor=RATING_ANCHOR, n_boot=self.cfg.eval.rating_bootstrap,
+                           seed=(self.cfg.seed + step) & 0xFFFFFFFF)
+        for name, (r, lo, hi) in bt.items():
+            out.update({f"ratings/bt/{name}": r, f"ratings/bt/{name}/lo": lo, f"ratings/bt/{name}/hi": hi})
+        for row in self.ratings.table():
+            out[f"ratings/openskill/{row['name']}"] = row["mu"]
+            out[f"ratings/openskill/{row['name']}/sigma"] = row["sigma"]
         return out
 
     async def _exact_measures(self, policy: str) -> dict[str, float]:
@@ -285,6 +345,9 @@ class Coordinator:
             for old in (os.listdir(stale) if os.path.isdir(stale) else []):
                 if old not in current:  # dropped from the league since an earlier save here
                     shutil.rmtree(os.path.join(stale, old), ignore_errors=True)
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, LEAGUE_STATE), "w") as f:
+                json.dump(self.league_state(), f)
             for p in self.cfg.policies:
                 path = f"{folder}/{p.name}"
                 await self.scheduler.request(SaveAdapter(adapter=p.name, path=path), timeout)
@@ -298,8 +361,18 @@ class Coordinator:
     def load_adapters(self, folder: str, step: int = 0) -> dict[str, int]:
         """Replace every policy's adapter by the one saved under ``folder/<policy>`` (weights,
         optimizer state, version), and restore the league snapshots that exist after step
-        ``step`` (frozen, from ``folder/league/``); returns the policies' versions. For
-        ``--resume`` from the checkpoint of ``step``."""
+        ``step`` (frozen, from ``folder/league/``) and the league's win rates and ratings
+        (``league_state.json``); returns the policies' versions. For ``--resume`` from the
+        checkpoint of ``step``."""
+        path = os.path.join(folder, LEAGUE_STATE)
+        try:
+            with open(path) as f:
+                self.load_league_state(json.load(f))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"the checkpoint has no {LEAGUE_STATE}: {path}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is corrupt: {e}") from None
+
         async def _load() -> dict[str, int]:
             out = {}
             timeout = self.cfg.runtime.timeout_s
@@ -319,6 +392,15 @@ class Coordinator:
             return out
 
         return self.loop.run(_load())
+
+    def league_state(self) -> dict[str, Any]:
+        """The league's state that is not a function of the config and the step: the
+        matchmaking win rates and the running ratings (JSON; restored bit for bit)."""
+        return {"win_rates": self.win_rates.state(), "ratings": self.ratings.state()}
+
+    def load_league_state(self, state: dict[str, Any]) -> None:
+        self.win_rates = WinRates.from_state(state["win_rates"])
+        self.ratings = RunningRatings.from_state(state["ratings"])
 
     def scheduler_stats(self) -> dict[str, Any]:
         async def _stats() -> Any:

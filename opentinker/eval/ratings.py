@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,19 @@ class RunningRatings:
         r.ratings = {n: (float(mu), float(s)) for n, (mu, s) in state["ratings"].items()}
         r.n_games = int(state["n_games"])
         return r
+
+
+def outcomes_of(ev: Mapping[str, float]) -> list[Outcome]:
+    """Every pairing of an evaluation's metrics (``eval/<a>/vs_<b>/wins``, ``draws``,
+    ``losses``) as an :class:`Outcome`, in the order of the sorted keys."""
+    out = []
+    for key in sorted(ev):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "eval" and parts[3] == "wins" and parts[2].startswith("vs_"):
+            prefix = key[: -len("wins")]
+            out.append(Outcome(parts[1], parts[2][3:], int(ev[prefix + "wins"]), int(ev[prefix + "draws"]),
+                               int(ev[prefix + "losses"])))
+    return out
 
 
 def win_probability(r_a: float, r_b: float) -> float:

@@ -259,3 +259,39 @@ def summary_table(
                 b = str(int(last[key])) if key in last else "-"
             table.add_row(p, label, a, b)
     return table
+
+
+def rating_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``[{"step", "ratings": {player: (rating, lo, hi)}}]`` from the evaluation rows'
+    ``ratings/bt/<player>`` metrics (for :func:`~opentinker.eval.ratings.plot_ratings`)."""
+    out = []
+    for r in rows:
+        if r.get("kind") != "eval":
+            continue
+        names = [k[len("ratings/bt/"):] for k in r if k.startswith("ratings/bt/") and k.count("/") == 2]
+        if names:
+            nan = float("nan")
+            out.append({"step": r["step"], "ratings": {
+                n: tuple(nan if r.get(k) is None else float(r[k])
+                         for k in (f"ratings/bt/{n}", f"ratings/bt/{n}/lo", f"ratings/bt/{n}/hi")) for n in names}})
+    return out
+
+
+def ratings_table(ev: dict[str, Any], steps: int) -> Table | None:
+    """The league's ratings at an evaluation: Bradley-Terry (log-odds against ``random``, 95%
+    bootstrap interval) and the running openskill table, best first; ``None`` without ratings."""
+    history = rating_history([{"kind": "eval", "step": steps, **ev}])
+    if not history:
+        return None
+    table = Table(title=f"Ratings at step {steps} (every evaluated pairing; random = 0)")
+    table.add_column("player")
+    table.add_column("Bradley-Terry (logits, 95% CI)", justify="right")
+    table.add_column("P(beats random)", justify="right")
+    table.add_column("openskill mu ± 1.96 sigma", justify="right")
+    ratings = history[0]["ratings"]
+    for name, (r, lo, hi) in sorted(ratings.items(), key=lambda kv: -kv[1][0] if math.isfinite(kv[1][0]) else math.inf):
+        bt = f"{r:+.2f} [{lo:+.2f}, {hi:+.2f}]" if math.isfinite(lo) else f"{r:+.2f}"
+        mu, sigma = ev.get(f"ratings/openskill/{name}"), ev.get(f"ratings/openskill/{name}/sigma")
+        os_ = f"{mu:+.1f} ± {1.96 * sigma:.1f}" if mu is not None and sigma is not None else "-"
+        table.add_row(name, bt, f"{1 / (1 + math.exp(-r)):.2f}" if math.isfinite(r) else "-", os_)
+    return table

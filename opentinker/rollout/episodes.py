@@ -17,7 +17,8 @@ import numpy as np
 
 import games
 from games.scripted import SCRIPTED
-from opentinker.config import JobConfig, league_pool
+from opentinker.config import JobConfig, opponent_pool
+from opentinker.rollout.matchmaking import WinRates, draw_opponent
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
 from protocols.messages import (
     EpisodeSpec,
@@ -82,8 +83,9 @@ def eval_starts(game: str) -> list[dict]:
     return [dict(kw) for kw in games.evaluation(game).starts]
 
 
-def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
-    """The episodes of training step ``step``: a pure function of the config and step.
+def train_episodes(cfg: JobConfig, step: int, win_rates: WinRates | None = None) -> list[EpisodeSpec]:
+    """The episodes of training step ``step``: a pure function of the config, the step and
+    (for prioritized matchmaking, ``league.matchmaking``) the coordinator's win rates.
 
     Each group is one start (one reset seed), one seat for the policy, one opponent drawn from
     the policy's mix for every other seat; ``group_size`` episodes differ only in sampling."""
@@ -101,8 +103,11 @@ def train_episodes(cfg: JobConfig, step: int) -> list[EpisodeSpec]:
             me = agents[int(rng.integers(len(agents)))]
             seed = int(rng.integers(1 << 62))
             if opp == "past":  # a past self of the league (itself before the first snapshot)
-                pool = league_pool(cfg, p.name, step)
-                ref = PolicyRef(kind=PolicyKind.ADAPTER, name=pool[int(rng.integers(len(pool)))] if pool else p.name)
+                pool = opponent_pool(cfg, p.name, step)
+                weighting = cfg.league.matchmaking if win_rates is not None else "uniform"
+                name = draw_opponent(rng, pool, win_rates or WinRates(), p.name, weighting,
+                                     p=cfg.league.pfsp_power) if pool else p.name
+                ref = PolicyRef(kind=PolicyKind.ADAPTER, name=name)
             else:
                 ref = opponent_ref(p.name, opp)
             seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name) if a == me else ref for a in agents}
