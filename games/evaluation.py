@@ -15,7 +15,8 @@ this: it never names a game.
   reward) and pairings feed ratings; False for a cooperative game.
 * ``references``: reference levels of the reward for plots (Kuhn: a best response to random).
 * ``exact``: exact measures of a policy computed from its action probabilities at a list of
-  decisions (Kuhn poker's exploitability): :class:`ExactMeasure`.
+  decisions (Kuhn poker's exploitability): :class:`ExactMeasure`, which may also give a
+  best response to the policy (an exact exploiter to train against).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class ExactMeasure:
     references: Mapping[str, float] = field(default_factory=dict)
     """Reference levels for plots, e.g. ``{"uniform play": 0.458, "equilibrium": 0.0}``."""
     description: str = ""
+    best_response: Callable[[Distribution], Mapping[str, str]] | None = None
+    """``{infostate: move}``: a pure best response to the policy in every seat, which the
+    scripted ``table`` seat plays (the opponent ``best_response`` of a job: an exact
+    exploiter, as AlphaStar's league has learned ones)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,10 @@ class GameEval:
     def label(self) -> str:
         """The unit as an axis label, e.g. ``chips/hand``."""
         return f"{self.unit}/{self.per}"
+
+    def exploiter(self) -> ExactMeasure | None:
+        """The first exact measure that gives a best response, if any."""
+        return next((m for m in self.exact if m.best_response is not None), None)
 
     def measure(self, name: str) -> ExactMeasure:
         """The exact measure called ``name`` (``KeyError`` naming the ones there are)."""

@@ -273,6 +273,23 @@ def expected_value(policy0: Policy, policy1: Policy) -> float:
     return sum(_value0(d, "", policy0, policy1) for d in DEALS) / len(DEALS)
 
 
+def best_response(policy: Policy, br_player: int) -> Policy:
+    """A pure best response of seat `br_player` (0 or 1) to the other seat's part of `policy`:
+    P(bet or call) of 0 or 1 at each of its own 6 info states (ties go to the first in
+    enumeration order, passive before aggressive)."""
+    if br_player not in (0, 1):
+        raise ValueError(f"br_player must be 0 or 1, got {br_player!r}")
+    own = _P0_STATES if br_player == 0 else _P1_STATES
+    _check(policy, _P1_STATES if br_player == 0 else _P0_STATES)
+    best, arg = -np.inf, {}
+    for actions in itertools.product((0.0, 1.0), repeat=len(own)):
+        pure = dict(zip(own, actions, strict=True))
+        value = expected_value(pure, policy) if br_player == 0 else -expected_value(policy, pure)
+        if value > best + 1e-12:
+            best, arg = value, pure
+    return arg
+
+
 def best_response_value(policy: Policy, br_player: int) -> float:
     """Expected net chips of seat `br_player` (0 or 1) best-responding to the other seat's part
     of `policy`.
@@ -365,10 +382,22 @@ def decision_dialogues() -> list[Decision]:
         )
     return out
 
+def _policy(dist: Distribution) -> Policy:
+    """The policy whose probability of each decision's aggressive move is read from `dist`."""
+    return {s: float(dist[s][_MOVES[s[1:]][1]]) for s in INFO_STATES}
+
+
 def _exploitability(dist: Distribution) -> float:
-    """`exploitability` of the policy whose probability of each decision's aggressive move is
-    read from `dist` ({infostate: {move: probability}})."""
-    return exploitability({s: float(dist[s][_MOVES[s[1:]][1]]) for s in INFO_STATES})
+    """`exploitability` of the policy `dist` ({infostate: {move: probability}})."""
+    return exploitability(_policy(dist))
+
+
+def _best_response_moves(dist: Distribution) -> dict[str, str]:
+    """{infostate: move} of a pure best response to `dist` in either seat: at player_0's
+    states against its player_1 part, at player_1's against its player_0 part."""
+    policy = _policy(dist)
+    pure = {**best_response(policy, 0), **best_response(policy, 1)}
+    return {s: _MOVES[s[1:]][int(pure[s])] for s in INFO_STATES}
 
 
 EVALUATION = GameEval(
@@ -386,6 +415,7 @@ EVALUATION = GameEval(
             better="lower",
             references={"uniform play": 11 / 24, "equilibrium": 0.0},
             description="exploitability (NashConv/2)",
+            best_response=_best_response_moves,
         ),
     ),
 )

@@ -75,6 +75,28 @@ class MinimaxPolicy:
         return str(pick)
 
 
+class TablePolicy:
+    """Plays `table[info["infostate"]]` (the move a best response computed for that state);
+    the scripted seat ``table`` that the runtime builds for the opponent ``best_response``."""
+
+    def __init__(self, table: dict[str, str]) -> None:
+        self.table = dict(table)
+
+    def act(self, observation: str, info: dict[str, Any], rng: np.random.Generator) -> str:
+        """The table's move at this information state (ValueError when it has none or it is
+        not legal)."""
+        state = info.get("infostate")
+        move = self.table.get(state) if isinstance(state, str) else None
+        if move is None or move not in info["legal_moves"]:
+            raise ValueError(f"table policy: no legal move for info state {state!r} (table gives {move!r}, "
+                             f"legal: {list(info['legal_moves'])})")
+        return move
+
+
+TABLE = "table"
+"""The name of :class:`TablePolicy` for `make_scripted` (not a config opponent: it needs its
+table, which the runtime computes)."""
+
 GAME_POLICIES = (liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions)
 """Game modules whose `SCRIPTED_POLICIES` join `SCRIPTED`."""
 
@@ -102,7 +124,9 @@ SCRIPTED: dict[str, type] = _collect()
 
 
 def make_scripted(name: str, **kwargs: Any) -> ScriptedPolicy:
-    """Construct the scripted policy registered as `name` with `kwargs`."""
+    """Construct the scripted policy registered as `name` with `kwargs` (or the `TABLE` policy)."""
+    if name == TABLE:
+        return TablePolicy(**kwargs)
     if name not in SCRIPTED:
         raise ValueError(f"unknown scripted policy {name!r}; known: {sorted(SCRIPTED)}")
     policy: ScriptedPolicy = SCRIPTED[name](**kwargs)

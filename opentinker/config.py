@@ -121,7 +121,7 @@ Prob = Annotated[float, Meta(gt=0, le=1)]
 Timeout = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S)]
 PathStr = Annotated[str, Meta(max_length=MAX_PATH_CHARS)]
 
-SPECIAL_OPPONENTS = ("self", "base", "past")
+SPECIAL_OPPONENTS = ("self", "base", "past", "best_response")
 """Opponent names besides the scripted policies and the job's policies: the policy itself,
 the base model, and a frozen past self from the league (:class:`LeagueConfig`)."""
 
@@ -164,8 +164,10 @@ class PolicyConfig(_Config):
     opponents: Annotated[dict[str, Coef], Meta(max_length=MAX_POLICIES + 64)] = msgspec.field(
         default_factory=lambda: {"random": 1.0})
     """Opponent mix: weight per ``self`` (the policy in both seats), ``base`` (the base model),
-    ``past`` (a league snapshot of itself, :class:`LeagueConfig`), a scripted policy of
-    ``games`` (``random``, or one the game's evaluation hook lists) or another policy's name."""
+    ``past`` (a league snapshot of itself, :class:`LeagueConfig`), ``best_response`` (an exact
+    best response to the policy as it is at each step, where the game's evaluation hook gives
+    one: an exploiter that punishes whatever it does), a scripted policy of ``games``
+    (``random``, or one the game's evaluation hook lists) or another policy's name."""
     kind: Literal["lora", "full"] = "lora"
     """``lora``: an adapter on the shared base model; ``full``: a private copy of every base
     weight on the same scheduler, AdamW on all of them (LoRA and full-parameter training on
@@ -176,6 +178,10 @@ class PolicyConfig(_Config):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Projections that get LoRA weights; checked against the model's architecture where it
     is known (:func:`opentinker.config_checks.check_config`)."""
+    init: PathStr = ""
+    """Warm start: a saved adapter folder (``adapters/<policy>`` of a run or an offline SFT
+    job, a checkpoint's) whose weights this policy starts from, with a fresh optimizer and
+    version 0; its LoRA settings must be this policy's (checked before anything starts)."""
     train: Annotated[dict[str, str | bool | int | float], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=dict)
     """This policy's overrides of ``[train]``'s algorithm fields, e.g. ``{advantage = "rloo",
@@ -467,7 +473,7 @@ class JobConfig(_Config):
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
             for o in p.opponents:
                 if o not in SPECIAL_OPPONENTS and o not in SCRIPTED and o not in names:
-                    raise ValueError(f"policies[{p.name}].opponents: {o!r} is none of self, base, past, a scripted "
+                    raise ValueError(f"policies[{p.name}].opponents: {o!r} is none of self, base, past, best_response, a scripted "
                                      f"policy ({', '.join(sorted(SCRIPTED))}) or a policy of this job ({', '.join(names)})")
             if p.opponents.get("past", 0) > 0 and not self.league.snapshot_every:
                 raise ValueError(f"policies[{p.name}].opponents: 'past' needs a league (league.snapshot_every > 0)")

@@ -71,6 +71,9 @@ def check_config(cfg: JobConfig) -> None:
     if info.context is not None and cfg.sampling.max_tokens >= info.context:
         raise ConfigError("sampling.max_tokens", f"{cfg.sampling.max_tokens} leaves no room for a prompt in the "
                                                  f"model's context of {info.context} tokens")
+    for p in cfg.policies:
+        if p.init:
+            _check_init(cfg, p.name, p.init)
     if oc is None:
         from opentinker.training.learner import check_algorithms  # imports torch: last
 
@@ -122,12 +125,39 @@ def _check_game(cfg: JobConfig) -> None:
         games.make(game, **kwargs).close()
     except Exception as e:  # noqa: BLE001  (a game's own check of its arguments, whatever it raises)
         raise ConfigError("game_kwargs", f"{game} refuses {kwargs}: {e}") from None
-    plays = {"random", *games.evaluation(game).scripted}
+    hook = games.evaluation(game)
+    plays = {"random", *hook.scripted}
+    if hook.exploiter() is None:
+        for p in cfg.policies:
+            if p.opponents.get("best_response", 0) > 0:
+                raise ConfigError(f"policies[{p.name}].opponents", f"best_response: {game}'s evaluation hook gives no "
+                                                                   "best response (no exact exploiter)")
     for p in cfg.policies:
         for o in sorted(p.opponents):
             if o in games.SCRIPTED and o not in plays:
                 raise ConfigError(f"policies[{p.name}].opponents",
                                   f"the scripted policy {o!r} does not play {game}; the ones that do: {', '.join(sorted(plays))}")
+
+
+def _check_init(cfg: JobConfig, policy: str, init: str) -> None:
+    """A warm start's folder is a saved adapter whose LoRA settings are the policy's."""
+    field = f"policies[{policy}].init"
+    meta = Path(init) / "opentinker.json"
+    if not Path(init).is_dir():
+        raise ConfigError(field, f"{init!r}: no such folder")
+    if not meta.is_file():
+        raise ConfigError(field, f"{init!r} is not a saved adapter (no opentinker.json): give adapters/<policy> "
+                                 "of a run or a checkpoint")
+    try:
+        saved = msgspec.json.decode(meta.read_bytes())["spec"]
+    except (msgspec.DecodeError, KeyError, TypeError) as e:
+        raise ConfigError(field, f"{meta} is corrupt: {e}") from None
+    want = msgspec.to_builtins(cfg.lora_spec(policy))
+    differ = [f"{k} {saved.get(k)!r} (this job: {want[k]!r})" for k in ("rank", "alpha", "target_modules", "value_head", "full")
+              if (list(saved.get(k)) if isinstance(saved.get(k), list | tuple) else saved.get(k))
+              != (list(want[k]) if isinstance(want[k], list | tuple) else want[k])]
+    if differ:
+        raise ConfigError(field, f"the saved adapter has {', '.join(differ)}; set the policy's LoRA settings to match")
 
 
 def check_model(spec: str) -> ModelInfo:

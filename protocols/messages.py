@@ -19,12 +19,14 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
 
 MAX_STATS_BATCHES = 256
+MAX_TABLE = 4096
+"""Entries of a scripted table seat (:attr:`PolicyRef.table`)."""
 """Sample batches a :class:`SchedulerStats` reports, at most (a longer list is refused before
 its items are read: the one field whose items can be empty containers)."""
 
@@ -64,6 +66,9 @@ class PolicyRef(msgspec.Struct, frozen=True, kw_only=True):
     """Adapter name or scripted policy name; empty for the base model."""
     version: int = -1
     """Adapter version that produced a sample; -1 where not applicable or not yet known."""
+    table: Annotated[tuple[tuple[str, str], ...], msgspec.Meta(max_length=MAX_TABLE)] = ()
+    """A scripted ``table`` seat's moves: ``(infostate, move)`` pairs (a computed best
+    response); empty otherwise."""
 
     def label(self) -> str:
         """Short human-readable name, e.g. ``adapter:main@3``, ``base``, ``scripted:random``."""
@@ -303,6 +308,8 @@ class LoadAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     path: str
     name: str
     trainable: bool = True
+    fresh: bool = False
+    """Weights only (a warm start): a fresh optimizer state and version 0."""
 
 
 class Saved(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -56,3 +56,29 @@ def test_the_runtime_names_no_game_and_imports_no_game_module():
             if words.search(line) and not line.strip().startswith('game: Annotated[str, Meta(max_length=256)] = "kuhn_poker_v0"'):
                 found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert found == []
+
+
+def test_kuhn_best_response_is_a_best_response_and_the_table_seat_plays_it():
+    import numpy as np
+
+    from games import kuhn_poker
+    from games.scripted import TABLE, make_scripted
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        policy = {s: float(rng.random()) for s in kuhn_poker.INFO_STATES}
+        for seat in (0, 1):
+            br = kuhn_poker.best_response(policy, seat)
+            value = (kuhn_poker.expected_value(br, policy) if seat == 0
+                     else -kuhn_poker.expected_value(policy, br))
+            assert value == pytest.approx(kuhn_poker.best_response_value(policy, seat), abs=1e-12)
+    # Through the hook: against always bet/call, never bluff with J and fold it to a bet.
+    hook = games.evaluation("kuhn_poker_v0").exploiter()
+    always = {d.infostate: {d.legal_moves[0]: 0.0, d.legal_moves[1]: 1.0} for d in hook.decisions()}
+    table = hook.best_response(always)
+    assert set(table) == set(kuhn_poker.INFO_STATES)
+    assert table["J"] == "check" and table["Jb"] == "fold" and table["Kb"] == "call"
+    seat = make_scripted(TABLE, table=table)
+    assert seat.act("", {"infostate": "Jb", "legal_moves": ["fold", "call"]}, rng) == "fold"
+    with pytest.raises(ValueError, match="no legal move for info state 'Qx'"):
+        seat.act("", {"infostate": "Qx", "legal_moves": ["fold", "call"]}, rng)

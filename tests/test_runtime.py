@@ -166,3 +166,31 @@ def test_runners_stream_episode_progress_to_the_driver(job):
         feed.close()
     assert seen[-1] == (m["train/episodes"], m["train/episodes"], True)
     assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)  # it only moves forward
+
+
+def test_the_best_response_opponent_is_an_exact_exploiter(tiny_path):
+    """``best_response`` in the mix: every step's opponent plays a pure best response to the
+    policy's current move probabilities (the game's hook), and the step logs its exploitability."""
+    import games
+    from opentinker.rollout.episodes import opponent_ref
+
+    cfg = _cfg(policies=[{"name": "main", "opponents": {"best_response": 1}}])
+    job = Job(cfg, tiny_path)
+    try:
+        m = job.coordinator("train_step", 1)
+        assert 0.0 < m["train/main/exploitability"] < 1.0 and m["timing_s/best_response"] > 0
+        assert m["train/episodes"] == 4 * 2 and m["train/main/version"] == 1
+        lines = job.coordinator("recent_transcripts")
+        assert any("[scripted:table]" in line for line in lines)
+        # The evaluation's exploitability (four spellings) is of the same policy.
+        ev = job.coordinator("evaluate", 1, False, 1)
+        assert abs(ev["eval/main/exploitability"] - m["train/main/exploitability"]) < 0.2
+    finally:
+        job.shutdown()
+    with pytest.raises(ValueError, match="made by train_episodes"):
+        opponent_ref("main", "best_response")
+    assert games.evaluation("tictactoe_v0").exploiter() is None
+    from opentinker.config_checks import check_config
+
+    with pytest.raises(Exception, match="best_response: tictactoe_v0's evaluation hook gives no best response"):
+        check_config(_cfg(game="tictactoe_v0", policies=[{"name": "main", "opponents": {"best_response": 1}}]))

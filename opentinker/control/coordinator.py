@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 import games
+from games.evaluation import Distribution, ExactMeasure
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
-from opentinker.eval.evaluation import policy_from_logprobs, policy_sequences, stratified_mean_ci
+from opentinker.eval.evaluation import BARE, SPELLINGS, policy_from_logprobs, policy_sequences, stratified_mean_ci
 from opentinker.eval.ratings import RunningRatings, bradley_terry, outcomes_of
 from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
 from opentinker.rollout.matchmaking import WinRates
@@ -104,6 +105,10 @@ class Coordinator:
         self.runners = [Client(ctx, ep, name=f"coordinator->runner{i}") for i, ep in enumerate(self.runner_endpoints)]
         self.learners = {p: Client(ctx, ep, name=f"coordinator->{p}") for p, (ep, _) in self.learner_endpoints.items()}
         for p in self.cfg.policies:
+            if p.init:  # a warm start: the saved weights, a fresh optimizer (checked: the same spec)
+                await self.scheduler.request(LoadAdapter(path=os.path.abspath(p.init), name=p.name, fresh=True),
+                                             self.cfg.runtime.timeout_s)
+                continue
             spec = self.cfg.lora_spec(p.name)
             await self.scheduler.request(CreateAdapter(name=p.name, spec=spec), self.cfg.runtime.timeout_s)
 
@@ -151,7 +156,10 @@ class Coordinator:
     async def _train_step(self, step: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         before = (await self.scheduler.request(SchedulerStats())).counters
-        specs = train_episodes(self.cfg, step, self.win_rates)
+        tables, exploit = await self._best_responses()
+        if tables:
+            exploit["timing_s/best_response"] = time.perf_counter() - t0
+        specs = train_episodes(self.cfg, step, self.win_rates, tables)
         summaries = await self._run(specs, step, train=True, progress=progress)
         t1 = time.perf_counter()
         after = (await self.scheduler.request(SchedulerStats())).counters
@@ -171,6 +179,7 @@ class Coordinator:
             metrics[f"train/{p.name}/reward"] = float(np.mean(rewards)) if rewards else float("nan")
             metrics[f"train/{p.name}/invalid_rate"] = invalid / max(turns, 1)
         metrics.update(self._update_win_rates(specs, by_id))
+        metrics.update(exploit)
         results = await asyncio.gather(
             *(
                 self.learners[name].request(LearnerStep(step=step, expected=n, timeout_s=self.cfg.runtime.timeout_s),
@@ -321,16 +330,39 @@ class Coordinator:
         mass on those replies (``canonical_mass``) and the adapter version scored."""
         out: dict[str, float] = {}
         for m in self.game_eval.exact:
-            decisions = m.decisions()
-            seqs, n_reply = policy_sequences(self.tok, self.cfg.system_prompt, decisions)
-            res = await request_split_async(lambda q: self.scheduler.request(q, self.cfg.runtime.timeout_s),
-                                            LogprobsRequest(adapter=policy, sequences=seqs))
-            assert isinstance(res, LogprobsResult)
-            dist, mass = policy_from_logprobs(res.logprobs, n_reply, decisions)
+            dist, mass, version = await self._distribution(policy, m)
             out[f"eval/{policy}/{m.name}"] = float(m.value(dist))
             out[f"eval/{policy}/canonical_mass"] = mass
-            out[f"eval/{policy}/version"] = res.adapter_version
+            out[f"eval/{policy}/version"] = version
         return out
+
+    async def _distribution(self, policy: str, m: ExactMeasure, spellings: tuple[str, ...] = SPELLINGS
+                            ) -> tuple[Distribution, float, int]:
+        """``policy``'s probability of each legal move at ``m``'s decisions (teacher-forced
+        log-probs of the canonical replies in ``spellings``), the mass on those replies, the
+        version scored."""
+        decisions = m.decisions()
+        seqs, n_reply = policy_sequences(self.tok, self.cfg.system_prompt, decisions, spellings)
+        res = await request_split_async(lambda q: self.scheduler.request(q, self.cfg.runtime.timeout_s),
+                                        LogprobsRequest(adapter=policy, sequences=seqs))
+        assert isinstance(res, LogprobsResult)
+        dist, mass = policy_from_logprobs(res.logprobs, n_reply, decisions, spellings)
+        return dist, mass, res.adapter_version
+
+    async def _best_responses(self) -> tuple[dict[str, dict[str, str]], dict[str, float]]:
+        """For every policy with ``best_response`` in its mix: a pure best response to it as it
+        is now (the game's exact exploiter, from the bare canonical replies: a quarter of an
+        evaluation's cost), and metrics (``train/<policy>/<measure>``: the measure, e.g. the
+        exploitability, of that distribution at this step's start)."""
+        m = self.game_eval.exploiter()
+        tables: dict[str, dict[str, str]] = {}
+        metrics: dict[str, float] = {}
+        for p in self.cfg.policies:
+            if p.opponents.get("best_response", 0) > 0 and m is not None and m.best_response is not None:
+                dist, _, _ = await self._distribution(p.name, m, BARE)
+                tables[p.name] = dict(m.best_response(dist))
+                metrics[f"train/{p.name}/{m.name}"] = float(m.value(dist))
+        return tables, metrics
 
     # ----------------------------------------------------------------------------- outputs
 

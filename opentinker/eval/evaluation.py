@@ -38,13 +38,16 @@ def stratified_mean_ci(strata: Sequence[Sequence[float]], z: float = 1.96) -> tu
 
 SPELLINGS = ("{}", "{}.", "{cap}", "{cap}.")
 """Surface forms of a canonical reply that count as that reply."""
+BARE = ("{}",)
+"""The canonical reply alone: a quarter of the cost, for a best response at every step."""
 
 
 def policy_sequences(
-    tok: ChatTokenizer, system_prompt: str, decisions: Sequence[DecisionPoint]
+    tok: ChatTokenizer, system_prompt: str, decisions: Sequence[DecisionPoint],
+    spellings: Sequence[str] = SPELLINGS,
 ) -> tuple[list[np.ndarray], list[int]]:
-    """Token sequences (per decision, per legal move in order, each of its :data:`SPELLINGS`:
-    the decision's dialogue, then the reply and the stop token) and, for each, the number of
+    """Token sequences (per decision, per legal move in order, each of its ``spellings``: the
+    decision's dialogue, then the reply and the stop token) and, for each, the number of
     trailing reply tokens that score it."""
     seqs, n_reply = [], []
     for d in decisions:
@@ -55,7 +58,7 @@ def policy_sequences(
         r.observe(d.observations[-1])
         prefix = r.prompt()
         for move in d.legal_moves:
-            for form in SPELLINGS:
+            for form in spellings:
                 text = form.format(move, cap=move.capitalize())
                 reply = np.asarray(tok.encode(text) + [tok.eos_id], dtype=np.int32)
                 seqs.append(np.concatenate([prefix, reply]))
@@ -64,13 +67,14 @@ def policy_sequences(
 
 
 def policy_from_logprobs(
-    logprobs: Sequence[np.ndarray], n_reply: Sequence[int], decisions: Sequence[DecisionPoint]
+    logprobs: Sequence[np.ndarray], n_reply: Sequence[int], decisions: Sequence[DecisionPoint],
+    spellings: Sequence[str] = SPELLINGS,
 ) -> tuple[dict[str, dict[str, float]], float]:
     """``(distribution, canonical_mass)`` from the per-token log-probs of
-    :func:`policy_sequences`' sequences: ``{infostate: {move: probability}}`` over each
-    decision's legal moves, and the mean probability the model puts on the canonical replies
-    at all (1 = always canonical)."""
-    k = len(SPELLINGS)
+    :func:`policy_sequences`' sequences (the same ``spellings``): ``{infostate: {move:
+    probability}}`` over each decision's legal moves, and the mean probability the model puts
+    on the canonical replies at all (1 = always canonical)."""
+    k = len(spellings)
     expected = k * sum(len(d.legal_moves) for d in decisions)
     if len(logprobs) != expected or len(n_reply) != expected:
         raise ValueError(f"{len(logprobs)} log-prob rows and {len(n_reply)} reply lengths for {expected} scored "

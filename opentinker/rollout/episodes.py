@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 import games
-from games.scripted import SCRIPTED
+from games.scripted import SCRIPTED, TABLE
 from opentinker.config import JobConfig, opponent_pool
 from opentinker.rollout.matchmaking import WinRates, draw_opponent
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
@@ -52,8 +52,8 @@ def sample_seed(episode_seed: int, episode_id: int, seat_index: int, turn: int) 
 def opponent_ref(policy: str, opponent: str) -> PolicyRef:
     """Who plays the other seat: ``self``, ``base``, a scripted policy or another policy
     (``past``, a league snapshot, is drawn by :func:`train_episodes`)."""
-    if opponent == "past":
-        raise ValueError("opponent 'past' is drawn from the league by train_episodes, not named")
+    if opponent in ("past", "best_response"):
+        raise ValueError(f"opponent {opponent!r} is made by train_episodes, not named")
     if opponent == "self":
         return PolicyRef(kind=PolicyKind.ADAPTER, name=policy)
     if opponent == "base":
@@ -83,9 +83,11 @@ def eval_starts(game: str) -> list[dict]:
     return [dict(kw) for kw in games.evaluation(game).starts]
 
 
-def train_episodes(cfg: JobConfig, step: int, win_rates: WinRates | None = None) -> list[EpisodeSpec]:
-    """The episodes of training step ``step``: a pure function of the config, the step and
-    (for prioritized matchmaking, ``league.matchmaking``) the coordinator's win rates.
+def train_episodes(cfg: JobConfig, step: int, win_rates: WinRates | None = None,
+                   best_responses: dict[str, dict[str, str]] | None = None) -> list[EpisodeSpec]:
+    """The episodes of training step ``step``: a pure function of the config, the step, (for
+    prioritized matchmaking, ``league.matchmaking``) the coordinator's win rates and (for the
+    opponent ``best_response``) each policy's best-response table ``{infostate: move}``.
 
     Each group is one start (one reset seed), one seat for the policy, one opponent drawn from
     the policy's mix for every other seat; ``group_size`` episodes differ only in sampling."""
@@ -108,6 +110,10 @@ def train_episodes(cfg: JobConfig, step: int, win_rates: WinRates | None = None)
                 name = draw_opponent(rng, pool, win_rates or WinRates(), p.name, weighting,
                                      p=cfg.league.pfsp_power) if pool else p.name
                 ref = PolicyRef(kind=PolicyKind.ADAPTER, name=name)
+            elif opp == "best_response":  # an exact exploiter of the policy as it is now
+                if not best_responses or p.name not in best_responses:
+                    raise ValueError(f"policies[{p.name}]: the opponent best_response needs its table")
+                ref = PolicyRef(kind=PolicyKind.SCRIPTED, name=TABLE, table=tuple(sorted(best_responses[p.name].items())))
             else:
                 ref = opponent_ref(p.name, opp)
             seats = {a: PolicyRef(kind=PolicyKind.ADAPTER, name=p.name) if a == me else ref for a in agents}
@@ -164,7 +170,8 @@ async def play_episode(
         if agent not in agents:
             raise ValueError(f"episode {spec.episode_id}: {spec.game} has no seat {agent!r}")
     scripted = {
-        a: games.make_scripted(ref.name) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED
+        a: games.make_scripted(ref.name, **({"table": dict(ref.table)} if ref.table else {}))
+        for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED
     }
     rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
     renderers = {a: SeatRenderer(tok, msg.system_prompt) for a in agents if a not in scripted}
