@@ -126,6 +126,7 @@ def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
     assert len(rewards) > 1, rewards  # outcomes differ: there is something to prefer
 
     data = str(run / "trajectories")
+    saved = {}
     for kind, extra in (("sft", {"min_reward": -0.5}), ("dpo", {"beta": 0.5})):
         off = _job(tmp_path, name=f"off_{kind}", offline={"kind": kind, "data": data, "steps": 6,
                                                          "batch_size": 64, **extra})
@@ -140,6 +141,32 @@ def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
         trains = [r for r in res.rows if r["kind"] == "train"]
         assert [r["train/main/version"] for r in trains] == list(range(1, 7))
         assert (res.run_dir / "adapters" / "main" / "adapter_model.safetensors").is_file()
+        saved[kind] = res.run_dir / "adapters" / "main"
+
+    # Warm start: RL from the SFT adapter starts from its weights, with a fresh optimizer.
+    from safetensors.numpy import load_file
+
+    init = str(saved["sft"])
+    rl = run_job(_job(tmp_path, name="warm", policies=[{"name": "main", "opponents": {"random": 1}, "init": init}],
+                      train={"steps": 1, "groups_per_step": 4, "group_size": 4, "lr": 1e-2}), console=quiet)
+    sft_w = load_file(f"{init}/adapter_model.safetensors")
+    ckpt = rl.run_dir / "checkpoints" / "step_1" / "adapters" / "main"
+    assert [r["train/main/version"] for r in rl.rows if r["kind"] == "train"] == [1]  # version 0 + 1 step
+    rl_w = load_file(f"{ckpt}/adapter_model.safetensors")
+    moved = [k for k in sft_w if not np.array_equal(sft_w[k], rl_w[k])]
+    near = all(np.abs(sft_w[k] - rl_w[k]).max() < 0.05 for k in sft_w)  # one step of lr 1e-2 from it
+    assert moved and near, (moved[:3], near)
+    assert rl.first_eval != {} and "eval/main/vs_random/hands" in rl.first_eval
+    zero = _job(tmp_path, name="cold", train={"steps": 1, "groups_per_step": 4, "group_size": 4, "lr": 1e-2})
+    cold = load_file(f"{run_job(zero, console=quiet).run_dir}/adapters/main/adapter_model.safetensors")
+    assert any(np.abs(cold[k] - sft_w[k]).max() > 0.05 for k in sft_w)  # a cold start is elsewhere
+    from opentinker.config import ConfigError
+    from opentinker.config_checks import check_config
+
+    with pytest.raises(ConfigError, match=r"policies\[main\].init: the saved adapter has rank 8 \(this job: 4\)"):
+        check_config(_job(tmp_path, policies=[{"name": "main", "init": init, "lora_rank": 4}]))
+    with pytest.raises(ConfigError, match=r"policies\[main\].init: .* is not a saved adapter"):
+        check_config(_job(tmp_path, policies=[{"name": "main", "init": str(tmp_path)}]))
     with pytest.raises(ValueError, match="no two trajectories of one start"):
         run_job(_job(tmp_path, name="off_none", offline={"kind": "dpo", "data": _empty_pairs(tmp_path)}),
                 console=quiet)

@@ -260,9 +260,10 @@ def save(registry: AdapterRegistry, adapter: str, path: str) -> int:
 
 
 @torch.no_grad()
-def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True) -> int:
+def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True, fresh: bool = False) -> int:
     """Load a folder written by :func:`save` as adapter ``name``: weights (and value head),
-    AdamW state (for a trainable adapter) and version (returned).
+    AdamW state (for a trainable adapter) and version (returned); ``fresh``: the weights only,
+    with a fresh AdamW state and version 0 (a warm start of a new job).
 
     Raises:
         ValueError: naming ``path`` and the fault: no such folder, a missing or corrupt
@@ -281,12 +282,12 @@ def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True
         check_spec(meta.spec, registry.hidden_size)  # before anything is allocated
     except ValueError as e:
         raise ValueError(f"{folder / META}: {e}") from None
-    weights, moments = read_adapter(folder, meta.spec, trainable)
+    weights, moments = read_adapter(folder, meta.spec, trainable and not fresh)
     state = registry.add(name, meta.spec, trainable=trainable)
     try:
         restore(folder, meta.spec, state.named, state.optimizer, weights, moments)
     except Exception:
         registry.drop_adapter(name)
         raise
-    state.version = meta.version
+    state.version = 0 if fresh else meta.version
     return state.version

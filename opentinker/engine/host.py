@@ -149,8 +149,8 @@ class ModelHost:
     def save(self, adapter: str, path: str) -> int:
         return adapter_io.save(self.registry, adapter, path)
 
-    def load(self, path: str, name: str, trainable: bool = True) -> int:
-        return adapter_io.load(self.registry, path, name, trainable)
+    def load(self, path: str, name: str, trainable: bool = True, fresh: bool = False) -> int:
+        return adapter_io.load(self.registry, path, name, trainable, fresh)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

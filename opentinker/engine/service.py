@@ -422,7 +422,7 @@ class Scheduler:
             return AdapterInfo(name=msg.name, version=host.snapshot(msg.adapter, msg.name))
         if isinstance(msg, LoadAdapter):
             return AdapterInfo(name=msg.name, version=host.load(confined(msg.path, self.adapter_roots), msg.name,
-                                                                trainable=msg.trainable))
+                                                                trainable=msg.trainable, fresh=msg.fresh))
         raise ValueError(f"unexpected {type(msg).__name__}")
 
     def _reply(self, job: _Job, value: Any) -> None:
