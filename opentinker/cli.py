@@ -1,4 +1,6 @@
-"""``opentinker`` command line: ``opentinker run [CONFIG.toml] [--set key=value ...]``."""
+"""``opentinker`` command line: ``opentinker run [CONFIG.toml] [--set key=value ...]``,
+``opentinker eval PATH --game G --vs random,base,...`` (saved adapters, a run folder),
+``opentinker play GAME --agent PATH`` (a person against an agent), ``opentinker games``."""
 
 from __future__ import annotations
 
@@ -56,7 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
                      "(its config.toml, with any --set, e.g. train.steps=100 to train on)")
     sub.add_parser("games", help="list the registered games")
+    from opentinker import play as play_cmd
+    from opentinker.eval import cli_eval
+
+    cli_eval.add_arguments(sub.add_parser(
+        "eval", help="evaluate a run's adapters or a saved adapter (95%% intervals, seat-balanced)",
+        description=(cli_eval.__doc__ or "").split("\n\n")[0].replace("``", "")))
+    play_cmd.add_arguments(sub.add_parser(
+        "play", help="play a game in the terminal against a trained agent or the base model",
+        description=(play_cmd.__doc__ or "").split("\n\n")[0].replace("``", "")))
     args = parser.parse_args(argv)
+
+    if args.command == "eval":
+        return cli_eval.main(args)
+    if args.command == "play":
+        return play_cmd.main(args)
 
     if args.command == "games":
         import games

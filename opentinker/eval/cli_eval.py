@@ -1,0 +1,322 @@
+"""``opentinker eval PATH``: evaluate saved adapters after the fact with the coordinator's own
+evaluation: the strata over the game's starts and every seat, the 95% stratified interval,
+wins/draws/losses, ratings and the game's exact measures, as in a run's final table.
+
+PATH is a run folder (``config.toml`` and ``adapters/<policy>/``, or its newest checkpoint's
+adapters when the run stopped early) or one saved adapter (``--game`` is then required). The
+evaluation is a job of its own with no training steps whose policies are the adapters, loaded
+the way ``--resume`` loads them (``Coordinator.load_adapters``); opponents are chosen through
+its config: scripted seats as the policies' opponent mix, ``base`` through
+``eval.head_to_head_per_stratum``, other adapters as extra policies through
+``eval.cross_play_per_stratum``. The coordinator always plays random too (and each extra
+policy against random); only the pairings asked for are reported. The adapters are copied
+into a temporary folder, the one folder the scheduler may read, so nothing is written to PATH.
+:func:`read_source`, :func:`stage_adapters` and :func:`job_config` also serve ``opentinker play``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import games
+from opentinker.config import SNAPSHOT_SUFFIX, SPECIAL_OPPONENTS, JobConfig
+
+LEAGUE_STATE = "league_state.json"
+"""``opentinker.control.coordinator.LEAGUE_STATE`` (not imported: that module loads the bus)."""
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class CliError(Exception):
+    """A one-line reason the command cannot start (exit 2)."""
+
+
+@dataclass
+class Source:
+    """What a PATH names (``kind``: ``run`` or ``adapter``): player name (a valid policy name)
+    -> saved adapter folder, in the run's policy order, and the run's config."""
+
+    kind: str
+    adapters: dict[str, Path]
+    config: JobConfig | None = None
+
+
+def player_name(raw: str, taken: set[str]) -> str:
+    """A policy name for an adapter folder called ``raw``: an identifier none of the reserved
+    names (``self``, ``base``, a scripted seat...) and not in ``taken`` (``_2``, ``_3``... added)."""
+    name = re.sub(r"\W", "_", raw)[:56] or "adapter"
+    if not name.isidentifier() or name in (*SPECIAL_OPPONENTS, *games.SCRIPTED, "league") or SNAPSHOT_SUFFIX.search(name):
+        name = f"a_{name}"
+    out, k = name, 2
+    while out in taken:
+        out, k = f"{name}_{k}", k + 1
+    taken.add(out)
+    return out
+
+
+def read_source(path: str, taken: set[str] | None = None) -> Source:
+    """The adapters of ``path`` (see the module docstring); :class:`CliError` for a missing
+    path, a folder that is neither a run nor a saved adapter, or a run without saved adapters."""
+    from opentinker.config import load_config
+    from opentinker.control.checkpoints import latest_checkpoint
+
+    taken = set() if taken is None else taken
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"{path}: no such file or folder")
+    if (p / "adapter_config.json").is_file():
+        return Source(kind="adapter", adapters={player_name(p.resolve().name, taken): p})
+    if not (p / "config.toml").is_file():
+        raise CliError(f"{path}: neither a run folder (config.toml, adapters/) nor a saved adapter (adapter_config.json)")
+    try:
+        cfg = load_config(p / "config.toml")
+    except (ValueError, OSError) as e:
+        raise CliError(f"{p / 'config.toml'}: {e}") from None
+    folder = p / "adapters"
+    names = [q.name for q in cfg.policies]
+    if not all((folder / n / "adapter_config.json").is_file() for n in names):
+        try:
+            folder = latest_checkpoint(p).adapters  # a run that stopped before its final save
+        except (ValueError, OSError):
+            raise CliError(f"{path}: the run has no saved adapters (adapters/<policy>/ or a checkpoint)") from None
+    return Source(kind="run", adapters={player_name(n, taken): folder / n for n in names}, config=cfg)
+
+
+def stage_adapters(adapters: dict[str, Path], root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Copy each adapter (less the files named in ``skip``) to ``root/<name>``: the scheduler
+    reads adapters only inside its run folder. Returns name -> absolute copied path."""
+    out = {}
+    for name, src in adapters.items():
+        shutil.copytree(src, root / name, ignore=shutil.ignore_patterns(*skip))
+        out[name] = str((root / name).resolve())
+    return out
+
+
+def base_model(source: Source | None, override: str | None) -> str:
+    """``--model``, else the run's model, else the base the adapter was saved on when that
+    folder is here (``opentinker.json``), else :data:`DEFAULT_MODEL`."""
+    if override:
+        return override
+    if source is not None and source.config is not None:
+        return source.config.model.base
+    if source is not None:
+        meta = next(iter(source.adapters.values())) / "opentinker.json"
+        try:
+            saved = json.loads(meta.read_text()).get("base_model", "")
+        except (OSError, ValueError):
+            saved = ""
+        if saved and (Path(saved) / "config.json").is_file():
+            return saved
+    return DEFAULT_MODEL
+
+
+def check_game(game: str) -> games.GameEval:
+    """The game's evaluation hook; :class:`CliError` naming an unknown game."""
+    try:
+        games.resolve(game)
+        return games.evaluation(game)
+    except ValueError as e:
+        raise CliError(f"unknown game: {e}") from None
+
+
+def job_config(source: Source | None, game: str, model: str, seed: int | None, threads: int | None,
+               device: str | None, out_dir: str, backend: str = "local", **tables: Any) -> JobConfig:
+    """A job on ``game`` with the run's game kwargs, system prompt, model and sampling settings
+    when ``source`` is a run of that game, the defaults otherwise; ``tables`` replace
+    top-level fields (``policies``, ``eval``...). Checked whole (``check_config``)."""
+    import msgspec
+
+    from opentinker.config import ConfigError
+    from opentinker.config_checks import check_config
+
+    run = source.config if source is not None else None
+    raw: dict[str, Any] = {"name": "eval", "game": game, "out_dir": out_dir}
+    if run is not None:
+        raw.update(model=msgspec.to_builtins(run.model), sampling=msgspec.to_builtins(run.sampling),
+                   runtime=msgspec.to_builtins(run.runtime), seed=run.seed)
+        if run.game == game:
+            raw.update(game_kwargs=dict(run.game_kwargs), system_prompt=run.system_prompt)
+    raw.setdefault("model", {})["base"] = model
+    raw["model"].update({k: v for k, v in (("threads", threads), ("device", device)) if v is not None})
+    raw.setdefault("runtime", {})["backend"] = backend
+    raw["train"] = {"steps": 0, "record_trajectories": False}
+    raw.update({k: v for k, v in (("seed", seed),) if v is not None}, **tables)
+    try:
+        cfg = msgspec.convert(raw, JobConfig)
+        check_config(cfg)
+    except (msgspec.ValidationError, ConfigError, ValueError, OSError) as e:
+        raise CliError(f"bad settings: {e}") from None
+    return cfg
+
+
+def parse_opponents(spec: str | None, game: str, ev: games.GameEval, taken: set[str]
+                    ) -> tuple[list[str], dict[str, Path]]:
+    """``--vs`` as opponent labels in order, and the adapters among them (label -> folder).
+    Default: ``random`` and the game's scripted seats. :class:`CliError` for an unknown one."""
+    items = [s.strip() for s in (spec or ",".join(["random", *ev.scripted])).split(",") if s.strip()]
+    labels: list[str] = []
+    adapters: dict[str, Path] = {}
+    for item in items:
+        if item in ("random", "base") or item in ev.scripted:
+            labels.append(item)
+        elif Path(item).exists():
+            src = read_source(item, taken)
+            adapters.update(src.adapters)
+            labels += list(src.adapters)
+        else:
+            raise CliError(f"unknown opponent {item!r}: not random, base, a scripted seat of {game} "
+                           f"({', '.join(ev.scripted) or 'none'}) or an adapter or run folder")
+    return list(dict.fromkeys(labels)), adapters
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the evaluation ``args`` describe; returns the report (metrics and provenance)."""
+    import os
+
+    from opentinker.bus.common import RemoteError
+    from opentinker.control.runtime import Job
+    from opentinker.engine.model_specs import resolve_model
+    from opentinker.machine import machine
+
+    t0 = time.perf_counter()
+    taken: set[str] = set()
+    source = read_source(args.path, taken)
+    if source.kind == "adapter" and not args.game:
+        raise CliError(f"{args.path} is a saved adapter: name its game with --game")
+    game = args.game or source.config.game  # type: ignore[union-attr]
+    ev = check_game(game)
+    opponents, opp_adapters = parse_opponents(args.vs, game, ev, taken)
+    n = args.games_per_stratum
+    scripted = {o: 1.0 for o in opponents if o in ev.scripted}
+    policies = [{"name": p, "opponents": scripted or {"random": 1.0}} for p in source.adapters]
+    policies += [{"name": p} for p in opp_adapters if p not in source.adapters]
+    model = base_model(source, args.model)
+    with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
+        cfg = job_config(source, game, model, args.seed, args.threads, args.device, tmp, args.backend, policies=policies,
+                         eval={"hands_per_stratum": n, "head_to_head_per_stratum": n if "base" in opponents else 0,
+                               "cross_play_per_stratum": n if opp_adapters else 0})
+        try:
+            model_path = resolve_model(cfg.model.base)
+        except (OSError, ValueError) as e:
+            raise CliError(f"model {cfg.model.base}: {e}") from None
+        stage_adapters({**source.adapters, **opp_adapters}, Path(tmp), skip=("learner_state.json",))
+        job = Job(cfg, model_path, run_dir=tmp)
+        try:
+            # A run's own way in (--resume): the coordinator made the policies' adapters and
+            # alone may replace them; a fresh league state, as there is no league here.
+            (Path(tmp) / LEAGUE_STATE).write_text(json.dumps(job.coordinator("league_state")))
+            try:
+                versions = job.coordinator("load_adapters", tmp, 0)
+            except (RemoteError, ValueError, OSError) as e:  # e.g. an adapter of another base model
+                raise CliError(f"cannot load the adapters: {getattr(getattr(e, 'error', None), 'message', e)}") from None
+            metrics = job.coordinator("evaluate", 0, True, n)
+        finally:
+            job.shutdown()
+    keep = [f"eval/{p}/vs_{o}/" for p in source.adapters for o in opponents]
+    keep += [f"eval/{p}/{m}" for p in source.adapters for m in (*(x.name for x in ev.exact), "canonical_mass", "version")]
+    kept = {k: None if isinstance(v, float) and not math.isfinite(v) else v  # JSON has no NaN
+            for k, v in metrics.items() if k.startswith("ratings/") or any(k.startswith(p) for p in keep)}
+    return {
+        "path": str(args.path), "kind": source.kind, "game": game, "game_kwargs": dict(cfg.game_kwargs),
+        "model": cfg.model.base, "seed": cfg.seed, "games_per_stratum": n, "unit": ev.unit, "label": ev.label,
+        "policies": {p: str(source.adapters[p]) for p in source.adapters},
+        "versions": {p: versions[p] for p in source.adapters},
+        "opponents": {o: str(opp_adapters[o]) if o in opp_adapters else o for o in opponents},
+        "metrics": kept, "wall_s": time.perf_counter() - t0,
+        "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
+    }
+
+
+def report_tables(report: dict[str, Any]) -> list[Any]:
+    """Rich tables of a report: every (policy, opponent) pairing, the exact measures, ratings."""
+    from rich.table import Table
+
+    from opentinker.eval.report import rating_history
+
+    m, unit = report["metrics"], report["unit"]
+    table = Table(title=f"{report['game']}: {report['label']}, {report['games_per_stratum']} games per stratum "
+                        f"(start x seat), seed {report['seed']}", caption=f"model {report['model']}")
+    for col in ("policy", "opponent", f"{report['label']} (95% CI)", "games", "W / D / L", "invalid"):
+        table.add_column(col, justify="left" if col in ("policy", "opponent") else "right")
+    for p in report["policies"]:
+        for o in report["opponents"]:
+            k = f"eval/{p}/vs_{o}/"
+            if k + unit not in m:
+                continue
+            ci = m.get(k + "ci95")
+            mean = f"{m[k + unit]:+.3f} ± {ci:.3f}" if ci is not None else f"{m[k + unit]:+.3f} ± n/a"
+            wdl = "/".join(str(int(m[k + x])) for x in ("wins", "draws", "losses")) if k + "wins" in m else "-"
+            table.add_row(p, "base model" if o == "base" else o, mean, str(int(m[k + "hands"])), wdl,
+                          f"{100 * m[k + 'invalid_rate']:.1f}%")
+    if any(m.get(f"eval/{p}/vs_{o}/ci95", 0.0) is None for p in report["policies"] for o in report["opponents"]):
+        table.caption = f"{table.caption}; ± n/a: one game per stratum gives no interval"
+    out: list[Any] = [table]
+    exact = [(p, k.split("/", 2)[2], v) for p in report["policies"] for k, v in m.items()
+             if k.startswith(f"eval/{p}/") and "/vs_" not in k and k != f"eval/{p}/version"]
+    history = rating_history([{"kind": "eval", "step": 0, **{k: v for k, v in m.items() if v is not None}}])
+    ratings = sorted(history[0]["ratings"].items(), key=lambda kv: -kv[1][0]) if history else []
+    for title, head, rows in (
+        ("exact measures", ("policy", "measure", "value"),
+         [(p, name, "-" if v is None else f"{v:.4f}") for p, name, v in exact]),
+        ("ratings (Bradley-Terry log-odds over these games, random = 0, 95% bootstrap CI)", ("player", "rating"),
+         [(name, f"{r:+.2f} [{lo:+.2f}, {hi:+.2f}]" if math.isfinite(lo) else f"{r:+.2f}")
+          for name, (r, lo, hi) in ratings]),
+    ):
+        if rows:
+            t = Table(*head, title=title)
+            for row in rows:
+                t.add_row(*row)
+            out.append(t)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="a run folder (config.toml, adapters/) or a saved adapter folder")
+    parser.add_argument("--game", help="the game (default: the run's); required for an adapter folder")
+    parser.add_argument("--vs", metavar="OPPONENTS", help="comma-separated: random, base, a scripted seat of the "
+                        "game, an adapter or run folder (default: random and the game's scripted seats)")
+    parser.add_argument("--model", help=f"base model (default: the run's, else the adapter's base if present, else {DEFAULT_MODEL})")
+    parser.add_argument("--games-per-stratum", type=int, default=34, metavar="N",
+                        help="games per (start, seat) for each opponent (default 34)")
+    parser.add_argument("--seed", type=int, help="root seed of the evaluation games (default: the run's, else 0)")
+    parser.add_argument("--threads", type=int, help="torch threads of the scheduler (default: every core)")
+    parser.add_argument("--device", help="torch device (default: the run's, else cpu)")
+    parser.add_argument("--json", metavar="FILE", help="also write the metrics and their provenance as JSON")
+    parser.add_argument("--backend", choices=["local", "ray"], default="local",
+                        help="local (default): every component in this process; ray: one actor each")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``opentinker eval``: exit 0, or 2 with one line on stderr when it cannot start."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from opentinker.logs import escape_controls
+
+    console = Console()
+    try:
+        if not 1 <= args.games_per_stratum <= 1000:
+            raise CliError(f"--games-per-stratum: between 1 and 1000, got {args.games_per_stratum}")
+        with console.status(f"evaluating {escape(args.path)}"):
+            report = evaluate(args)
+    except CliError as e:
+        print(f"opentinker eval: {escape_controls(str(e))}", file=sys.stderr)
+        return 2
+    for table in report_tables(report):
+        console.print(table)
+    players = [f"{p} = {escape(s)}" for p, s in {**report["policies"], **report["opponents"]}.items() if p != s]
+    console.print("players: " + ", ".join(players), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {escape(args.json)} ({report['wall_s']:.0f} s)")
+    return 0
