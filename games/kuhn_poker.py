@@ -33,7 +33,9 @@ first 512 characters: "I'll BET!" is a bet, "Bet. I bet!" too.
 **Invalid reply.** A reply with no legal word (empty, garbage, "call" with no bet pending, a
 non-string) or with both ("check or bet": echoing the instruction is no decision) forfeits: the replying seat folds, losing its 1-chip stake (a seat that has bet
 never acts again), the opponent gets +1, and the hand ends. Counted in
-`infos[agent]["invalid"]` and `env.unwrapped.invalid_counts`.
+`infos[agent]["invalid"]` and `env.unwrapped.invalid_counts`. `forfeit_chips` (default 1)
+makes a forfeit cost more: with 2 or more an invalid reply is never as good as folding (at 1
+it pays what a fold facing a bet pays, so junk and "fold" are the same to a learner).
 
 **Infos.** Always `invalid`, `infostate` (own card + history in OpenSpiel letters, 'p' for
 check/fold, 'b' for bet/call, e.g. "Jpb") and `legal_moves` (empty when not to act); at the end
@@ -131,10 +133,13 @@ class raw_env(TextAECEnv):
 
     metadata = {"name": "kuhn_poker_v0", "is_parallelizable": False, "render_modes": ["ansi"]}
 
-    def __init__(self, deal: int | None = None, render_mode: str | None = None) -> None:
+    def __init__(self, deal: int | None = None, render_mode: str | None = None, forfeit_chips: int = 1) -> None:
         super().__init__(AGENTS, MAX_TEXT, render_mode)
         _check_deal(deal)
+        if isinstance(forfeit_chips, bool) or not isinstance(forfeit_chips, int) or not 1 <= forfeit_chips <= 10:
+            raise ValueError(f"forfeit_chips must be an integer in [1, 10], got {forfeit_chips!r}")
         self.deal = deal
+        self.forfeit_chips = forfeit_chips
         self._cards: tuple[int, int] = DEALS[0]
         self._history = ""
 
@@ -178,7 +183,7 @@ class raw_env(TextAECEnv):
     def _result0(self) -> int:
         """Player_0's net chips for the finished hand."""
         if self._forfeiter is not None:
-            return -1 if self._forfeiter == AGENTS[0] else 1
+            return -self.forfeit_chips if self._forfeiter == AGENTS[0] else self.forfeit_chips
         return payoff0(self._cards, self._history)
 
     def _seat(self, agent: str) -> int:

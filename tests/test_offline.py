@@ -157,6 +157,10 @@ def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
     near = all(np.abs(sft_w[k] - rl_w[k]).max() < 0.05 for k in sft_w)  # one step of lr 1e-2 from it
     assert moved and near, (moved[:3], near)
     assert rl.first_eval != {} and "eval/main/vs_random/hands" in rl.first_eval
+    # Off a terminal (this console writes to a string) the run prints a plain line per step
+    # and per evaluation, where a terminal gets the progress bar.
+    log = quiet.file.getvalue()
+    assert "step 0/1 eval: eval vs random" in log and "step 1/1 train: reward" in log and "step 1/1 eval:" in log
     zero = _job(tmp_path, name="cold", train={"steps": 1, "groups_per_step": 4, "group_size": 4, "lr": 1e-2})
     cold = load_file(f"{run_job(zero, console=quiet).run_dir}/adapters/main/adapter_model.safetensors")
     assert any(np.abs(cold[k] - sft_w[k]).max() > 0.05 for k in sft_w)  # a cold start is elsewhere

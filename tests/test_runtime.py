@@ -93,6 +93,7 @@ def test_episodes_are_a_function_of_seed_and_step(job, tiny_path):
 
 
 def test_evaluation_reports_strata_and_exploitability(job):
+    job.coordinator("train_step", 5)  # trained (else every policy is the base model: no mirror matches)
     ev = job.coordinator("evaluate", 5, True, 2)
     for p, q in (("main", "other"), ("other", "main")):
         assert ev[f"eval/{p}/vs_random/hands"] == 6 * 2 * 2
@@ -166,6 +167,21 @@ def test_runners_stream_episode_progress_to_the_driver(job):
         feed.close()
     assert seen[-1] == (m["train/episodes"], m["train/episodes"], True)
     assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)  # it only moves forward
+
+
+def test_untrained_policies_play_no_mirror_matches(tiny_path):
+    """Before any step every policy is the base model: the evaluation plays random (and the
+    scripted seats of the mix) only; after a step, the base model and the other policy too."""
+    job = Job(_cfg(), tiny_path)
+    try:
+        before = job.coordinator("evaluate", 0, True, 1)
+        assert "eval/main/vs_random/hands" in before
+        assert not [k for k in before if "/vs_base/" in k or "/vs_other/" in k or "/vs_main/" in k]
+        job.coordinator("train_step", 1)
+        after = job.coordinator("evaluate", 1, True, 1)
+        assert after["eval/main/vs_base/hands"] == after["eval/main/vs_other/hands"] == 6 * 2
+    finally:
+        job.shutdown()
 
 
 def test_the_best_response_opponent_is_an_exact_exploiter(tiny_path):

@@ -91,6 +91,9 @@ class Coordinator:
         """Matchmaking's estimates of P[policy beats opponent] from training games."""
         self.ratings = RunningRatings(anchor=RATING_ANCHOR)
         """The running openskill table over every evaluated pairing."""
+        self.untrained = not any(p.init for p in cfg.policies)
+        """Every policy is still a fresh adapter (LoRA B = 0): each one *is* the base model, so
+        a game between two of them, or against the base model, is a mirror match."""
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -155,6 +158,7 @@ class Coordinator:
 
     async def _train_step(self, step: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
+        self.untrained = False
         before = (await self.scheduler.request(SchedulerStats())).counters
         tables, exploit = await self._best_responses()
         if tables:
@@ -280,6 +284,9 @@ class Coordinator:
             # too (for a cooperative game, the partner it is meant to work with).
             partners = ["random", *sorted(o for o in p.opponents if o in SCRIPTED and o != "random")]
             jobs = [(o, PolicyRef(kind=PolicyKind.SCRIPTED, name=o), n) for o in partners]
+            # Untrained, every policy is the base model: its games against the base model or
+            # another policy would be mirror matches, so they are not played (blank cells).
+            head_to_head = head_to_head and not self.untrained
             if head_to_head and self.cfg.eval.head_to_head_per_stratum > 0:
                 jobs.append(("base", PolicyRef(kind=PolicyKind.BASE), self.cfg.eval.head_to_head_per_stratum))
             if self.cfg.league.eval_per_stratum > 0:  # against its own past selves (not the copy of now)
@@ -404,6 +411,8 @@ class Coordinator:
             raise FileNotFoundError(f"the checkpoint has no {LEAGUE_STATE}: {path}") from None
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is corrupt: {e}") from None
+
+        self.untrained = False
 
         async def _load() -> dict[str, int]:
             out = {}
