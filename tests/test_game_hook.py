@@ -82,3 +82,16 @@ def test_kuhn_best_response_is_a_best_response_and_the_table_seat_plays_it():
     assert seat.act("", {"infostate": "Jb", "legal_moves": ["fold", "call"]}, rng) == "fold"
     with pytest.raises(ValueError, match="no legal move for info state 'Qx'"):
         seat.act("", {"infostate": "Qx", "legal_moves": ["fold", "call"]}, rng)
+
+
+def test_kuhn_forfeit_chips():
+    env = games.make("kuhn_poker_v0", deal=0, forfeit_chips=2)
+    env.reset()
+    env.step("no idea")
+    assert env.rewards == {"player_0": -2, "player_1": 2} and "You lose 2 chips." in env.observe("player_0")["text"]
+    env = games.make("kuhn_poker_v0", deal=0)  # the default: a forfeit folds the 1-chip stake
+    env.reset()
+    env.step("no idea")
+    assert env.rewards == {"player_0": -1, "player_1": 1}
+    with pytest.raises(ValueError, match="forfeit_chips must be an integer in"):
+        games.make("kuhn_poker_v0", forfeit_chips=0)
