@@ -154,6 +154,8 @@ class LogprobsRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     adapter: str | None
     sequences: list[np.ndarray]
     """``int32[T_i]`` token arrays."""
+    temperature: float = 1.0
+    """Score ``softmax(logits / temperature)``: the policy as it samples at that temperature."""
 
 
 class LogprobsResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -117,6 +117,12 @@ def test_sampler_logprobs_equal_the_trainers(hosts):
     for a, p, r in zip(["pol", None, "pol"], _prompts(3, seed=4), rows):
         teacher = own.logprobs(a, [np.concatenate([p, r.tokens])])[0][len(p):]
         np.testing.assert_allclose(teacher, r.logprobs, atol=1e-5)
+    # At another temperature too: the teacher scores softmax(logits / T), as the sampler drew.
+    hot = own.sample(["pol"], _prompts(1, seed=6), [SamplingParams(max_tokens=8, temperature=2.0)], [4])[0]
+    p = _prompts(1, seed=6)[0]
+    seq = [np.concatenate([p, hot.tokens])]
+    np.testing.assert_allclose(own.logprobs("pol", seq, temperature=2.0)[0][len(p):], hot.logprobs, atol=1e-5)
+    assert not np.allclose(own.logprobs("pol", seq)[0][len(p):], hot.logprobs, atol=1e-3)
 
 
 def test_a_seats_next_turn_prefills_only_its_new_tokens(hosts):

@@ -346,12 +346,13 @@ class Coordinator:
     async def _distribution(self, policy: str, m: ExactMeasure, spellings: tuple[str, ...] = SPELLINGS
                             ) -> tuple[Distribution, float, int]:
         """``policy``'s probability of each legal move at ``m``'s decisions (teacher-forced
-        log-probs of the canonical replies in ``spellings``), the mass on those replies, the
-        version scored."""
+        log-probs of the canonical replies in ``spellings``, at the job's sampling temperature:
+        the policy as it plays), the mass on those replies, the version scored."""
         decisions = m.decisions()
         seqs, n_reply = policy_sequences(self.tok, self.cfg.system_prompt, decisions, spellings)
         res = await request_split_async(lambda q: self.scheduler.request(q, self.cfg.runtime.timeout_s),
-                                        LogprobsRequest(adapter=policy, sequences=seqs))
+                                        LogprobsRequest(adapter=policy, sequences=seqs,
+                                                        temperature=self.cfg.sampling.temperature))
         assert isinstance(res, LogprobsResult)
         dist, mass = policy_from_logprobs(res.logprobs, n_reply, decisions, spellings)
         return dist, mass, res.adapter_version

@@ -126,8 +126,9 @@ class ModelHost:
                params: Sequence[SamplingParams], seeds: Sequence[int]) -> list[SampledRow]:
         return self.runner.sample(adapters, prompts, params, seeds)
 
-    def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
-        return self.runner.logprobs(adapter, seqs, chunk)
+    def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64,
+                 temperature: float = 1.0) -> list[np.ndarray]:
+        return self.runner.logprobs(adapter, seqs, chunk, temperature)
 
     def values(self, adapter: str, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
         return self.runner.values(adapter, seqs, chunk)

@@ -152,10 +152,12 @@ class ModelRunner:
                     out.append(row)
         return out
 
-    def logprobs(self, adapter: str | None, seqs: Seq[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
-        """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0)."""
+    def logprobs(self, adapter: str | None, seqs: Seq[np.ndarray], chunk: int = 64,
+                 temperature: float = 1.0) -> list[np.ndarray]:
+        """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0), of
+        ``softmax(logits / temperature)``."""
         self.registry.check_tokens(seqs, "LogprobsRequest.sequences")
-        head = self.registry.inner().lm_head
+        head = scaled(self.registry.inner().lm_head, temperature)
         return self._along(adapter, seqs, lambda h: project_logprobs(
             head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -140,6 +141,8 @@ def check_request(msg: Message, vocab_size: int, max_context: int | None = None,
         for i, p in enumerate(msg.prompts):
             check_tokens(p, f"SampleRequest.prompts[{i}]", vocab_size, room)
     elif isinstance(msg, (LogprobsRequest, ValuesRequest)):
+        if isinstance(msg, LogprobsRequest) and not (math.isfinite(msg.temperature) and msg.temperature > 0):
+            raise ValueError(f"LogprobsRequest.temperature must be finite and > 0, got {msg.temperature}")
         for i, seq in enumerate(msg.sequences):
             check_tokens(seq, f"{type(msg).__name__}.sequences[{i}]", vocab_size, max_context)
     elif isinstance(msg, CreateAdapter):
@@ -401,7 +404,8 @@ class Scheduler:
         host = self.host
         self.compute_counters[type(msg).__name__] += 1
         if isinstance(msg, LogprobsRequest):
-            return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))
+            return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences, temperature=msg.temperature),
+                                  adapter_version=host.version(msg.adapter))
         if isinstance(msg, ValuesRequest):
             return ValuesResult(values=host.values(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))
         if isinstance(msg, CreateAdapter):
