@@ -14,6 +14,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import games
 from _machine import machine
 
 
@@ -25,6 +26,7 @@ def run_row(folder: Path) -> dict:
     phases = {k: statistics.median(r[k] for r in train) for k in ("timing_s/rollout", "timing_s/learn")
               if train and all(k in r for r in train)}
     return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
+            "game": cfg["game"], "unit": games.evaluation(cfg["game"]).unit,
             "machine": summary.get("machine"),  # the run's own record (runs before it had none)
             "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
                        "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
@@ -44,10 +46,10 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     for r in out["runs"]:
-        ev = r["last_eval"]
+        ev, p = r["last_eval"], "eval/main/vs_random/"
         print(f"{r['run']}: seed {r['seed']} engine {r['model'].get('engine', 'auto')} {r['config']}: "
-              f"{ev['eval/main/vs_random/chips']:+.3f} ± {ev['eval/main/vs_random/ci95']:.3f} vs random, "
-              f"{100 * ev['eval/main/vs_random/invalid_rate']:.1f}% invalid, {r['wall_s']:.0f} s")
+              f"{ev[p + r['unit']]:+.3f} ± {ev[p + 'ci95']:.3f} {r['unit']} vs random, "
+              f"{100 * ev[p + 'invalid_rate']:.1f}% invalid, {r['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

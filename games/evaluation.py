@@ -39,6 +39,11 @@ class DecisionPoint(Protocol):
     """The canonical one-word replies of the legal moves."""
 
 
+PAIRING_METRICS = ("ci95", "invalid_rate", "hands", "wins", "draws", "losses")
+"""The runtime's own metrics of a pairing beside the unit's (``eval/<p>/vs_<o>/<name>``)."""
+POLICY_METRICS = ("canonical_mass", "version")
+"""The runtime's own metrics of a policy beside its exact measures (``eval/<p>/<name>``)."""
+
 Distribution = Mapping[str, Mapping[str, float]]
 """``{infostate: {move: probability}}``, each inner mapping summing to 1 over the legal moves."""
 
@@ -63,6 +68,10 @@ class ExactMeasure:
     scripted ``table`` seat plays (the opponent ``best_response`` of a job: an exact
     exploiter, as AlphaStar's league has learned ones)."""
 
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.name in POLICY_METRICS:
+            raise ValueError(f"ExactMeasure.name must be an identifier (it names a metric) other than "
+                             f"{', '.join(POLICY_METRICS)}; got {self.name!r}")
 
 @dataclass(frozen=True)
 class GameEval:
@@ -78,8 +87,9 @@ class GameEval:
     exact: tuple[ExactMeasure, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.unit.isidentifier():
-            raise ValueError(f"GameEval.unit must be an identifier (it names a metric), got {self.unit!r}")
+        if not self.unit.isidentifier() or self.unit in PAIRING_METRICS:
+            raise ValueError(f"GameEval.unit must be an identifier (it names a metric) other than "
+                             f"{', '.join(PAIRING_METRICS)}; got {self.unit!r}")
         if not self.starts:
             raise ValueError("GameEval.starts needs at least one start")
         if not self.system_prompt:
@@ -100,10 +110,3 @@ class GameEval:
             if m.name == name:
                 return m
         raise KeyError(f"no exact measure {name!r}; this game has {[m.name for m in self.exact] or 'none'}")
-
-
-def with_defaults(ev: GameEval | None, *, system_prompt: str | None = None) -> GameEval:
-    """``ev``, or the default :class:`GameEval` (with ``system_prompt`` when given)."""
-    if ev is not None:
-        return ev
-    return GameEval(system_prompt=system_prompt) if system_prompt else GameEval()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -347,6 +348,9 @@ class EvalConfig(_Config):
     """A job with several policies: hands per (deal, seat) of every policy against every other
     one, at the first and last eval (the cross-play matrix); 0: none."""
     exact: bool = True
+    """Compute the game's exact measures at every evaluation (its evaluation hook's ``exact``:
+    e.g. an exploitability); a game without any has nothing to compute. (Called
+    ``exploitability`` before; an older run's config.toml still loads.)"""
     ratings: bool = True
     """In a competitive game, rate every evaluated pairing: a Bradley-Terry fit of each
     evaluation's games (``ratings/bt/<player>``, log-odds against ``random`` = 0, with a 95%
@@ -354,8 +358,6 @@ class EvalConfig(_Config):
     (``ratings/openskill/<player>``); ``ratings.png`` and the final table show them."""
     rating_bootstrap: Annotated[int, Meta(ge=0, le=10_000)] = 200
     """Bootstrap resamples of each Bradley-Terry fit (0: no interval)."""
-    """Compute the game's exact measures at every evaluation (its evaluation hook's ``exact``:
-    e.g. an exploitability); a game without any has nothing to compute."""
 
 
 class RuntimeConfig(_Config):
@@ -404,8 +406,10 @@ class LeagueConfig(_Config):
     pool: Literal["own", "all"] = "own"
     pfsp_power: Annotated[float, Meta(gt=0, le=10)] = 2.0
     win_rate_decay: Annotated[float, Meta(gt=0, le=1)] = 0.9
-    """Each step's games against an opponent count 1, the previous step's ``win_rate_decay``,
-    and so on (a memory of about ``1 / (1 - win_rate_decay)`` steps); 1: plain counts."""
+    """Each time a step plays an opponent, the games against it so far are weighed by
+    ``win_rate_decay`` before the step's are added (a memory of about ``1 / (1 -
+    win_rate_decay)`` of the steps that played it; a rarely drawn opponent keeps its estimate
+    longer); 1: plain counts. A resumed run uses its config's value."""
 
     snapshot_every: Steps = 0
     """Freeze every policy after each this many steps; 0: no league."""
@@ -489,6 +493,8 @@ class JobConfig(_Config):
                 raise ValueError(f"game: {e}") from None
         for p in self.policies:
             self.train_for(p.name)
+            if p.init and not os.path.isabs(p.init):  # absolute: every actor and a resume read it alike
+                msgspec.structs.force_setattr(p, "init", os.path.abspath(p.init))
 
     def offline_job(self) -> OfflineConfig | None:
         """The ``[offline]`` table, or ``None`` for a self-play job."""
@@ -593,10 +599,23 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError("config", f"{str(path)!r} is not valid TOML: {e}") from None
     if overrides:
         _merge(raw, overrides)
+    _renamed(raw)
     try:
         return msgspec.convert(raw, JobConfig)
     except msgspec.ValidationError as e:
         raise _config_error(e, raw) from None
+
+
+RENAMED = {("eval", "exploitability"): "exact"}
+"""Fields renamed since a run could have written them: ``(table, old) -> new``; a config.toml
+of an older run (``--resume``, ``opentinker eval``) still loads."""
+
+
+def _renamed(raw: dict) -> None:
+    for (table, old), new in RENAMED.items():
+        t = raw.get(table)
+        if isinstance(t, dict) and old in t and new not in t:
+            t[new] = t.pop(old)
 
 
 def _merge(into: dict, new: dict) -> None:

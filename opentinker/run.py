@@ -195,7 +195,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     history = rating_history(log.rows)
     if history:
         plot_ratings(history, run_dir / "ratings.png")
-        console.print(ratings_table(last, cfg.train.steps))
+    table = ratings_table(last, cfg.train.steps)
+    if table is not None:
+        console.print(table)
     total = time.perf_counter() - t_start
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total,
                                                       "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)},

@@ -25,10 +25,10 @@ and in every frame's header; a peer with another version is refused with ``bad_v
 
 
 MAX_STATS_BATCHES = 256
-MAX_TABLE = 4096
-"""Entries of a scripted table seat (:attr:`PolicyRef.table`)."""
 """Sample batches a :class:`SchedulerStats` reports, at most (a longer list is refused before
 its items are read: the one field whose items can be empty containers)."""
+MAX_TABLE = 4096
+"""Entries of a scripted table seat (:attr:`PolicyRef.table`)."""
 
 
 class StopReason(enum.StrEnum):

@@ -108,3 +108,10 @@ def test_run_writes_the_run_folder(tmp_path, tiny_path):
     assert PeftConfig.from_pretrained(str(run_dir / "adapters" / "main")).r == 8
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     assert (run_dir / "cross_play.png").stat().st_size > 10_000
+
+
+def test_an_older_runs_config_still_loads(tmp_path):
+    """``eval.exploitability`` was renamed ``exact``: a run's config.toml from before loads."""
+    old = tmp_path / "config.toml"
+    old.write_text('[eval]\nexploitability = false\n')
+    assert load_config(old).eval.exact is False

@@ -36,6 +36,12 @@ def test_bad_hooks_are_refused():
         GameEval(unit="chips/hand")
     with pytest.raises(ValueError, match="at least one start"):
         GameEval(starts=())
+    with pytest.raises(ValueError, match="other than ci95, invalid_rate, hands"):
+        GameEval(unit="wins")  # would overwrite the runtime's own pairing metric
+    from games.evaluation import ExactMeasure
+
+    with pytest.raises(ValueError, match="other than canonical_mass, version"):
+        ExactMeasure(name="version", decisions=list, value=lambda d: 0.0)
 
 
 def test_the_runtime_names_no_game_and_imports_no_game_module():
@@ -95,3 +101,52 @@ def test_kuhn_forfeit_chips():
     assert env.rewards == {"player_0": -1, "player_1": 1}
     with pytest.raises(ValueError, match="forfeit_chips must be an integer in"):
         games.make("kuhn_poker_v0", forfeit_chips=0)
+
+
+def test_scripted_seats_from_a_message_are_checked():
+    from opentinker.rollout.episodes import scripted_seat
+    from protocols.messages import PolicyKind, PolicyRef
+
+    ok = scripted_seat(PolicyRef(kind=PolicyKind.SCRIPTED, name="table", table=(("J", "check"),)))
+    assert ok.table == {"J": "check"}
+    for bad in (PolicyRef(kind=PolicyKind.SCRIPTED, name="table"),
+                PolicyRef(kind=PolicyKind.SCRIPTED, name="random", table=(("J", "bet"),))):
+        with pytest.raises(ValueError, match="goes with the seat 'table' and only with it"):
+            scripted_seat(bad)
+    with pytest.raises(ValueError, match="unknown scripted policy 'nope'"):
+        scripted_seat(PolicyRef(kind=PolicyKind.SCRIPTED, name="nope"))
+
+
+def test_an_env_runner_plays_only_the_registered_games_and_its_jobs(tiny_path):
+    """A message naming a module is refused (it would import it): an env runner plays the
+    registered games and the ones its job gave it."""
+    import sys
+
+    from opentinker.bus import Client, LoopThread, RemoteError
+    from opentinker.rollout.env_runner import EnvRunner
+    from protocols.messages import EpisodeSpec, ErrorCode, PolicyKind, PolicyRef, RunEpisodes, SamplingParams
+
+    runner = EnvRunner("runner", "tcp://127.0.0.1:9", tiny_path, games=("pettingzoo.classic.rps_v2",))
+    endpoint = runner.start()
+    loop = LoopThread("test")
+    try:
+        async def ask(game: str) -> object:
+            c = Client(loop.ctx, endpoint, name="t")
+            seats = {a: PolicyRef(kind=PolicyKind.SCRIPTED, name="random") for a in ("player_0", "player_1")}
+            spec = EpisodeSpec(episode_id=1, group_id=1, game=game, seed=3, seats=seats, train=False)
+            try:
+                return await c.request(RunEpisodes(episodes=[spec], sampling=SamplingParams(), system_prompt="x"), 30)
+            except RemoteError as e:
+                return e.error
+            finally:
+                c.close()
+
+        assert "xml.dom.pulldom" not in sys.modules
+        refused = loop.run(ask("xml.dom.pulldom"))
+        assert refused.code is ErrorCode.INVALID and "unknown game 'xml.dom.pulldom'" in refused.message
+        assert "xml.dom.pulldom" not in sys.modules  # never imported
+        done = loop.run(ask("pettingzoo.classic.rps_v2"))  # the job's own: played (scripted seats)
+        assert len(done.summaries) == 1 and set(done.summaries[0].rewards) == {"player_0", "player_1"}
+    finally:
+        loop.stop()
+        runner.stop()

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,7 @@ def test_games_and_their_kwargs_are_checked(tmp_path, capsys):
     assert _refused(capsys, runs, "game=kuhn_poker").startswith("game: 'kuhn_poker' is not a registered game; "
                                                                 "did you mean 'kuhn_poker_v0'?")
     assert _refused(capsys, runs, 'game_kwargs={"players": 4}') == (
-        "game_kwargs.players: kuhn_poker_v0 takes no 'players'; it takes deal, render_mode")
+        "game_kwargs.players: kuhn_poker_v0 takes no 'players'; it takes deal, render_mode, forfeit_chips")
     assert _refused(capsys, runs, "game=liars_dice_v0", 'game_kwargs={"num_players": 40}').startswith(
         "game_kwargs: liars_dice_v0 refuses {'num_players': 40}: num_players must be an integer in 2..6")
 
@@ -414,12 +415,12 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
     from opentinker.engine.service import Scheduler
     from protocols.messages import CreateAdapter, ErrorCode, LoadAdapter, LoraSpec, SaveAdapter
 
-    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    run_dir, outside, warm = tmp_path / "run", tmp_path / "outside", tmp_path / "warm"
     run_dir.mkdir()
     outside.mkdir()
     (outside / "secret_folder").mkdir()
     (run_dir / "link").symlink_to(outside)
-    s = Scheduler(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)])
+    s = Scheduler(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)], read_roots=[str(warm)])
     s.start()
     try:
         async def body(c):
@@ -427,6 +428,12 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
             saved = await c.request(SaveAdapter(adapter="pol", path=str(run_dir / "ckpt" / "pol")))
             assert saved.version == 0 and (run_dir / "ckpt" / "pol" / "adapter_config.json").is_file()
             await c.request(LoadAdapter(path=str(run_dir / "ckpt" / "pol"), name="copy"))
+            # A warm start's folder is read-only: loaded from, never written to.
+            shutil.copytree(run_dir / "ckpt" / "pol", warm)
+            info = await c.request(LoadAdapter(path=str(warm), name="warm", fresh=True))
+            assert info.version == 0
+            with pytest.raises(RemoteError, match="outside the folders this scheduler reads and writes"):
+                await c.request(SaveAdapter(adapter="pol", path=str(warm / "overwritten")))
             refused = {}
             for what, path in {
                 "outside": outside / "pol", "dotdot": run_dir / ".." / "outside" / "pol",
@@ -449,6 +456,7 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
     assert "must be an absolute path" in refused["relative"]
     assert refused["secret_folder"] == refused["no_such_folder"]  # existence is not revealed
     assert sorted(p.name for p in outside.iterdir()) == ["secret_folder"]  # nothing written outside
+    assert not (warm / "overwritten").exists()
     assert not Path("pol").exists()
 
 

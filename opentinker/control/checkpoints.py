@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 STATE = "state.json"
+LEAGUE_STATE = "league_state.json"
+"""Beside the saved adapters (``adapters/`` of a run or a checkpoint): the league's matchmaking
+win rates and running ratings (:meth:`~opentinker.control.coordinator.Coordinator.league_state`)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import time
@@ -22,6 +23,7 @@ from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
+from opentinker.control.checkpoints import LEAGUE_STATE
 from opentinker.eval.evaluation import BARE, SPELLINGS, policy_from_logprobs, policy_sequences, stratified_mean_ci
 from opentinker.eval.ratings import RunningRatings, bradley_terry, outcomes_of
 from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
@@ -47,9 +49,9 @@ from protocols.messages import (
     SnapshotAdapter,
 )
 
+log = logging.getLogger(__name__)
+
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
-LEAGUE_STATE = "league_state.json"
-"""Beside the saved adapters: the matchmaking win rates and the running ratings."""
 RATING_ANCHOR = "random"
 """The player every rating is relative to (it plays every game)."""
 
@@ -408,8 +410,10 @@ class Coordinator:
         try:
             with open(path) as f:
                 self.load_league_state(json.load(f))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"the checkpoint has no {LEAGUE_STATE}: {path}") from None
+        except FileNotFoundError:  # saved before leagues had win rates and ratings: start them afresh
+            log.warning("%s: no %s (saved by an older version); win rates and ratings start afresh", folder,
+                        LEAGUE_STATE)
+            self.load_league_state(self.fresh_league_state())
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is corrupt: {e}") from None
 
@@ -440,8 +444,14 @@ class Coordinator:
         matchmaking win rates and the running ratings (JSON; restored bit for bit)."""
         return {"win_rates": self.win_rates.state(), "ratings": self.ratings.state()}
 
+    def fresh_league_state(self) -> dict[str, Any]:
+        """The league state of a job that has played nothing."""
+        return {"win_rates": WinRates(decay=self.cfg.league.win_rate_decay).state(),
+                "ratings": RunningRatings(anchor=RATING_ANCHOR).state()}
+
     def load_league_state(self, state: dict[str, Any]) -> None:
         self.win_rates = WinRates.from_state(state["win_rates"])
+        self.win_rates.decay = self.cfg.league.win_rate_decay  # the config's (a resume may change it)
         self.ratings = RunningRatings.from_state(state["ratings"])
 
     def scheduler_stats(self) -> dict[str, Any]:

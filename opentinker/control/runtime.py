@@ -119,10 +119,10 @@ class Job:
         threads = cfg.model.threads or os.cpu_count() or 1
         m = cfg.model
         # The scheduler reads and writes adapters only inside the run's folder (none without one)
-        # and reads the policies' warm-start adapters.
+        # and only reads the policies' warm-start adapters.
         sched_kwargs = {"model_path": model_path, "device": m.device, "threads": threads, "engine": m.engine,
-                        "adapter_roots": ([self.run_dir] if self.run_dir else [])
-                        + [os.path.abspath(p.init) for p in cfg.policies if p.init],  # warm starts
+                        "adapter_roots": [self.run_dir] if self.run_dir else [],
+                        "read_roots": [p.init for p in cfg.policies if p.init],  # warm starts: read only
                         "max_new_tokens": max(DEFAULT_MAX_NEW_TOKENS, cfg.sampling.max_tokens),
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
                                            "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype}}

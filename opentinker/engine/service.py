@@ -195,6 +195,7 @@ class Scheduler:
         limits: Limits | None = None,
         adapter_roots: Sequence[str] | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        read_roots: Sequence[str] = (),
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
@@ -203,7 +204,8 @@ class Scheduler:
         request may be on the bus (default :data:`protocols.codec.DEFAULT_LIMITS`).
         ``adapter_roots``: the folders that ``SaveAdapter`` and ``LoadAdapter`` paths must lie in
         (symbolic links resolved; a job gives its run folder); ``None``: anywhere (a scheduler
-        used as a library by its owner). ``max_new_tokens``: the most tokens one row may ask to
+        used as a library by its owner). ``read_roots``: folders that ``LoadAdapter`` may also
+        read and nothing may write (a job's warm-start adapters). ``max_new_tokens``: the most tokens one row may ask to
         draw (with its prompt, it must also fit the model's context)."""
         self.max_new_tokens = int(max_new_tokens)
         self._owner: dict[str, str] = {}
@@ -211,6 +213,8 @@ class Scheduler:
         may drop it."""
         self.limits = limits
         self.adapter_roots = None if adapter_roots is None else [os.path.realpath(r) for r in adapter_roots]
+        self.load_roots = None if self.adapter_roots is None else self.adapter_roots + [
+            os.path.realpath(r) for r in read_roots]
         self.engine = engine
         self.engine_options = engine_options
         self.train_share = train_share
@@ -425,7 +429,7 @@ class Scheduler:
         if isinstance(msg, SnapshotAdapter):
             return AdapterInfo(name=msg.name, version=host.snapshot(msg.adapter, msg.name))
         if isinstance(msg, LoadAdapter):
-            return AdapterInfo(name=msg.name, version=host.load(confined(msg.path, self.adapter_roots), msg.name,
+            return AdapterInfo(name=msg.name, version=host.load(confined(msg.path, self.load_roots), msg.name,
                                                                 trainable=msg.trainable, fresh=msg.fresh))
         raise ValueError(f"unexpected {type(msg).__name__}")
 

@@ -30,9 +30,8 @@ from typing import Any
 
 import games
 from opentinker.config import SNAPSHOT_SUFFIX, SPECIAL_OPPONENTS, JobConfig
+from opentinker.control.checkpoints import LEAGUE_STATE
 
-LEAGUE_STATE = "league_state.json"
-"""``opentinker.control.coordinator.LEAGUE_STATE`` (not imported: that module loads the bus)."""
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -241,7 +240,7 @@ def report_tables(report: dict[str, Any]) -> list[Any]:
     """Rich tables of a report: every (policy, opponent) pairing, the exact measures, ratings."""
     from rich.table import Table
 
-    from opentinker.eval.report import rating_history
+    from opentinker.eval.report import ratings_table
 
     m, unit = report["metrics"], report["unit"]
     table = Table(title=f"{report['game']}: {report['label']}, {report['games_per_stratum']} games per stratum "
@@ -263,20 +262,15 @@ def report_tables(report: dict[str, Any]) -> list[Any]:
     out: list[Any] = [table]
     exact = [(p, k.split("/", 2)[2], v) for p in report["policies"] for k, v in m.items()
              if k.startswith(f"eval/{p}/") and "/vs_" not in k and k != f"eval/{p}/version"]
-    history = rating_history([{"kind": "eval", "step": 0, **{k: v for k, v in m.items() if v is not None}}])
-    ratings = sorted(history[0]["ratings"].items(), key=lambda kv: -kv[1][0]) if history else []
-    for title, head, rows in (
-        ("exact measures", ("policy", "measure", "value"),
-         [(p, name, "-" if v is None else f"{v:.4f}") for p, name, v in exact]),
-        ("ratings (Bradley-Terry log-odds over these games, random = 0, 95% bootstrap CI)", ("player", "rating"),
-         [(name, f"{r:+.2f} [{lo:+.2f}, {hi:+.2f}]" if math.isfinite(lo) else f"{r:+.2f}")
-          for name, (r, lo, hi) in ratings]),
-    ):
-        if rows:
-            t = Table(*head, title=title)
-            for row in rows:
-                t.add_row(*row)
-            out.append(t)
+    if exact:
+        t = Table("policy", "measure", "value", title="exact measures")
+        for p, name, v in exact:
+            t.add_row(p, name, "-" if v is None else f"{v:.4f}")
+        out.append(t)
+    ratings = ratings_table({k: v for k, v in m.items() if v is not None},
+                            title="Ratings over these games (random = 0)")
+    if ratings is not None:
+        out.append(ratings)
     return out
 
 

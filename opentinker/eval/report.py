@@ -277,13 +277,13 @@ def rating_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def ratings_table(ev: dict[str, Any], steps: int) -> Table | None:
+def ratings_table(ev: dict[str, Any], steps: int = 0, title: str | None = None) -> Table | None:
     """The league's ratings at an evaluation: Bradley-Terry (log-odds against ``random``, 95%
     bootstrap interval) and the running openskill table, best first; ``None`` without ratings."""
     history = rating_history([{"kind": "eval", "step": steps, **ev}])
     if not history:
         return None
-    table = Table(title=f"Ratings at step {steps} (every evaluated pairing; random = 0)")
+    table = Table(title=title or f"Ratings at step {steps} (every evaluated pairing; random = 0)")
     table.add_column("player")
     table.add_column("Bradley-Terry (logits, 95% CI)", justify="right")
     table.add_column("P(beats random)", justify="right")

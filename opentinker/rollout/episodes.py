@@ -152,6 +152,16 @@ def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, fi
     return specs
 
 
+def scripted_seat(ref: PolicyRef) -> games.ScriptedPolicy:
+    """The scripted policy ``ref`` names: a registered one, or the ``table`` seat with the moves
+    ``ref.table`` carries (``ValueError`` for a table seat without moves, or moves given to
+    another policy)."""
+    if (ref.name == TABLE) != bool(ref.table):
+        raise ValueError(f"scripted seat {ref.name!r}: a table ({len(ref.table)} entries) goes with the seat "
+                         f"{TABLE!r} and only with it")
+    return games.make_scripted(ref.name, **({"table": dict(ref.table)} if ref.table else {}))
+
+
 async def play_episode(
     spec: EpisodeSpec,
     msg: RunEpisodes,
@@ -169,10 +179,7 @@ async def play_episode(
     for agent in spec.seats:
         if agent not in agents:
             raise ValueError(f"episode {spec.episode_id}: {spec.game} has no seat {agent!r}")
-    scripted = {
-        a: games.make_scripted(ref.name, **({"table": dict(ref.table)} if ref.table else {}))
-        for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED
-    }
+    scripted = {a: scripted_seat(ref) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED}
     rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
     renderers = {a: SeatRenderer(tok, msg.system_prompt) for a in agents if a not in scripted}
     turns: dict[str, list[Turn]] = {a: [] for a in agents}
