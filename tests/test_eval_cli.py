@@ -12,7 +12,7 @@ import pytest
 
 import games
 from opentinker.cli import main
-from tests.conftest import DEVICE
+from conftest import DEVICE
 
 SAVED_VERSION = 2
 

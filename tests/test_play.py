@@ -17,7 +17,7 @@ import pytest
 import games
 from opentinker.cli import main
 from opentinker.play import play, play_game, refusal
-from tests.test_eval_cli import make_run
+from test_eval_cli import make_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
