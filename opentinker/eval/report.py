@@ -102,8 +102,8 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
     import matplotlib.pyplot as plt
 
     key = game_eval.unit
-    measures = [m for m in game_eval.exact
-                if any(r.get(f"eval/{p}/{m.name}") is not None for r in rows for p in policies)]
+    measures = [m for m in game_eval.exact if any(r.get(f"{k}/{p}/{m.name}") is not None
+                                                  for r in rows for p in policies for k in ("eval", "train"))]
     fig, axes = plt.subplots(1, 2 + len(measures), figsize=(11 + 4.5 * len(measures), 4))
     ax, ax2 = axes[0], axes[1]
     for i, p in enumerate(policies):
@@ -138,6 +138,10 @@ def plot_learning_curves(rows: list[dict[str, Any]], policies: list[str], path: 
                    if r["kind"] == "eval" and r.get(f"eval/{p}/{m.name}") is not None]
             if pts:
                 axm.plot(*zip(*pts), "o-", color=f"C{i % 10}", label=p)
+            steps = [(r["step"], r[f"train/{p}/{m.name}"]) for r in rows
+                     if r["kind"] == "train" and r.get(f"train/{p}/{m.name}") is not None]
+            if steps:  # measured at every step (against the exploiter: its bare replies)
+                axm.plot(*zip(*steps), color=f"C{i % 10}", lw=0.8, alpha=0.5, label=f"{p} (every step)")
         for j, (name, level) in enumerate(m.references.items()):
             axm.axhline(level, color="grey", lw=0.8, ls=("--", ":", "-.")[j % 3], label=f"{name} ({level:.3f})")
         axm.set(xlabel="training step", ylabel=m.name, title=f"{m.name} ({m.better} is better)")
