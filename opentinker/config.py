@@ -331,6 +331,12 @@ class SamplingConfig(_Config):
     top_p: Prob = 1.0
     top_k: Annotated[int, Meta(ge=0, le=MAX_TOP_K)] = 0
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 8
+    explore: Annotated[float, Meta(ge=0, le=0.5)] = 0.0
+    """Exploration: the probability that a training decision replies with a legal move drawn
+    uniformly (the game's ``info["legal_moves"]``, with the stop token) instead of a sample.
+    The reply is scored by the policy (its teacher-forced log-probs at the sampling
+    temperature stand for the sampler's), so the loss's importance ratio is the policy's own;
+    a move the policy has stopped sampling still gets an advantage. Evaluations never explore."""
 
 
 class EvalConfig(_Config):

@@ -365,6 +365,10 @@ class RunEpisodes(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Endpoint of a PULL socket (the driver's) to which the runner pushes :class:`Metrics`
     (``episodes_done``, ``episodes``, ``train``) as its episodes end; empty: none. Best
     effort: a full queue drops them rather than hold up an episode."""
+    explore: float = 0.0
+    """Probability that a training decision of a learner's seat replies with one of the
+    observation's legal moves, drawn uniformly, instead of a sample (scored by the policy:
+    its ``sampler_logprobs`` are the policy's teacher-forced log-probs of that reply)."""
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):

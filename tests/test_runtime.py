@@ -210,3 +210,36 @@ def test_the_best_response_opponent_is_an_exact_exploiter(tiny_path):
 
     with pytest.raises(Exception, match="best_response: tictactoe_v0's evaluation hook gives no best response"):
         check_config(_cfg(game="tictactoe_v0", policies=[{"name": "main", "opponents": {"best_response": 1}}]))
+
+
+def test_exploring_replies_are_legal_moves_scored_by_the_policy(tmp_path, tiny_path):
+    """``sampling.explore``: some training decisions reply with a legal move (the tiny random
+    model never writes one by itself), each carrying the policy's own teacher-forced log-probs;
+    evaluations never explore."""
+    import io
+
+    import numpy as np
+    from rich.console import Console
+
+    from opentinker.rollout.render import ChatTokenizer
+    from opentinker.run import run_job
+    from opentinker.training import trajectory_log
+
+    cfg = _cfg(out_dir=str(tmp_path), sampling={"max_tokens": 4, "explore": 0.5},
+               train={"steps": 1, "groups_per_step": 4, "group_size": 2, "lr": 1e-2},
+               eval={"hands_per_stratum": 1, "head_to_head_per_stratum": 0, "cross_play_per_stratum": 0},
+               policies=[{"name": "main", "opponents": {"random": 1}}])
+    res = run_job(cfg, console=Console(file=io.StringIO()))
+    tok = ChatTokenizer(tiny_path)
+    turns = [t for r in trajectory_log.read(res.run_dir / "trajectories" / "main.jsonl") for t in r.turns]
+    explored = [t for t in turns if list(t.sampled_tokens)[-1] == tok.eos_id
+                and tok.decode(list(t.sampled_tokens)[:-1]) in ("check", "bet", "call", "fold")]
+    assert 0 < len(explored) < len(turns), (len(explored), len(turns))
+    for t in explored:
+        lp = np.asarray(t.sampler_logprobs)
+        assert t.parse.value == "ok" and len(lp) == len(t.sampled_tokens) and np.all(np.isfinite(lp) & (lp < 0))
+        assert t.policy.version == 0
+    assert res.last_eval["eval/main/vs_random/invalid_rate"] > 0.9  # evaluation sampled only
+    # The trainer scores every reply as its log-probs said (the explored ones too): ratio 1.
+    (train,) = [r for r in res.rows if r["kind"] == "train"]
+    assert train["train/main/loss/logp_diff_max"] < 1e-3, train["train/main/loss/logp_diff_max"]

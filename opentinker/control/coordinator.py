@@ -141,7 +141,8 @@ class Coordinator:
                 request_split_async(
                     lambda m, r=r: r.request(m, timeout),
                     RunEpisodes(episodes=part, sampling=self.sampling, system_prompt=self.cfg.system_prompt,
-                                learners=learners, step=step, progress=progress),
+                                learners=learners, step=step, progress=progress,
+                                explore=self.cfg.sampling.explore if train else 0.0),
                     concurrent=True,
                 )
                 for r, part in zip(self.runners, parts)

@@ -23,6 +23,8 @@ from opentinker.rollout.episodes import play_episode
 from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
     EpisodesDone,
+    LogprobsRequest,
+    LogprobsResult,
     Message,
     Metrics,
     PolicyKind,
@@ -85,7 +87,8 @@ class EnvRunner:
             if name not in self.pushers:
                 self.pushers[name] = Pusher(self.loop.ctx, ep)
         progress = self._progress(msg)
-        results = await asyncio.gather(*(progress(play_episode(spec, msg, self.tok, self._sample)) for spec in msg.episodes))
+        results = await asyncio.gather(*(progress(play_episode(spec, msg, self.tok, self._sample, self._score))
+                                         for spec in msg.episodes))
         sent = 0
         for _, trajectories in results:
             for traj in trajectories:
@@ -124,6 +127,13 @@ class EnvRunner:
         reply = await self.scheduler.request(req, timeout=self.sample_timeout_s)
         assert isinstance(reply, SampleResult)
         return reply
+
+    async def _score(self, ref: PolicyRef, tokens: np.ndarray, temperature: float) -> tuple[np.ndarray, int]:
+        """Teacher-forced log-probs of ``tokens`` under ``ref``'s adapter (an exploring reply)."""
+        req = LogprobsRequest(adapter=ref.name, sequences=[tokens], temperature=temperature)
+        reply = await self.scheduler.request(req, timeout=self.sample_timeout_s)
+        assert isinstance(reply, LogprobsResult)
+        return reply.logprobs[0], reply.adapter_version
 
     def stop(self) -> None:
         if hasattr(self, "loop"):

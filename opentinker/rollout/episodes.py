@@ -39,6 +39,9 @@ MAX_AGENT_STEPS = 1000
 
 SampleFn = Callable[[PolicyRef, np.ndarray, SamplingParams], Awaitable[SampleResult]]
 """``sample(policy, prompt_T, params)``: one reply from the scheduler (or an in-process host)."""
+ScoreFn = Callable[[PolicyRef, np.ndarray, float], Awaitable[tuple[np.ndarray, int]]]
+"""``score(policy, tokens_T, temperature) -> (logprobs_T, adapter version)``: teacher-forced
+log-probs of a sequence (for an exploring reply, :attr:`RunEpisodes.explore`)."""
 
 
 def sample_seed(episode_seed: int, episode_id: int, seat_index: int, turn: int) -> int:
@@ -167,12 +170,18 @@ async def play_episode(
     msg: RunEpisodes,
     tok: ChatTokenizer,
     sample: SampleFn,
+    score: ScoreFn | None = None,
 ) -> tuple[EpisodeSummary, list[Trajectory]]:
-    """Play one episode; LLM seats reply through ``sample(policy, prompt_T, params)``.
+    """Play one episode; LLM seats reply through ``sample(policy, prompt_T, params)``; in a
+    training episode a learner's seat explores with probability ``msg.explore`` (a legal move
+    drawn uniformly, scored through ``score``).
 
     Returns the episode's summary and, for a training episode, the trajectory of every seat
     played by a trainable policy named in ``msg.learners``.
     """
+    if msg.explore and spec.train and score is None:
+        raise ValueError("exploring (RunEpisodes.explore > 0) needs a score function for the replies")
+    explore_rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 11])
     env = games.make(spec.game, **spec.game_kwargs)
     env.reset(seed=spec.seed)
     agents = list(env.possible_agents)
@@ -207,7 +216,17 @@ async def play_episode(
             params = msgspec.structs.replace(
                 msg.sampling, seed=seed, stop_token_ids=msg.sampling.stop_token_ids or (tok.eos_id,)
             )
-            result = await sample(ref, r.prompt(), params)
+            legal = list(info.get("legal_moves") or [])
+            if (score is not None and msg.explore and spec.train and ref.kind is PolicyKind.ADAPTER
+                    and ref.name in msg.learners and legal and explore_rng.random() < msg.explore):
+                move = str(legal[int(explore_rng.integers(len(legal)))])
+                reply = np.asarray(tok.encode(move)[: msg.sampling.max_tokens - 1] + [tok.eos_id], dtype=np.int32)
+                prompt = r.prompt()
+                logprobs, version = await score(ref, np.concatenate([prompt, reply]), msg.sampling.temperature)
+                result = SampleResult(tokens=[reply], logprobs=[np.asarray(logprobs[-len(reply):], np.float32)],
+                                      stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
+            else:
+                result = await sample(ref, r.prompt(), params)
             sampled, stop = result.tokens[0], result.stop_reasons[0]
             r.add_reply(sampled, stop is StopReason.STOP)
             text = tok.decode(sampled)
