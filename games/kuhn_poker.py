@@ -278,21 +278,29 @@ def expected_value(policy0: Policy, policy1: Policy) -> float:
     return sum(_value0(d, "", policy0, policy1) for d in DEALS) / len(DEALS)
 
 
-def best_response(policy: Policy, br_player: int) -> Policy:
-    """A pure best response of seat `br_player` (0 or 1) to the other seat's part of `policy`:
-    P(bet or call) of 0 or 1 at each of its own 6 info states (ties go to the first in
+def _pure_responses(policy: Policy, br_player: int) -> tuple[float, Policy]:
+    """Every pure strategy of seat `br_player` (0 or 1) against the other seat's part of
+    `policy`: the largest value any reaches, and the first reaching it within 1e-12 (in
     enumeration order, passive before aggressive)."""
     if br_player not in (0, 1):
         raise ValueError(f"br_player must be 0 or 1, got {br_player!r}")
     own = _P0_STATES if br_player == 0 else _P1_STATES
     _check(policy, _P1_STATES if br_player == 0 else _P0_STATES)
-    best, arg = -np.inf, {}
+    best, arg_value, arg = -np.inf, -np.inf, {}
     for actions in itertools.product((0.0, 1.0), repeat=len(own)):
         pure = dict(zip(own, actions, strict=True))
         value = expected_value(pure, policy) if br_player == 0 else -expected_value(policy, pure)
-        if value > best + 1e-12:
-            best, arg = value, pure
-    return arg
+        best = max(best, value)
+        if value > arg_value + 1e-12:
+            arg_value, arg = value, pure
+    return float(best), arg
+
+
+def best_response(policy: Policy, br_player: int) -> Policy:
+    """A pure best response of seat `br_player` (0 or 1) to the other seat's part of `policy`:
+    P(bet or call) of 0 or 1 at each of its own 6 info states (ties go to the first in
+    enumeration order, passive before aggressive)."""
+    return _pure_responses(policy, br_player)[1]
 
 
 def best_response_value(policy: Policy, br_player: int) -> float:
@@ -302,19 +310,7 @@ def best_response_value(policy: Policy, br_player: int) -> float:
     Exact: a best response can be pure, and a pure strategy chooses one action per own info
     state (the responder does not see the opponent's card), so all 2^6 of them are enumerated.
     """
-    if br_player not in (0, 1):
-        raise ValueError(f"br_player must be 0 or 1, got {br_player!r}")
-    own = _P0_STATES if br_player == 0 else _P1_STATES
-    _check(policy, _P1_STATES if br_player == 0 else _P0_STATES)
-    best = -np.inf
-    for actions in itertools.product((0.0, 1.0), repeat=len(own)):
-        pure = dict(zip(own, actions, strict=True))
-        if br_player == 0:
-            value = expected_value(pure, policy)
-        else:
-            value = -expected_value(policy, pure)
-        best = max(best, value)
-    return float(best)
+    return _pure_responses(policy, br_player)[0]
 
 
 def exploitability(policy: Policy) -> float:

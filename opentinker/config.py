@@ -310,6 +310,18 @@ def league_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
     return [f"{policy}__s{s}" for s in range(every, step, every)][-cfg.league.keep:]
 
 
+MAX_POLICY_NAME = 64
+
+
+def policy_name_ok(name: str) -> bool:
+    """``name`` can name a policy: an identifier of at most :data:`MAX_POLICY_NAME` characters
+    that is no special opponent, scripted policy or ``league``, and no snapshot's name."""
+    from games.scripted import SCRIPTED
+
+    return (name.isidentifier() and len(name) <= MAX_POLICY_NAME and name not in SPECIAL_OPPONENTS
+            and name not in SCRIPTED and name != "league" and not SNAPSHOT_SUFFIX.search(name))
+
+
 def opponent_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
     """Who ``past`` can be for ``policy`` at step ``step``: its league snapshots
     (:func:`league_pool`) and, with ``league.pool = "all"``, every other policy of the job and
@@ -474,11 +486,11 @@ class JobConfig(_Config):
         from games.scripted import SCRIPTED
 
         for i, p in enumerate(self.policies):
-            if (p.name in SPECIAL_OPPONENTS or p.name in SCRIPTED or p.name == "league" or not p.name.isidentifier()
-                    or len(p.name) > 64 or SNAPSHOT_SUFFIX.search(p.name)):
-                raise ValueError(f"policies[{i}].name: {p.name!r}: must be an identifier other than self, base, past, "
-                                 f"league and the scripted policies ({', '.join(sorted(SCRIPTED))}), not ending in "
-                                 "__s<digits>, at most 64 characters")
+            if not policy_name_ok(p.name):
+                raise ValueError(f"policies[{i}].name: {p.name!r}: must be an identifier other than "
+                                 f"{', '.join(SPECIAL_OPPONENTS)}, league and the scripted policies "
+                                 f"({', '.join(sorted(SCRIPTED))}), not ending in __s<digits>, at most "
+                                 f"{MAX_POLICY_NAME} characters")
             if not p.opponents or sum(p.opponents.values()) <= 0:
                 raise ValueError(f"policies[{p.name}].opponents: needs a positive weight")
             for o in p.opponents:

@@ -152,14 +152,13 @@ def _check_init(cfg: JobConfig, policy: str, init: str) -> None:
         saved = msgspec.json.decode(meta.read_bytes())["spec"]
     except (msgspec.DecodeError, KeyError, TypeError) as e:
         raise ConfigError(field, f"{meta} is corrupt: {e}") from None
-    want = msgspec.to_builtins(cfg.lora_spec(policy))
+    want = msgspec.json.decode(msgspec.json.encode(cfg.lora_spec(policy)))  # JSON builtins, as the file has it
     if want["value_head"] and not saved.get("value_head"):
         raise ConfigError(field, f"policy {policy} trains a critic (train.advantage = "
                                  f"{cfg.train_for(policy).advantage!r}) and the saved adapter has no value head to "
                                  "start it from; warm-start a learner without a critic")
     differ = [f"{k} {saved.get(k)!r} (this job: {want[k]!r})" for k in ("rank", "alpha", "target_modules", "value_head", "full")
-              if (list(saved.get(k)) if isinstance(saved.get(k), list | tuple) else saved.get(k))
-              != (list(want[k]) if isinstance(want[k], list | tuple) else want[k])]
+              if saved.get(k) != want[k]]
     if differ:
         raise ConfigError(field, f"the saved adapter has {', '.join(differ)}; set the policy's LoRA settings to match")
 

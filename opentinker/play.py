@@ -33,18 +33,10 @@ from opentinker.eval.cli_eval import (
     read_source,
     stage_adapters,
 )
-from opentinker.rollout.episodes import MAX_AGENT_STEPS, game_agents, sample_seed
+from opentinker.rollout.episodes import MAX_AGENT_STEPS, game_agents, invalid_count, sample_seed
 
 FROZEN_SKIPS = ("optimizer.safetensors", "learner_state.json")
 """Files of a saved adapter that a frozen load never reads."""
-
-
-def _invalid(env: Any, agent: str) -> int:
-    """Invalid replies of ``agent`` so far (``invalid_counts`` of the text games and the bridge)."""
-    counts = getattr(env.unwrapped, "invalid_counts", None)
-    if counts is not None:
-        return int(counts.get(agent, 0))
-    return int(getattr(env.unwrapped, "infos", {}).get(agent, {}).get("invalid", 0))
 
 
 def refusal(game: str, kwargs: dict, seed: int, history: list[str | None], env: Any, reply: str) -> str | None:
@@ -59,12 +51,12 @@ def refusal(game: str, kwargs: dict, seed: int, history: list[str | None], env: 
         trial.step(action)
     if trial.agent_selection != agent or trial.last()[0].get("text") != env.last()[0].get("text"):
         trial = copy.deepcopy(env)  # a game that does not replay exactly (unseeded randomness)
-    before = _invalid(trial, agent)
+    before = invalid_count(trial, agent)
     try:
         trial.step(reply)
     except Exception as e:  # noqa: BLE001  (the game refused it outright, whatever its error)
         return f" ({type(e).__name__}: {e})"
-    return "" if _invalid(trial, agent) > before else None
+    return "" if invalid_count(trial, agent) > before else None
 
 
 class Opponent:
@@ -128,13 +120,13 @@ def play_game(game: str, kwargs: dict, seed: int, index: int, human: str, agent:
                 say(f"{text!r} is not a legal move here{why}; try again.")
         else:
             renderers[seat].observe(obs["text"])
-            before = _invalid(env, seat)
+            before = invalid_count(env, seat)
             text = agent.reply(renderers[seat], sample_seed(seed, index, agents.index(seat), turns[seat]))
             turns[seat] += 1
         env.step(text)
         history.append(text)
         if seat != human:
-            say(f"{seat} (agent): {text!r}" + ("  [invalid]" if _invalid(env, seat) > before else ""))
+            say(f"{seat} (agent): {text!r}" + ("  [invalid]" if invalid_count(env, seat) > before else ""))
         for a, r in env.rewards.items():
             totals[a] += float(r)
     env.close()

@@ -77,7 +77,7 @@ def test_a_policy_cannot_take_a_scripted_policys_name():
 
     from opentinker.config import JobConfig
 
-    with pytest.raises(ValueError, match="'random': must be an identifier other than self, base, past, league and the scripted"):
+    with pytest.raises(ValueError, match="'random': must be an identifier other than self, base, past, best_response, league and the scripted"):
         msgspec.convert({"policies": [{"name": "random"}]}, JobConfig)
     with pytest.raises(ValueError, match="'league': must be an identifier"):  # adapters/league/ is the league's folder
         msgspec.convert({"policies": [{"name": "league"}]}, JobConfig)

@@ -89,10 +89,9 @@ class Coordinator:
         self.transcripts: list[str] = []
         self.league: dict[str, list[str]] = {p.name: [] for p in cfg.policies}
         """Policy -> its league snapshots on the scheduler, oldest first."""
-        self.win_rates = WinRates(decay=cfg.league.win_rate_decay)
-        """Matchmaking's estimates of P[policy beats opponent] from training games."""
-        self.ratings = RunningRatings(anchor=RATING_ANCHOR)
-        """The running openskill table over every evaluated pairing."""
+        self._fresh_league()
+        self._scored: dict[tuple[str, tuple[str, ...]], tuple[Any, list[np.ndarray], list[int]]] = {}
+        """(measure, spellings) -> the measure's decisions, their token sequences, reply lengths."""
         self.untrained = not any(p.init for p in cfg.policies)
         """Every policy is still a fresh adapter (LoRA B = 0): each one *is* the base model, so
         a game between two of them, or against the base model, is a mirror match."""
@@ -111,7 +110,7 @@ class Coordinator:
         self.learners = {p: Client(ctx, ep, name=f"coordinator->{p}") for p, (ep, _) in self.learner_endpoints.items()}
         for p in self.cfg.policies:
             if p.init:  # a warm start: the saved weights, a fresh optimizer (checked: the same spec)
-                await self.scheduler.request(LoadAdapter(path=os.path.abspath(p.init), name=p.name, fresh=True),
+                await self.scheduler.request(LoadAdapter(path=p.init, name=p.name, fresh=True),
                                              self.cfg.runtime.timeout_s)
                 continue
             spec = self.cfg.lora_spec(p.name)
@@ -351,8 +350,11 @@ class Coordinator:
         """``policy``'s probability of each legal move at ``m``'s decisions (teacher-forced
         log-probs of the canonical replies in ``spellings``, at the job's sampling temperature:
         the policy as it plays), the mass on those replies, the version scored."""
-        decisions = m.decisions()
-        seqs, n_reply = policy_sequences(self.tok, self.cfg.system_prompt, decisions, spellings)
+        key = (m.name, spellings)
+        if key not in self._scored:  # the same for every policy and step: tokenized once
+            decisions = m.decisions()
+            self._scored[key] = (decisions, *policy_sequences(self.tok, self.cfg.system_prompt, decisions, spellings))
+        decisions, seqs, n_reply = self._scored[key]
         res = await request_split_async(lambda q: self.scheduler.request(q, self.cfg.runtime.timeout_s),
                                         LogprobsRequest(adapter=policy, sequences=seqs,
                                                         temperature=self.cfg.sampling.temperature))
@@ -368,8 +370,10 @@ class Coordinator:
         m = self.game_eval.exploiter()
         tables: dict[str, dict[str, str]] = {}
         metrics: dict[str, float] = {}
+        if m is None or m.best_response is None:  # (the config check refuses best_response then)
+            return tables, metrics
         for p in self.cfg.policies:
-            if p.opponents.get("best_response", 0) > 0 and m is not None and m.best_response is not None:
+            if p.opponents.get("best_response", 0) > 0:
                 dist, _, _ = await self._distribution(p.name, m, BARE)
                 tables[p.name] = dict(m.best_response(dist))
                 metrics[f"train/{p.name}/{m.name}"] = float(m.value(dist))
@@ -414,7 +418,7 @@ class Coordinator:
         except FileNotFoundError:  # saved before leagues had win rates and ratings: start them afresh
             log.warning("%s: no %s (saved by an older version); win rates and ratings start afresh", folder,
                         LEAGUE_STATE)
-            self.load_league_state(self.fresh_league_state())
+            self._fresh_league()
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is corrupt: {e}") from None
 
@@ -445,10 +449,12 @@ class Coordinator:
         matchmaking win rates and the running ratings (JSON; restored bit for bit)."""
         return {"win_rates": self.win_rates.state(), "ratings": self.ratings.state()}
 
-    def fresh_league_state(self) -> dict[str, Any]:
+    def _fresh_league(self) -> None:
         """The league state of a job that has played nothing."""
-        return {"win_rates": WinRates(decay=self.cfg.league.win_rate_decay).state(),
-                "ratings": RunningRatings(anchor=RATING_ANCHOR).state()}
+        self.win_rates = WinRates(decay=self.cfg.league.win_rate_decay)
+        """Matchmaking's estimates of P[policy beats opponent] from training games."""
+        self.ratings = RunningRatings(anchor=RATING_ANCHOR)
+        """The running openskill table over every evaluated pairing."""
 
     def load_league_state(self, state: dict[str, Any]) -> None:
         self.win_rates = WinRates.from_state(state["win_rates"])

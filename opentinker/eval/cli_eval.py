@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import games
-from opentinker.config import SNAPSHOT_SUFFIX, SPECIAL_OPPONENTS, JobConfig
+from opentinker.config import JobConfig, policy_name_ok
 from opentinker.control.checkpoints import LEAGUE_STATE
 
 
@@ -54,7 +54,7 @@ def player_name(raw: str, taken: set[str]) -> str:
     """A policy name for an adapter folder called ``raw``: an identifier none of the reserved
     names (``self``, ``base``, a scripted seat...) and not in ``taken`` (``_2``, ``_3``... added)."""
     name = re.sub(r"\W", "_", raw)[:56] or "adapter"
-    if not name.isidentifier() or name in (*SPECIAL_OPPONENTS, *games.SCRIPTED, "league") or SNAPSHOT_SUFFIX.search(name):
+    if not policy_name_ok(name):
         name = f"a_{name}"
     out, k = name, 2
     while out in taken:

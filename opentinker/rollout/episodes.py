@@ -10,7 +10,7 @@ tokens, and every sample is seeded from the episode (seed, id, seat, turn).
 from __future__ import annotations
 
 import functools
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 import numpy as np
@@ -155,6 +155,15 @@ def strata_episodes(cfg: JobConfig, policy: str, opponent: PolicyRef, n: int, fi
     return specs
 
 
+def invalid_count(env: Any, agent: str) -> int:
+    """Invalid replies of ``agent`` so far (``invalid_counts`` of the text games and the bridge,
+    else the ``invalid`` of its infos)."""
+    counts = getattr(env.unwrapped, "invalid_counts", None)
+    if counts is not None:
+        return int(counts.get(agent, 0))
+    return int(getattr(env.unwrapped, "infos", {}).get(agent, {}).get("invalid", 0))
+
+
 def scripted_seat(ref: PolicyRef) -> games.ScriptedPolicy:
     """The scripted policy ``ref`` names: a registered one, or the ``table`` seat with the moves
     ``ref.table`` carries (``ValueError`` for a table seat without moves, or moves given to
@@ -205,7 +214,7 @@ async def play_episode(
         if ref is None:
             raise ValueError(f"episode {spec.episode_id}: no policy for seat {agent!r}")
         decisions[agent] += 1
-        invalid_before = getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0)
+        invalid_before = invalid_count(env, agent)
         if agent in scripted:
             text = scripted[agent].act(obs["text"], info, rng)
             env.step(text)
@@ -231,7 +240,7 @@ async def play_episode(
             r.add_reply(sampled, stop is StopReason.STOP)
             text = tok.decode(sampled)
             env.step(text)
-        bad = getattr(env.unwrapped, "invalid_counts", {}).get(agent, 0) > invalid_before
+        bad = invalid_count(env, agent) > invalid_before
         invalid[agent] += int(bad)
         if agent not in scripted:
             turns[agent].append(
