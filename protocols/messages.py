@@ -156,6 +156,10 @@ class LogprobsRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """``int32[T_i]`` token arrays."""
     temperature: float = 1.0
     """Score ``softmax(logits / temperature)``: the policy as it samples at that temperature."""
+    tail: int = 0
+    """Score only the last ``tail`` tokens of each sequence (all but its first when shorter);
+    the other entries are 0. 0: every token. The vocabulary projection then runs only where
+    asked: scoring a reply after a long prompt costs the prompt's forward pass alone."""
 
 
 class LogprobsResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):

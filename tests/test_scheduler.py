@@ -35,9 +35,18 @@ def test_sampling_is_seeded_and_logprobs_match_the_trainer(scheduler, chat_tok):
         two = await c.request(SampleRequest(adapter="alpha", prompts=[prompt, prompt], params=params))
         seqs = [np.concatenate([prompt, t]) for t in one.tokens]
         lp = await c.request(LogprobsRequest(adapter="alpha", sequences=seqs))
-        return one, two, lp
+        # Scoring the replies alone (``tail``): the same log-probs there, zeros before.
+        tail = await c.request(LogprobsRequest(adapter="alpha", sequences=seqs, tail=3))
+        long = await c.request(LogprobsRequest(adapter="alpha", sequences=seqs, tail=10_000))
+        with pytest.raises(RemoteError, match=r"LogprobsRequest.tail must be >= 0 \(0: every token\), got -1"):
+            await c.request(LogprobsRequest(adapter="alpha", sequences=seqs, tail=-1))
+        return one, two, lp, tail, long
 
-    one, two, lp = run(with_client(scheduler, body))
+    one, two, lp, tail, long = run(with_client(scheduler, body))
+    for full, part, whole in zip(lp.logprobs, tail.logprobs, long.logprobs):
+        np.testing.assert_allclose(part[-3:], full[-3:], atol=1e-5)
+        assert not part[:-3].any() and full[-4] != 0
+        np.testing.assert_allclose(whole, full, atol=1e-5)
     assert [t.tolist() for t in one.tokens] == [t.tolist() for t in two.tokens]
     assert one.tokens[0].tolist() != one.tokens[1].tolist()  # rows have their own seeds
     assert one.adapter_version == 0

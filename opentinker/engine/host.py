@@ -127,8 +127,8 @@ class ModelHost:
         return self.runner.sample(adapters, prompts, params, seeds)
 
     def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64,
-                 temperature: float = 1.0) -> list[np.ndarray]:
-        return self.runner.logprobs(adapter, seqs, chunk, temperature)
+                 temperature: float = 1.0, tail: int = 0) -> list[np.ndarray]:
+        return self.runner.logprobs(adapter, seqs, chunk, temperature, tail)
 
     def values(self, adapter: str, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
         return self.runner.values(adapter, seqs, chunk)

@@ -137,14 +137,17 @@ class ModelRunner:
     @torch.no_grad()
     def _along(
         self, adapter: str | None, seqs: Seq[np.ndarray], per_row: Callable[[Hidden], torch.Tensor], chunk: int,
+        tail: int = 0,
     ) -> list[np.ndarray]:
         """``float32[T_i]`` per sequence: ``per_row`` of the hidden state before every token
-        (entry 0 is 0), ``chunk`` sequences at a time."""
+        (entry 0 is 0; with ``tail`` > 0 only the last ``tail`` tokens, the rest 0),
+        ``chunk`` sequences at a time."""
         out: list[np.ndarray] = []
         with self.registry.select(adapter):
             for start in range(0, len(seqs), chunk):
                 part = [np.asarray(s) for s in seqs[start : start + chunk]]
-                hidden = self.hidden_at(part, [np.ones(len(s)) for s in part])
+                masks = [np.arange(len(s)) >= len(s) - tail if tail else np.ones(len(s)) for s in part]
+                hidden = self.hidden_at(part, masks)
                 per_U = per_row(hidden).float().cpu().numpy() if len(hidden.tokens_U) else np.zeros(0, np.float32)
                 for rows, pos, s in zip(hidden.rows, hidden.taken, part):
                     row = np.zeros(len(s), dtype=np.float32)
@@ -153,13 +156,14 @@ class ModelRunner:
         return out
 
     def logprobs(self, adapter: str | None, seqs: Seq[np.ndarray], chunk: int = 64,
-                 temperature: float = 1.0) -> list[np.ndarray]:
+                 temperature: float = 1.0, tail: int = 0) -> list[np.ndarray]:
         """Teacher-forced ``float32[T_i]`` log-probs of every token (entry 0 is 0), of
-        ``softmax(logits / temperature)``."""
+        ``softmax(logits / temperature)``; with ``tail`` > 0 of the last ``tail`` tokens only
+        (the others 0): the vocabulary projection runs at those positions alone."""
         self.registry.check_tokens(seqs, "LogprobsRequest.sequences")
         head = scaled(self.registry.inner().lm_head, temperature)
         return self._along(adapter, seqs, lambda h: project_logprobs(
-            head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk)
+            head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk, tail)
 
     def values(self, adapter: str, seqs: Seq[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
         """The critic's ``float32[T_i]`` values along each sequence: entry ``t`` is the value

@@ -143,6 +143,8 @@ def check_request(msg: Message, vocab_size: int, max_context: int | None = None,
     elif isinstance(msg, (LogprobsRequest, ValuesRequest)):
         if isinstance(msg, LogprobsRequest) and not (math.isfinite(msg.temperature) and msg.temperature > 0):
             raise ValueError(f"LogprobsRequest.temperature must be finite and > 0, got {msg.temperature}")
+        if isinstance(msg, LogprobsRequest) and msg.tail < 0:
+            raise ValueError(f"LogprobsRequest.tail must be >= 0 (0: every token), got {msg.tail}")
         for i, seq in enumerate(msg.sequences):
             check_tokens(seq, f"{type(msg).__name__}.sequences[{i}]", vocab_size, max_context)
     elif isinstance(msg, CreateAdapter):
@@ -408,7 +410,8 @@ class Scheduler:
         host = self.host
         self.compute_counters[type(msg).__name__] += 1
         if isinstance(msg, LogprobsRequest):
-            return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences, temperature=msg.temperature),
+            return LogprobsResult(logprobs=host.logprobs(msg.adapter, msg.sequences, temperature=msg.temperature,
+                                                         tail=msg.tail),
                                   adapter_version=host.version(msg.adapter))
         if isinstance(msg, ValuesRequest):
             return ValuesResult(values=host.values(msg.adapter, msg.sequences), adapter_version=host.version(msg.adapter))

@@ -128,9 +128,10 @@ class EnvRunner:
         assert isinstance(reply, SampleResult)
         return reply
 
-    async def _score(self, ref: PolicyRef, tokens: np.ndarray, temperature: float) -> tuple[np.ndarray, int]:
-        """Teacher-forced log-probs of ``tokens`` under ``ref``'s adapter (an exploring reply)."""
-        req = LogprobsRequest(adapter=ref.name, sequences=[tokens], temperature=temperature)
+    async def _score(self, ref: PolicyRef, tokens: np.ndarray, temperature: float, tail: int) -> tuple[np.ndarray, int]:
+        """Teacher-forced log-probs of the last ``tail`` of ``tokens`` under ``ref``'s adapter
+        (an exploring reply)."""
+        req = LogprobsRequest(adapter=ref.name, sequences=[tokens], temperature=temperature, tail=tail)
         reply = await self.scheduler.request(req, timeout=self.sample_timeout_s)
         assert isinstance(reply, LogprobsResult)
         return reply.logprobs[0], reply.adapter_version

@@ -39,9 +39,10 @@ MAX_AGENT_STEPS = 1000
 
 SampleFn = Callable[[PolicyRef, np.ndarray, SamplingParams], Awaitable[SampleResult]]
 """``sample(policy, prompt_T, params)``: one reply from the scheduler (or an in-process host)."""
-ScoreFn = Callable[[PolicyRef, np.ndarray, float], Awaitable[tuple[np.ndarray, int]]]
-"""``score(policy, tokens_T, temperature) -> (logprobs_T, adapter version)``: teacher-forced
-log-probs of a sequence (for an exploring reply, :attr:`RunEpisodes.explore`)."""
+ScoreFn = Callable[[PolicyRef, np.ndarray, float, int], Awaitable[tuple[np.ndarray, int]]]
+"""``score(policy, tokens_T, temperature, tail) -> (logprobs_T, adapter version)``: teacher-forced
+log-probs of the last ``tail`` tokens of a sequence (for an exploring reply,
+:attr:`RunEpisodes.explore`; ``LogprobsRequest.tail``)."""
 
 
 def sample_seed(episode_seed: int, episode_id: int, seat_index: int, turn: int) -> int:
@@ -231,7 +232,7 @@ async def play_episode(
                 move = str(legal[int(explore_rng.integers(len(legal)))])
                 reply = np.asarray(tok.encode(move)[: msg.sampling.max_tokens - 1] + [tok.eos_id], dtype=np.int32)
                 prompt = r.prompt()
-                logprobs, version = await score(ref, np.concatenate([prompt, reply]), msg.sampling.temperature)
+                logprobs, version = await score(ref, np.concatenate([prompt, reply]), msg.sampling.temperature, len(reply))
                 result = SampleResult(tokens=[reply], logprobs=[np.asarray(logprobs[-len(reply):], np.float32)],
                                       stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
             else:
