@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         config = f"{args.resume}/config.toml" if args.resume else args.config
         cfg = load_config(config, _parse_set(args.set))
         check_config(cfg)  # every field, before a run folder or an actor exists
+        if cfg.offline_job() is not None:  # data with nothing to learn from: said before a run folder exists
+            from opentinker.training.offline import training_units
+
+            training_units(cfg)
         if args.resume:
             from opentinker.control.checkpoints import latest_checkpoint
 

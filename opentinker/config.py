@@ -179,6 +179,10 @@ class PolicyConfig(_Config):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Projections that get LoRA weights; checked against the model's architecture where it
     is known (:func:`opentinker.config_checks.check_config`)."""
+    frozen: bool = False
+    """Play and record trajectories but never train: the adapter stays as it started (the
+    base model, or ``init``). Data collection at a given episode budget for an offline SFT or
+    DPO job (``benchmarks/compare_learners.py``'s ``dpo``), or a fixed reference player."""
     init: PathStr = ""
     """Warm start: a saved adapter folder (``adapters/<policy>`` of a run or an offline SFT
     job, a checkpoint's) whose weights this policy starts from, with a fresh optimizer and

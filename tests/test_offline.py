@@ -206,3 +206,26 @@ def test_a_pair_drawn_twice_in_one_batch_counts_as_two_pairs() -> None:
     single = float(loss(one))
     assert single == pytest.approx(-np.log(1 / (1 + np.exp(-0.2))), rel=1e-6)
     assert float(loss(twice)) == pytest.approx(2 * single, rel=1e-6)
+
+
+def test_a_frozen_policy_plays_and_records_but_never_trains(tmp_path) -> None:
+    """``policies[].frozen``: data collection at an episode budget (compare_learners' ``dpo``).
+    Beside a policy that trains, the frozen one records every trajectory, reports its steps
+    (``learn_s`` included) at version 0, and its saved adapter is the initial one."""
+    from safetensors.numpy import load_file
+
+    pols = [{"name": "main", "opponents": {"random": 1}}, {"name": "data", "opponents": {"random": 1}, "frozen": True}]
+    res = run_job(_job(tmp_path, name="frozen", policies=pols, train={"steps": 2, "groups_per_step": 4, "group_size": 4,
+                                                                        "lr": 1e-2}), console=Console(file=io.StringIO()))
+    trains = [r for r in res.rows if r["kind"] == "train"]
+    assert [r["train/data/version"] for r in trains] == [0, 0]
+    assert [r["train/main/version"] for r in trains] == [1, 2]
+    assert all(r["train/data/learn_s"] >= 0 and "train/data/grad_norm" not in r for r in trains)
+    assert all("train/main/grad_norm" in r for r in trains)
+    records = trajectory_log.read(res.run_dir / "trajectories" / "data.jsonl")
+    assert len(records) == sum(r["train/data/n_datums"] for r in trains) and {r.step for r in records} == {1, 2}
+    data = load_file(f"{res.run_dir}/adapters/data/adapter_model.safetensors")
+    main = load_file(f"{res.run_dir}/adapters/main/adapter_model.safetensors")
+    b = [k for k in data if "lora_B" in k]
+    assert b and all(not data[k].any() for k in b)  # LoRA's B starts at zero and stayed there
+    assert any(main[k].any() for k in b)

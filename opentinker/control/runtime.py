@@ -90,6 +90,7 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
         "epochs": tc.epochs,
         "minibatches": tc.minibatches,
         "seed": cfg.seed,
+        "frozen": next(p.frozen for p in cfg.policies if p.name == policy),
     }
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import resource
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,11 +101,16 @@ class Learner:
         epochs: int = 1,
         minibatches: int = 1,
         seed: int = 0,
+        frozen: bool = False,
     ) -> None:
         check_algorithms(advantage, loss)
         if epochs < 1 or minibatches < 1:
             raise ValueError(f"learner {policy}: epochs and minibatches must be >= 1, got {epochs}, {minibatches}")
         self.epochs, self.minibatches, self.seed = epochs, minibatches, seed
+        self.frozen = frozen
+        """Record and report each step, never update the adapter (``PolicyConfig.frozen``)."""
+        self.version = 0
+        """The adapter's version after this learner's last update (what a frozen one reports)."""
         self.policy = policy
         self.game = game
         """Prefix of ``role_ema``'s role keys (``"<game>/<seat>"``)."""
@@ -175,8 +182,13 @@ class Learner:
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
         )
-        version, updates = await self._update(msg.step, datums, values is not None)
-        metrics.update(updates)
+        t0 = time.perf_counter()
+        if not self.frozen:
+            self.version, updates = await self._update(msg.step, datums, values is not None)
+            metrics.update(updates)
+        version = self.version
+        metrics["learn_s"] = time.perf_counter() - t0
+        metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         invalid = sum(t.parse.value == "invalid" for tr in trajectories for t in tr.turns)
         turns = sum(len(tr.turns) for tr in trajectories)
         metrics["invalid_rate"] = invalid / max(turns, 1)

@@ -162,6 +162,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
                 if oc.kind != "sft":  # a unit drawn twice (across an epoch) is two pairs, not one
                     batch = renumber_pairs(batch)
                 normalizer = float(len(index) if oc.kind != "sft" else loss_token_count(batch))
+                t_step = time.perf_counter()
                 # The normalizer is the whole batch's: the slices' gradients add up to the batch's.
                 fb = ask(ForwardBackward(adapter=name, datums=batch, loss=oc.kind, loss_config=loss_config,
                                          normalizer=normalizer), len(units[0]))
@@ -169,7 +170,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
                 assert isinstance(fb, ForwardBackwardResult) and isinstance(opt, OptimStepResult)
                 log.write(step, "train", {
                     f"train/{name}/loss": fb.loss, f"train/{name}/grad_norm": opt.grad_norm,
-                    f"train/{name}/version": opt.version,
+                    f"train/{name}/version": opt.version, f"train/{name}/learn_s": time.perf_counter() - t_step,
                     **{f"train/{name}/loss/{k}": v for k, v in fb.metrics.items()},
                 })
             last = evaluate(oc.steps)
