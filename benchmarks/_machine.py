@@ -4,6 +4,6 @@ process gets the OpenMP settings the package sets (see ``opentinker/__init__.py`
 them :func:`opentinker.machine.machine`."""
 
 import opentinker  # noqa: F401  # isort: skip  (before torch)
-from opentinker.machine import ENV_KNOBS, cpu_model, machine
+from opentinker.machine import ENV_KNOBS, cpu_model, machine, provenance
 
-__all__ = ["ENV_KNOBS", "cpu_model", "machine"]
+__all__ = ["ENV_KNOBS", "cpu_model", "machine", "provenance"]
