@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +44,44 @@ def machine(threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+VERSIONED = ("torch", "transformers", "peft", "ray", "pyzmq", "msgspec", "numpy", "pettingzoo", "opentinker")
+"""Distributions whose versions a result records."""
+
+
+def git_commit(root: Path | None = None) -> tuple[str, bool]:
+    """The checkout's commit (``"unknown"`` outside a git checkout) and whether tracked files
+    differ from it (a result from uncommitted code says so)."""
+    root = root or Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown", False
+    if commit.returncode != 0:
+        return "unknown", False
+    return commit.stdout.strip(), bool(dirty.stdout.strip())
+
+
+def provenance(command: str | list[str], config: Any = None, threads: int | None = None,
+               device: str = "cpu") -> dict[str, Any]:
+    """Where a benchmark's figures come from, recorded in every result JSON: ``commit`` (and
+    ``dirty``), the ``command`` line, the ``config`` it ran (a job config or the script's
+    arguments), package ``versions``, and the machine: ``cpu``, ``capability``
+    (``torch.backends.cpu.get_cpu_capability()``), ``cores``, ``device`` and the rest of
+    :func:`machine` (torch threads, env knobs, date, GPU)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    commit, dirty = git_commit()
+    m = machine(threads, device)
+    return {"commit": commit, "dirty": dirty, "command": command if isinstance(command, str) else shlex.join(command),
+            "config": config, "versions": versions, "cpu": m.pop("cpu"), "capability": m.pop("cpu_capability"),
+            "cores": m.pop("cores"), "device": m.pop("device"), **m}
