@@ -243,3 +243,18 @@ def test_exploring_replies_are_legal_moves_scored_by_the_policy(tmp_path, tiny_p
     # The trainer scores every reply as its log-probs said (the explored ones too): ratio 1.
     (train,) = [r for r in res.rows if r["kind"] == "train"]
     assert train["train/main/loss/logp_diff_max"] < 1e-3, train["train/main/loss/logp_diff_max"]
+
+
+def test_an_evaluation_larger_than_the_schedulers_bound_plays_in_waves(tiny_path):
+    """1,200 evaluation games at once (two policies x 12 strata x 50), more than the
+    scheduler's 1,024 requests in flight: the runners play them in waves
+    (``EnvRunner.max_episodes``) instead of the scheduler refusing them ``busy``."""
+    from opentinker.rollout.env_runner import SCHEDULER_EPISODES
+
+    job = Job(_cfg(eval={"exact": False, "ratings": False}), tiny_path)
+    try:
+        ev = job.coordinator("evaluate", 0, False, 50)
+        assert ev["eval/main/vs_random/hands"] == ev["eval/other/vs_random/hands"] == 600
+        assert 2 * 600 > 1024 > SCHEDULER_EPISODES
+    finally:
+        job.shutdown()

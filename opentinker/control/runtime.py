@@ -159,8 +159,10 @@ class Job:
 
     def _runner_kwargs(self, i: int, scheduler_endpoint: str) -> dict[str, Any]:
         """An env runner's arguments: it may play the registered games and the job's own."""
+        from opentinker.rollout.env_runner import SCHEDULER_EPISODES
+
         return {"name": f"runner{i}", "scheduler_endpoint": scheduler_endpoint, "model_path": self.model_path,
-                "games": (self.cfg.game,)}
+                "games": (self.cfg.game,), "max_episodes": max(1, SCHEDULER_EPISODES // self.cfg.runtime.env_runners)}
 
     # --------------------------------------------------------------------------- ray
 

@@ -22,7 +22,9 @@ from opentinker.bus import LOOPBACK, Client, LoopThread, Pusher, Server
 from opentinker.rollout.episodes import play_episode
 from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
+    EpisodeSpec,
     EpisodesDone,
+    EpisodeSummary,
     LogprobsRequest,
     LogprobsResult,
     Message,
@@ -33,10 +35,19 @@ from protocols.messages import (
     SampleRequest,
     SampleResult,
     SamplingParams,
+    Trajectory,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+MAX_EPISODES_IN_FLIGHT = 256
+"""Default :attr:`EnvRunner.max_episodes`; the runtime gives each runner its share of
+:data:`SCHEDULER_EPISODES` instead."""
+SCHEDULER_EPISODES = 512
+"""Episodes all runners of a job play at once: half the scheduler's bound on requests in
+flight (``Server.max_inflight``, 1,024), leaving room for learners and the coordinator."""
 
 
 class EnvRunner:
@@ -44,9 +55,13 @@ class EnvRunner:
 
     def __init__(
         self, name: str, scheduler_endpoint: str, model_path: str, endpoint: str = LOOPBACK,
-        sample_timeout_s: float = 900.0, games: tuple[str, ...] = (),
+        sample_timeout_s: float = 900.0, games: tuple[str, ...] = (), max_episodes: int = MAX_EPISODES_IN_FLIGHT,
     ) -> None:
         self.name = name
+        self.max_episodes = max_episodes
+        """Episodes played at once (each has at most one request at the scheduler): a batch
+        larger than the scheduler's bound on requests in flight is played in waves instead of
+        being refused ``busy``."""
         self.games = frozenset(games)
         """Games beside the registered ones that episodes may name (the job's imported
         PettingZoo env): a message never makes a runner import a module it was not given."""
@@ -87,8 +102,13 @@ class EnvRunner:
             if name not in self.pushers:
                 self.pushers[name] = Pusher(self.loop.ctx, ep)
         progress = self._progress(msg)
-        results = await asyncio.gather(*(progress(play_episode(spec, msg, self.tok, self._sample, self._score))
-                                         for spec in msg.episodes))
+        slots = asyncio.Semaphore(self.max_episodes)
+
+        async def bounded(spec: EpisodeSpec) -> tuple[EpisodeSummary, list[Trajectory]]:
+            async with slots:
+                return await play_episode(spec, msg, self.tok, self._sample, self._score)
+
+        results = await asyncio.gather(*(progress(bounded(spec)) for spec in msg.episodes))
         sent = 0
         for _, trajectories in results:
             for traj in trajectories:
