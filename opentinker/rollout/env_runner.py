@@ -83,6 +83,7 @@ class EnvRunner:
     async def _start(self) -> str:
         self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=self.name)
         self.pushers: dict[str, Pusher] = {}
+        self._slots = asyncio.Semaphore(self.max_episodes)
         return await self.server.start(self.loop.ctx)
 
     def counters(self) -> dict[str, int]:
@@ -102,10 +103,9 @@ class EnvRunner:
             if name not in self.pushers:
                 self.pushers[name] = Pusher(self.loop.ctx, ep)
         progress = self._progress(msg)
-        slots = asyncio.Semaphore(self.max_episodes)
 
         async def bounded(spec: EpisodeSpec) -> tuple[EpisodeSummary, list[Trajectory]]:
-            async with slots:
+            async with self._slots:  # one bound over every request (a large batch comes in slices)
                 return await play_episode(spec, msg, self.tok, self._sample, self._score)
 
         results = await asyncio.gather(*(progress(bounded(spec)) for spec in msg.episodes))

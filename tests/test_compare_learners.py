@@ -1,0 +1,83 @@
+"""benchmarks/compare_learners.py: its statistics (pure functions) and a smoke run on the tiny
+model through the real path (``opentinker run`` per seed, the frozen ``dpo`` policy, the
+offline DPO job, ``opentinker eval``), then the same command again, which reuses every run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compare_learners as cl  # noqa: E402
+
+
+def test_bootstrap_interval_of_the_mean() -> None:
+    assert cl.bootstrap_ci([0.25]) == (0.25, 0.25, 0.25)
+    m, lo, hi = cl.bootstrap_ci([0.0, 1.0, 2.0, 3.0, 4.0])
+    assert m == 2.0 and 0.5 < lo < 2.0 < hi < 3.5
+    m, lo, hi = cl.bootstrap_ci([1.0, 1.0, 1.0])
+    assert (m, lo, hi) == (1.0, 1.0, 1.0)
+
+
+def _s(mean, lo, hi, better="higher", seeds=3):
+    return {"seeds": seeds, "x": {"mean": mean, "lo": lo, "hi": hi, "better": better}}
+
+
+def test_separation_needs_disjoint_intervals_and_two_seeds() -> None:
+    summary = {"a": _s(0.5, 0.4, 0.6), "b": _s(0.1, 0.0, 0.2), "c": _s(0.3, 0.15, 0.45), "d": _s(0.9, 0.9, 0.9, seeds=1)}
+    assert cl.separated(summary, "x") == [("a", "b")]
+    low = {k: {**v, "x": {**v["x"], "better": "lower"}} for k, v in summary.items()}
+    assert cl.separated(low, "x") == [("b", "a")]  # lower is better: b first
+
+
+def test_episodes_and_wall_clock_to_target() -> None:
+    curve = [{"episodes": 0, "wall_s": 0.0, "chips": -1.0}, {"episodes": 64, "wall_s": 9.5, "chips": 0.1},
+             {"episodes": 128, "wall_s": 19.0, "chips": 0.3}]
+    assert cl.to_target(curve, "chips", 0.0) == {"episodes_to_target": 64, "wall_s_to_target": 9.5}
+    assert cl.to_target(curve, "chips", 0.5) == {"episodes_to_target": None, "wall_s_to_target": None}
+
+
+@pytest.mark.slow
+def test_a_quick_comparison_runs_every_learner_and_resumes(tmp_path, tiny_path) -> None:
+    out, js = tmp_path / "cmp", tmp_path / "result.json"
+    cmd = [sys.executable, "benchmarks/compare_learners.py", "--quick", "--game", "referential_v0",
+           "--out", str(out), "--json", str(js)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    r = json.loads(js.read_text())
+    prov = r["provenance"]
+    assert {"commit", "command", "config", "versions", "cpu", "capability", "cores", "device"} <= set(prov)
+    assert prov["command"].startswith("compare_learners.py --quick") and prov["config"]["game"] == "referential_v0"
+    assert prov["versions"]["torch"] and len(prov["commit"]) in (40, 7) or prov["commit"] == "unknown"
+    learners = list(cl.LEARNERS)
+    assert sorted((row["learner"], row["seed"]) for row in r["rows"]) == sorted((n, s) for n in learners for s in (0, 1))
+    unit = r["unit"]
+    assert unit == "success"
+    for row in r["rows"]:
+        if "error" in row:  # only dpo may lack data (no two outcomes from one start)
+            assert row["learner"] == "dpo" and "no two trajectories" in row["error"]
+            continue
+        steps = [c["step"] for c in row["curve"]]
+        assert steps == ([0, 1, 2] if row["learner"] != "dpo" else [0, 2])
+        assert [c["episodes"] for c in row["curve"]] == [s * 2 * 4 for s in steps]
+        assert row["curve"][-1][unit] == row["final"][unit] and -1 <= row["final"][unit] <= 1
+        assert row["learn_s_per_step"] > 0 and row["peak_rss_mb"] > 0
+    for name, s in r["summary"].items():
+        if s["seeds"]:
+            x = s[unit]
+            assert x["lo"] <= x["mean"] <= x["hi"] and len(x["values"]) == s["seeds"]
+    # Every online learner trained (versions moved) and the frozen policy did not.
+    run = Path(r["jobs"][0]["run"])
+    trains = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [t for t in trains if t["kind"] == "train"][-1]
+    assert last["train/dpo/version"] == 0 and all(last[f"train/{n}/version"] == 2 for n in learners if n != "dpo")
+    assert (out / "curves.png").stat().st_size > 10_000 and "| learner |" in (out / "table.md").read_text()
+    assert r["verdict"] in (out / "table.md").read_text()
+    # The same command again: every run is found and reused, and the result is the same.
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("reusing") == 2, again.stdout[-2000:]
+    assert json.loads(js.read_text())["rows"] == r["rows"]
