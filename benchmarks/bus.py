@@ -56,7 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
-from _machine import machine as machine_info
+from _machine import machine as machine_info, script_provenance
 from opentinker.bus import (
     DEFAULT_SPIN_S,
     LOOPBACK,
@@ -577,7 +577,7 @@ def main() -> None:
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(1, "cpu"), "args": asdict(args), "results": rows}, f, indent=1)
+            json.dump({"provenance": script_provenance(args, 1, "cpu"), "args": asdict(args), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
+from _machine import script_provenance
 from protocols.codec import decode, encode
 from protocols.messages import (
     Datum,
@@ -104,7 +105,7 @@ def main() -> None:
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": asdict(args), "results": rows}, f, indent=1)
+            json.dump({"provenance": script_provenance(args, 1), "args": asdict(args), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tomllib
 from pathlib import Path
 
+from _machine import script_provenance
+
 import games
-from _machine import machine
 
 
 def run_row(folder: Path) -> dict:
@@ -28,6 +28,7 @@ def run_row(folder: Path) -> dict:
     return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
             "game": cfg["game"], "unit": games.evaluation(cfg["game"]).unit,
             "machine": summary.get("machine"),  # the run's own record (runs before it had none)
+            "commit": summary.get("commit"),
             "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
                        "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
                        "steps": cfg["train"]["steps"]},
@@ -41,8 +42,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--note", default="", help="what these runs are (stored with them)")
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"machine": machine(), "machine_note": "the collecting process's; each run has its own", "commit": commit, "note": args.note, "runs": [run_row(f) for f in args.runs]}
+    # The collecting process's provenance; each run keeps its own machine (and, since it was
+    # recorded, its commit) from its summary.json.
+    out = {"provenance": script_provenance(args), "note": args.note, "runs": [run_row(f) for f in args.runs]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     for r in out["runs"]:

@@ -54,7 +54,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from _args import parse_args
-from _machine import machine
+from _machine import machine, script_provenance
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
 from protocols.messages import LoraSpec, SamplingParams
@@ -376,6 +376,7 @@ def main() -> None:
     resolve_model(args.model)  # build the cached folder once, before the children race for it
     mm = mm_gflops(args)
     machine = machine_info(args, mm)
+    prov = script_provenance(args, args.threads, args.device, mm_shape=list(MM_SHAPE), mm_gflops_per_s=mm)
     grid = [(m, K, b) for K in map(int, args.ks.split(",")) for b in map(int, args.batches.split(",")) for m in METHODS]
     rows: list[dict] = []
     console = Console()
@@ -388,14 +389,14 @@ def main() -> None:
             rows.append(measure(args, method, K, batch))
             add_ratios(rows, mm)
             if args.json:  # after every row: a killed run keeps what it measured
-                Path(args.json).write_text(json.dumps({"machine": machine, "args": asdict(args), "rows": rows}, indent=1))
+                Path(args.json).write_text(json.dumps({"provenance": prov, "args": asdict(args), "rows": rows}, indent=1))
             progress.advance(task)
         sweeps = []
         for batch in map(int, args.batches.split(",")):  # the K ratios, interleaved in one process
             progress.update(task, description=f"engine K sweep, batch={batch}")
             sweeps.append(measure(args, "sweep", 0, batch))
             if args.json:
-                Path(args.json).write_text(json.dumps({"machine": machine, "args": asdict(args), "rows": rows,
+                Path(args.json).write_text(json.dumps({"provenance": prov, "args": asdict(args), "rows": rows,
                                                        "k_sweeps": sweeps}, indent=1))
     console.print(table(args, rows, machine))
     for sw in sweeps:

@@ -57,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
-from _machine import machine
+from _machine import machine, script_provenance
 from learners import assemble, loss_token_count
 from opentinker.config import JobConfig, load_config
 from opentinker.control.coordinator import EVAL_STEP_BASE
@@ -360,7 +360,7 @@ def main() -> None:
         console.print(t)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(os.cpu_count(), args.device), "args": asdict(args), "results": results},
+            json.dump({"provenance": script_provenance(args, os.cpu_count(), args.device), "args": asdict(args), "results": results},
                       f, indent=1)
 
 

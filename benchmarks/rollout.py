@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
-from _machine import machine as machine_info
+from _machine import machine as machine_info, script_provenance
 from opentinker.config import JobConfig, load_config
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
@@ -279,7 +279,7 @@ def main() -> None:
         out = rows + [row_of(r, args) for r in current]
         add_speedups(out)
         if args.json:
-            Path(args.json).write_text(json.dumps({"machine": machine, "args": asdict(args), "rows": out}, indent=1))
+            Path(args.json).write_text(json.dumps({"provenance": script_provenance(args, args.threads, args.device), "args": asdict(args), "rows": out}, indent=1))
         return out
 
     for job in args.jobs.split(","):

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
+from _machine import script_provenance
 from games import kuhn_poker
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
@@ -111,7 +112,7 @@ def main() -> None:
     print(f"same loss ({plain_loss:.6f} vs {tree_loss:.6f}); max relative gradient difference {rel:.1e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"provenance": script_provenance(args, args.threads, args.device), **results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def main() -> None:
         print(json.dumps(one(int(threads), int(m), float(flops))))
         return
 
-    from _machine import machine
+    from _machine import machine, script_provenance
     from rich.console import Console
     from rich.table import Table
 
@@ -132,7 +132,7 @@ def main() -> None:
     Console(width=120).print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(threads=2), "args": asdict(args), "rows": rows}, f, indent=1)
+            json.dump({"provenance": script_provenance(args, threads=2), "args": asdict(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

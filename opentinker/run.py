@@ -44,7 +44,7 @@ from opentinker.eval.report import (
     summary_table,
 )
 from opentinker.eval.ratings import plot_ratings
-from opentinker.machine import machine
+from opentinker.machine import git_commit, machine
 from opentinker.progress import EpisodeFeed
 
 
@@ -200,7 +200,8 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         console.print(table)
     total = time.perf_counter() - t_start
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total,
-                                                      "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)},
+                                                      "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
+                                                      "commit": git_commit()[0]},
                                                      indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
     return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=log.rows, info=info)

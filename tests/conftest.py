@@ -122,3 +122,18 @@ def read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
             for v in ev.summary.value:
                 scalars.setdefault(v.tag, []).append((ev.step, v.simple_value))
     return scalars
+
+
+PROVENANCE = {"commit", "dirty", "command", "config", "versions", "cpu", "capability", "cores", "device", "torch",
+              "torch_threads", "date", "env"}
+"""What every benchmark result JSON records about where its figures come from."""
+
+
+def check_provenance(report: dict, script: str) -> None:
+    """``report["provenance"]`` names the commit, the command (``script`` and its flags), the
+    config, the package versions and the machine."""
+    prov = report["provenance"]
+    assert PROVENANCE <= set(prov), PROVENANCE - set(prov)
+    assert prov["command"].split()[0] == script and prov["cores"] >= 1 and prov["versions"]["torch"]
+    assert prov["commit"] == "unknown" or len(prov["commit"]) == 40
+    assert isinstance(prov["config"], dict) and prov["capability"]
