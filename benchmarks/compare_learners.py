@@ -38,12 +38,8 @@ interrupted comparison goes on where it stopped.
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,10 +47,23 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import psutil
-
 from _args import parse_args
-from _machine import provenance
+
+from _machine import provenance  # isort: skip  (first: before torch)
+from _jobs import (
+    bootstrap_ci,
+    eval_curve,
+    final_metrics,
+    finished_run,
+    fmt_ci,
+    job_phases,
+    opentinker,
+    read_rows,
+    run_logged,
+    to_target,
+    train_clock,
+)
+
 import games
 from opentinker.config import JobConfig, OfflineConfig, to_toml
 
@@ -117,16 +126,6 @@ def parse() -> Args:
     return args
 
 
-def bootstrap_ci(values: list[float], n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean of ``values`` and the 95% percentile-bootstrap interval of the mean
-    (``n_boot`` resamples with replacement); one value: its own interval."""
-    x = np.asarray(values, dtype=np.float64)
-    if len(x) == 1:
-        return float(x[0]), float(x[0]), float(x[0])
-    means = x[np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))].mean(axis=1)
-    return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
 def separated(summary: dict[str, dict[str, Any]], metric: str) -> list[tuple[str, str]]:
     """Pairs of learners, each with at least 2 seeds, whose 95% intervals of ``metric`` do not
     overlap, better one first (``summary[learner][metric]`` = ``{"mean", "lo", "hi", "better"}``)."""
@@ -166,85 +165,17 @@ def job_config(args: Args, seed: int, learners: list[str]) -> JobConfig:
     }, JobConfig)
 
 
-class PeakRss:
-    """Peak resident memory of a process and its descendants (Ray's workers included),
-    sampled every ``period`` seconds on a thread: ``total_mb`` (the sum at one sample) and
-    ``largest_mb`` (one process)."""
-
-    def __init__(self, pid: int, period: float = 0.5) -> None:
-        self.pid, self.period = pid, period
-        self.total_mb = self.largest_mb = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
-            sizes = []
-            for p in procs:
-                try:
-                    sizes.append(p.memory_info().rss / 2**20)
-                except psutil.Error:
-                    pass
-            if sizes:
-                self.total_mb = max(self.total_mb, sum(sizes))
-                self.largest_mb = max(self.largest_mb, max(sizes))
-
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join()
-        return {"peak_rss_total_mb": self.total_mb, "peak_rss_largest_mb": self.largest_mb}
-
-
-def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str, float]]:
-    """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
-    wall time and peak memory. Raises ``RuntimeError`` naming the log when it fails."""
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        peak = PeakRss(proc.pid)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            f.write(line)
-            if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ")):
-                print(f"  [{prefix}] {line.rstrip()}", flush=True)
-        rc = proc.wait()
-        mem = peak.stop()
-    if rc != 0:
-        raise RuntimeError(f"{prefix}: `{shlex.join(cmd)}` exited {rc}; its output: {log}")
-    return time.perf_counter() - t0, mem
-
-
-def finished_run(root: Path, name: str, seed: int) -> Path | None:
-    """The newest run folder of job ``name`` and ``seed`` under ``root`` with a ``summary.json``."""
-    done = sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/summary.json"))
-    return done[-1] if done else None
-
-
-def read_rows(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def online_rows(args: Args, run: Path, learners: list[str], seed: int, ev: games.GameEval) -> list[dict[str, Any]]:
     """One row per online learner of a seed's run: its curve and its final evaluation."""
     rows = read_rows(run)
     per_step = args.groups_per_step * args.group_size
-    clock = train_clock(rows)
     evals = [r for r in rows if r["kind"] == "eval"]
     trains = [r for r in rows if r["kind"] == "train"]
-    exact = [m.name for m in ev.exact]
     out = []
     for name in learners:
         if name in OFFLINE:
             continue
-        curve = [{"step": r["step"], "episodes": r["step"] * per_step, "wall_s": clock[r["step"]],
-                  ev.unit: r[f"eval/{name}/vs_random/{ev.unit}"],
-                  **{m: r[f"eval/{name}/{m}"] for m in exact if f"eval/{name}/{m}" in r}} for r in evals]
+        curve = eval_curve(rows, name, ev, per_step)
         last = evals[-1]
         out.append({
             "learner": name, "seed": seed, "run": str(run), "curve": curve,
@@ -254,46 +185,6 @@ def online_rows(args: Args, run: Path, learners: list[str], seed: int, ev: games
             **to_target(curve, ev.unit, args.target),
         })
     return out
-
-
-def train_clock(rows: list[dict[str, Any]]) -> dict[int, float]:
-    """Step -> the job's training time up to its end (rollout + learning, evaluations left
-    out); step 0 -> 0."""
-    clock, elapsed = {0: 0.0}, 0.0
-    for r in rows:
-        if r["kind"] == "train":
-            elapsed += r.get("timing_s/rollout", 0.0) + r.get("timing_s/learn", 0.0)
-            clock[r["step"]] = elapsed
-    return clock
-
-
-def final_metrics(ev_row: dict[str, Any], name: str, ev: games.GameEval) -> dict[str, float]:
-    """A learner's final evaluation: the unit against random with its interval and invalid
-    rate, and the exact measures with the canonical mass where the game has them."""
-    p = f"eval/{name}/vs_random/"
-    out = {ev.unit: ev_row[p + ev.unit], "ci95": ev_row[p + "ci95"], "invalid_rate": ev_row[p + "invalid_rate"],
-           "hands": ev_row[p + "hands"]}
-    for m in (*(x.name for x in ev.exact), "canonical_mass"):
-        if ev_row.get(f"eval/{name}/{m}") is not None:
-            out[m] = ev_row[f"eval/{name}/{m}"]
-    return out
-
-
-def to_target(curve: list[dict[str, Any]], unit: str, target: float) -> dict[str, float | None]:
-    """Episodes and wall-clock at the first evaluation at or above ``target`` (None: never)."""
-    hit = next((c for c in curve if c[unit] >= target), None)
-    return {"episodes_to_target": hit["episodes"] if hit else None, "wall_s_to_target": hit["wall_s"] if hit else None}
-
-
-def job_phases(run: Path, mem: dict[str, float], wall_s: float) -> dict[str, float]:
-    """A seed's job: median seconds per step by phase, its wall time and peak memory."""
-    trains = [r for r in read_rows(run) if r["kind"] == "train"]
-    med = lambda k: statistics.median(r.get(k, 0.0) for r in trains)  # noqa: E731
-    compute = statistics.median(sum(r.get(f"perf/compute_s/{op}", 0.0) for op in
-                                    ("SampleRequest", "ForwardBackward", "OptimStep", "LogprobsRequest")) for r in trains)
-    rollout, learn = med("timing_s/rollout"), med("timing_s/learn")
-    return {"rollout_s": rollout, "learn_s": learn, "compute_s": compute, "rest_s": rollout + learn - compute,
-            "wall_s": wall_s, **mem}
 
 
 def summarize(rows: list[dict[str, Any]], learners: list[str], ev: games.GameEval) -> dict[str, dict[str, Any]]:
@@ -307,11 +198,11 @@ def summarize(rows: list[dict[str, Any]], learners: list[str], ev: games.GameEva
         if not mine:
             out[name] = s
             continue
-        for k in better:
+        for k, direction in better.items():
             vals = [r["final"][k] for r in mine if r["final"].get(k) is not None]
             if vals:
                 m, lo, hi = bootstrap_ci(vals)
-                s[k] = {"mean": m, "lo": lo, "hi": hi, "better": better[k], "values": vals}
+                s[k] = {"mean": m, "lo": lo, "hi": hi, "better": direction, "values": vals}
         for k in ("episodes_to_target", "wall_s_to_target"):
             got = [r[k] for r in mine if r[k] is not None]
             s[k] = statistics.median(got) if got else None
@@ -320,11 +211,6 @@ def summarize(rows: list[dict[str, Any]], learners: list[str], ev: games.GameEva
         s["peak_rss_mb"] = max(r["peak_rss_mb"] for r in mine)
         out[name] = s
     return out
-
-
-def opentinker(*argv: str) -> list[str]:
-    """The ``opentinker`` command line with this interpreter (its environment's package)."""
-    return [sys.executable, "-m", "opentinker.cli", *argv]
 
 
 def run_seed(args: Args, seed: int, learners: list[str], ev: games.GameEval) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -385,7 +271,7 @@ def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[s
     metrics = json.loads(report.read_text())["metrics"]
     job = json.loads((off / "bench_job.json").read_text())
     trains = [r for r in read_rows(off) if r["kind"] == "train"]
-    first = [r for r in read_rows(run) if r["kind"] == "eval"][0]
+    first = next(r for r in read_rows(run) if r["kind"] == "eval")
     episodes = args.steps * args.groups_per_step * args.group_size
     end = max(train_clock(read_rows(run)).values())
     curve = [{"step": 0, "episodes": 0, "wall_s": 0.0, ev.unit: first[f"eval/dpo/vs_random/{ev.unit}"],
@@ -399,10 +285,6 @@ def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[s
             **to_target(curve, ev.unit, args.target)}
 
 
-def fmt_ci(s: dict[str, Any] | None, digits: int = 3) -> str:
-    return "n/a" if s is None else f"{s['mean']:+.{digits}f} [{s['lo']:+.{digits}f}, {s['hi']:+.{digits}f}]"
-
-
 def table_md(summary: dict[str, dict[str, Any]], ev: games.GameEval, args: Args) -> str:
     """The comparison as a Markdown table (printed, and saved as ``table.md``)."""
     exact = [m.name for m in ev.exact]
@@ -414,7 +296,10 @@ def table_md(summary: dict[str, dict[str, Any]], ev: games.GameEval, args: Args)
         if not n:
             lines.append(f"| {name} | failed: {s['errors'][0]} |" + " |" * (len(head) - 2))
             continue
-        reach = (lambda k: "never" if s[k] is None else f"{s[k]:.0f} ({s['reached']}/{n})")  # noqa: E731
+
+        def reach(k: str, s: dict[str, Any] = s, n: int = n) -> str:
+            return "never" if s[k] is None else f"{s[k]:.0f} ({s['reached']}/{n})"
+
         inv = s.get("invalid_rate")
         total = n + len(s["errors"])
         lines.append("| " + " | ".join([

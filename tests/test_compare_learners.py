@@ -1,6 +1,7 @@
 """benchmarks/compare_learners.py: its statistics (pure functions) and a smoke run on the tiny
 model through the real path (``opentinker run`` per seed, the frozen ``dpo`` policy, the
-offline DPO job, ``opentinker eval``), then the same command again, which reuses every run."""
+offline DPO job, ``opentinker eval``), then the same command again, which reuses every run;
+benchmarks/lora_vs_full.py: a smoke run whose ratios and verdict follow from its rows."""
 
 import json
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import check_provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -49,10 +51,8 @@ def test_a_quick_comparison_runs_every_learner_and_resumes(tmp_path, tiny_path) 
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     r = json.loads(js.read_text())
-    prov = r["provenance"]
-    assert {"commit", "command", "config", "versions", "cpu", "capability", "cores", "device"} <= set(prov)
-    assert prov["command"].startswith("compare_learners.py --quick") and prov["config"]["game"] == "referential_v0"
-    assert prov["versions"]["torch"] and len(prov["commit"]) in (40, 7) or prov["commit"] == "unknown"
+    check_provenance(r, "compare_learners.py")
+    assert r["provenance"]["config"]["game"] == "referential_v0"
     learners = list(cl.LEARNERS)
     assert sorted((row["learner"], row["seed"]) for row in r["rows"]) == sorted((n, s) for n in learners for s in (0, 1))
     unit = r["unit"]
@@ -81,3 +81,26 @@ def test_a_quick_comparison_runs_every_learner_and_resumes(tmp_path, tiny_path) 
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("reusing") == 2, again.stdout[-2000:]
     assert json.loads(js.read_text())["rows"] == r["rows"]
+
+
+@pytest.mark.slow
+def test_lora_vs_full_reports_ratios_of_its_own_rows(tmp_path, tiny_path) -> None:
+    import lora_vs_full as lvf
+
+    js = tmp_path / "lvf.json"
+    res = subprocess.run([sys.executable, "benchmarks/lora_vs_full.py", "--quick", "--out", str(tmp_path / "o"),
+                          "--json", str(js)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(js.read_text())
+    check_provenance(r, "lora_vs_full.py")
+    assert {k: c["policies"][0]["kind"] for k, c in r["provenance"]["config"].items()} == {"lora": "lora", "full": "full"}
+    by_kind = {row["kind"]: row for row in r["rows"]}
+    assert set(by_kind) == {"lora", "full"} and all(row["seed"] == 0 for row in r["rows"])
+    for k in ("s_per_step", "learn_s_per_step", "peak_rss_largest_mb", "train_tokens_per_s"):
+        assert r["ratios"][k]["mean"] == pytest.approx(by_kind["full"][k] / by_kind["lora"][k]), k
+    # A full-parameter policy holds every base weight and its AdamW moments: a larger process.
+    assert by_kind["full"]["peak_rss_largest_mb"] > by_kind["lora"]["peak_rss_largest_mb"]
+    holds = r["ratios"]["s_per_step"]["mean"] >= 3 and 1 - 1 / r["ratios"]["peak_rss_largest_mb"]["mean"] >= 0.4
+    assert r["claim"] == lvf.claim(r["ratios"]) and r["claim"].endswith("holds here." if holds else "does not hold here.")
+    runs = [json.loads(line) for line in (Path(by_kind["full"]["run"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [x["train/main/version"] for x in runs if x["kind"] == "train"] == [1, 2]

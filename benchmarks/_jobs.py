@@ -1,0 +1,155 @@
+"""What the benchmark scripts that run whole jobs share (``compare_learners.py``,
+``lora_vs_full.py``): running ``opentinker`` commands with their output kept and their peak
+memory sampled, finding finished runs, reading a run's metrics, and the statistics over seeds."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+import games
+
+
+def bootstrap_ci(values: list[float], n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ``values`` and the 95% percentile-bootstrap interval of the mean
+    (``n_boot`` resamples with replacement); one value: its own interval."""
+    x = np.asarray(values, dtype=np.float64)
+    if len(x) == 1:
+        return float(x[0]), float(x[0]), float(x[0])
+    means = x[np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))].mean(axis=1)
+    return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+class PeakRss:
+    """Peak resident memory of a process and its descendants (Ray's workers included),
+    sampled every ``period`` seconds on a thread: ``total_mb`` (the sum at one sample) and
+    ``largest_mb`` (one process)."""
+
+    def __init__(self, pid: int, period: float = 0.5) -> None:
+        self.pid, self.period = pid, period
+        self.total_mb = self.largest_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            sizes = []
+            for p in procs:
+                try:
+                    sizes.append(p.memory_info().rss / 2**20)
+                except psutil.Error:
+                    pass
+            if sizes:
+                self.total_mb = max(self.total_mb, sum(sizes))
+                self.largest_mb = max(self.largest_mb, max(sizes))
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_rss_total_mb": self.total_mb, "peak_rss_largest_mb": self.largest_mb}
+
+
+def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str, float]]:
+    """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
+    wall time and peak memory. Raises ``RuntimeError`` naming the log when it fails."""
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        peak = PeakRss(proc.pid)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            f.write(line)
+            if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ")):
+                print(f"  [{prefix}] {line.rstrip()}", flush=True)
+        rc = proc.wait()
+        mem = peak.stop()
+    if rc != 0:
+        raise RuntimeError(f"{prefix}: `{shlex.join(cmd)}` exited {rc}; its output: {log}")
+    return time.perf_counter() - t0, mem
+
+
+def finished_run(root: Path, name: str, seed: int) -> Path | None:
+    """The newest run folder of job ``name`` and ``seed`` under ``root`` with a ``summary.json``."""
+    done = sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/summary.json"))
+    return done[-1] if done else None
+
+
+def read_rows(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_clock(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Step -> the job's training time up to its end (rollout + learning, evaluations left
+    out); step 0 -> 0."""
+    clock, elapsed = {0: 0.0}, 0.0
+    for r in rows:
+        if r["kind"] == "train":
+            elapsed += r.get("timing_s/rollout", 0.0) + r.get("timing_s/learn", 0.0)
+            clock[r["step"]] = elapsed
+    return clock
+
+
+def eval_curve(rows: list[dict[str, Any]], name: str, ev: games.GameEval, per_step: int) -> list[dict[str, Any]]:
+    """Policy ``name``'s evaluations over a run: step, episodes played (``per_step`` a step),
+    training wall-clock so far (:func:`train_clock`), the unit against random and the exact
+    measures."""
+    clock = train_clock(rows)
+    exact = [m.name for m in ev.exact]
+    return [{"step": r["step"], "episodes": r["step"] * per_step, "wall_s": clock[r["step"]],
+             ev.unit: r[f"eval/{name}/vs_random/{ev.unit}"],
+             **{m: r[f"eval/{name}/{m}"] for m in exact if f"eval/{name}/{m}" in r}}
+            for r in rows if r["kind"] == "eval"]
+
+
+def final_metrics(ev_row: dict[str, Any], name: str, ev: games.GameEval) -> dict[str, float]:
+    """A learner's final evaluation: the unit against random with its interval and invalid
+    rate, and the exact measures with the canonical mass where the game has them."""
+    p = f"eval/{name}/vs_random/"
+    out = {ev.unit: ev_row[p + ev.unit], "ci95": ev_row[p + "ci95"], "invalid_rate": ev_row[p + "invalid_rate"],
+           "hands": ev_row[p + "hands"]}
+    for m in (*(x.name for x in ev.exact), "canonical_mass"):
+        if ev_row.get(f"eval/{name}/{m}") is not None:
+            out[m] = ev_row[f"eval/{name}/{m}"]
+    return out
+
+
+def to_target(curve: list[dict[str, Any]], unit: str, target: float) -> dict[str, float | None]:
+    """Episodes and wall-clock at the first evaluation at or above ``target`` (None: never)."""
+    hit = next((c for c in curve if c[unit] >= target), None)
+    return {"episodes_to_target": hit["episodes"] if hit else None, "wall_s_to_target": hit["wall_s"] if hit else None}
+
+
+def job_phases(run: Path, mem: dict[str, float], wall_s: float) -> dict[str, float]:
+    """A seed's job: median seconds per step by phase, its wall time and peak memory."""
+    trains = [r for r in read_rows(run) if r["kind"] == "train"]
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in trains)
+    compute = statistics.median(sum(r.get(f"perf/compute_s/{op}", 0.0) for op in
+                                    ("SampleRequest", "ForwardBackward", "OptimStep", "LogprobsRequest")) for r in trains)
+    rollout, learn = med("timing_s/rollout"), med("timing_s/learn")
+    return {"rollout_s": rollout, "learn_s": learn, "compute_s": compute, "rest_s": rollout + learn - compute,
+            "wall_s": wall_s, **mem}
+
+
+def opentinker(*argv: str) -> list[str]:
+    """The ``opentinker`` command line with this interpreter (its environment's package)."""
+    return [sys.executable, "-m", "opentinker.cli", *argv]
+
+
+def fmt_ci(s: dict[str, Any] | None, digits: int = 3) -> str:
+    return "n/a" if s is None else f"{s['mean']:+.{digits}f} [{s['lo']:+.{digits}f}, {s['hi']:+.{digits}f}]"

@@ -1,0 +1,212 @@
+"""LoRA against full-parameter training: the same job, the same seeds, one run per (kind, seed).
+
+Each run is ``opentinker run`` of the same Kuhn poker job (by default the one
+``compare_learners.py`` runs, with one policy), once with ``kind = "lora"`` (an adapter on the
+shared base model) and once with ``kind = "full"`` (a private copy of every base weight on the
+same scheduler, AdamW on all of them), each at its own learning rate (``--lora_lr``,
+``--full_lr``: full fine-tuning wants a far smaller step). Measured per run, then as ratios
+full / LoRA (mean over seeds):
+
+* time to the same evaluation result: the job's training wall-clock (rollout + learning,
+  evaluations left out) at the first evaluation with ``<unit>`` against random at or above
+  ``--target``;
+* seconds per training step, and the learner's own update time per step (``learn_s``);
+* peak memory: the sum over the job's processes and the largest process (the scheduler,
+  which holds the weights, the optimizer states and the activations), sampled every 0.5 s;
+* training throughput: loss tokens per second of the learner's update, and the engine's
+  sampling rate (decode tokens per second).
+
+The OpenTinker paper reports LoRA about 3x faster and using about 40% less memory than full
+training; the script says whether that holds on this machine and model.
+
+    python benchmarks/lora_vs_full.py --json benchmarks/results/lora_vs_full.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from _args import parse_args
+
+from _machine import provenance  # isort: skip  (first: before torch)
+from _jobs import (
+    bootstrap_ci,
+    eval_curve,
+    final_metrics,
+    finished_run,
+    job_phases,
+    opentinker,
+    read_rows,
+    run_logged,
+    to_target,
+)
+
+import games
+from opentinker.config import JobConfig, to_toml
+
+KINDS = ("lora", "full")
+PAPER = {"speedup": 3.0, "memory_saving": 0.40}
+"""The paper's claim: LoRA ~3x faster than full training and ~40% less memory."""
+
+
+@dataclass
+class Args:
+    seeds: str = "0,1"
+    model: str = "smollm2-135m"
+    steps: int = 24
+    groups_per_step: int = 8
+    group_size: int = 4
+    lora_lr: float = 1e-3
+    full_lr: float = 1e-5
+    max_tokens: int = 2
+    opponents: str = "random=0.75,self=0.25"
+    eval_every: int = 6
+    eval_hands: int = 10
+    final_hands: int = 20
+    target: float = 0.0
+    backend: str = "ray"
+    threads: int = 0
+    device: str = "cpu"
+    out: str = "runs/lora_vs_full"
+    json: str = ""
+    quick: bool = False
+    """A smoke run: the tiny random model, one seed, two steps, local backend (the test's)."""
+
+
+QUICK = {"model": "tiny-random", "seeds": "0", "steps": 2, "groups_per_step": 2, "group_size": 2, "eval_every": 1,
+         "eval_hands": 1, "final_hands": 1, "backend": "local", "threads": 1, "max_tokens": 4}
+GAME = "kuhn_poker_v0"
+
+
+def job_config(args: Args, kind: str, seed: int) -> JobConfig:
+    """The job of one (kind, seed): one policy ``main`` of that kind, all else shared."""
+    model: dict[str, Any] = {"base": args.model, "device": args.device}
+    if args.threads:
+        model["threads"] = args.threads
+    return msgspec.convert({
+        "name": f"lvf_{kind}", "seed": seed, "game": GAME, "out_dir": str(Path(args.out).resolve() / "runs"),
+        "model": model,
+        "policies": [{"name": "main", "kind": kind,
+                      "opponents": {k: float(v) for k, v in (x.split("=") for x in args.opponents.split(","))}}],
+        "train": {"steps": args.steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size,
+                  "lr": args.lora_lr if kind == "lora" else args.full_lr, "checkpoint_every": 0},
+        "sampling": {"max_tokens": args.max_tokens},
+        "eval": {"every": args.eval_every, "hands_per_stratum": args.eval_hands,
+                 "final_hands_per_stratum": args.final_hands, "head_to_head_per_stratum": 0, "ratings": False},
+        "runtime": {"backend": args.backend},
+    }, JobConfig)
+
+
+def run_one(args: Args, kind: str, seed: int, ev: games.GameEval) -> dict[str, Any]:
+    """One (kind, seed) run (reused when its folder is already finished); its row."""
+    out = Path(args.out).resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    name = f"lvf_{kind}"
+    run = finished_run(out / "runs", name, seed)
+    if run is None:
+        path = out / f"{name}_seed{seed}.toml"
+        path.write_bytes(to_toml(job_config(args, kind, seed)))
+        wall, mem = run_logged(opentinker("run", str(path)), out / f"{name}_seed{seed}.log", f"{kind} seed {seed}")
+        run = finished_run(out / "runs", name, seed)
+        assert run is not None, f"{kind} seed {seed}: no summary.json under {out / 'runs'}"
+        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
+    else:
+        print(f"  [{kind} seed {seed}] reusing {run}")
+    job = json.loads((run / "bench_job.json").read_text())
+    rows = read_rows(run)
+    trains = [r for r in rows if r["kind"] == "train"]
+    curve = eval_curve(rows, "main", ev, args.groups_per_step * args.group_size)
+    med = lambda k: statistics.median(r[k] for r in trains)
+    return {
+        "learner": kind, "kind": kind, "seed": seed, "run": str(run), "curve": curve,
+        "final": final_metrics(next(r for r in reversed(rows) if r["kind"] == "eval"), "main", ev),
+        "s_per_step": med("timing_s/rollout") + med("timing_s/learn"),
+        "learn_s_per_step": med("train/main/learn_s"),
+        "train_tokens_per_s": statistics.median(r["train/main/n_loss_tokens"] / r["train/main/learn_s"] for r in trains),
+        "decode_tokens_per_s": med("perf/engine/decode_tokens_per_s"),
+        **job_phases(run, {k: v for k, v in job.items() if k != "wall_s"}, job["wall_s"]),
+        **to_target(curve, ev.unit, args.target),
+    }
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """full / LoRA of each measure, per seed and as the mean over seeds with its bootstrap
+    interval (time to target only where both kinds reached it)."""
+    out: dict[str, dict[str, float]] = {}
+    keys = ("s_per_step", "learn_s_per_step", "peak_rss_total_mb", "peak_rss_largest_mb", "train_tokens_per_s",
+            "decode_tokens_per_s", "wall_s_to_target")
+    seeds = sorted({r["seed"] for r in rows})
+    for k in keys:
+        per_seed = []
+        for s in seeds:
+            lora, full = (next(r for r in rows if r["seed"] == s and r["kind"] == kind) for kind in KINDS)
+            if lora[k] and full[k] is not None:
+                per_seed.append(full[k] / lora[k])
+        if per_seed:
+            m, lo, hi = bootstrap_ci(per_seed)
+            out[k] = {"mean": m, "lo": lo, "hi": hi, "per_seed": per_seed}
+    return out
+
+
+def claim(r: dict[str, dict[str, float]]) -> str:
+    """Whether the paper's claim holds here, in words, from the measured ratios."""
+    speed = r["s_per_step"]["mean"]
+    mem = 1 - 1 / r["peak_rss_largest_mb"]["mean"]
+    parts = [f"full training takes {speed:.2f}x LoRA's time per step (paper: LoRA ~{PAPER['speedup']:.0f}x faster)",
+             f"LoRA's scheduler peaks at {100 * mem:.0f}% less memory than full training's (paper: ~40% less)"]
+    holds = speed >= PAPER["speedup"] and mem >= PAPER["memory_saving"]
+    if "wall_s_to_target" in r:
+        parts.append(f"time to the target result: full / LoRA = {r['wall_s_to_target']['mean']:.2f}")
+    else:
+        parts.append("time to the target result: not reached by both kinds within the budget")
+    return "; ".join(parts) + (". The paper's claim holds here." if holds else ". The paper's claim does not hold here.")
+
+
+def main() -> None:
+    args = parse_args(Args, __doc__, quick=QUICK)[0]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    ev = games.evaluation(GAME)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prov = provenance([Path(sys.argv[0]).name, *sys.argv[1:]],
+                      {k: msgspec.to_builtins(job_config(args, k, seeds[0])) for k in KINDS},
+                      args.threads or None, args.device)
+    t0 = time.perf_counter()
+    rows = []
+    for seed in seeds:
+        for kind in KINDS:
+            print(f"{kind}, seed {seed}: {args.steps} steps x {args.groups_per_step * args.group_size} episodes", flush=True)
+            rows.append(run_one(args, kind, seed, ev))
+    r = ratios(rows)
+    words = claim(r)
+    result = {"provenance": prov, "args": asdict(args), "game": GAME, "unit": ev.unit, "rows": rows, "ratios": r,
+              "claim": words, "paper": PAPER, "wall_s": time.perf_counter() - t0}
+    text = json.dumps(result, indent=1)
+    (out / "lora_vs_full.json").write_text(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    print()
+    for row in rows:
+        f = row["final"]
+        reach = "never" if row["wall_s_to_target"] is None else f"{row['wall_s_to_target']:.0f} s"
+        ci = "" if f["ci95"] is None else f" ± {f['ci95']:.3f}"  # no interval: every game the same
+        print(f"{row['kind']:>4} seed {row['seed']}: {f[ev.unit]:+.3f}{ci} {ev.unit} vs random, "
+              f"{row['s_per_step']:.1f} s/step (learn {row['learn_s_per_step']:.1f} s), to {args.target:+g}: {reach}, "
+              f"peak RSS {row['peak_rss_largest_mb']:.0f} MB (all processes {row['peak_rss_total_mb']:.0f} MB), "
+              f"{row['train_tokens_per_s']:.0f} loss tokens/s")
+    print("\nfull / LoRA (mean over seeds [95% bootstrap interval]):")
+    for k, v in r.items():
+        print(f"  {k}: {v['mean']:.2f} [{v['lo']:.2f}, {v['hi']:.2f}]")
+    print(f"\n{words}\nwrote {out}/lora_vs_full.json" + (f" and {args.json}" if args.json else ""))
+
+
+if __name__ == "__main__":
+    main()
