@@ -290,6 +290,8 @@ def table_md(summary: dict[str, dict[str, Any]], ev: games.GameEval, args: Args)
     exact = [m.name for m in ev.exact]
     head = ["learner", f"{ev.unit} vs random", *exact, "invalid", f"episodes to {args.target:+g}",
             f"wall s to {args.target:+g}", "learn s/step", "peak RSS MB"]
+    note = ("learn s/step: the learner's update, queueing at the shared scheduler included; peak RSS: the "
+            "learner's process (the model lives in the scheduler's); dpo: its offline job's, scheduler included.")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summary.items():
         n = s["seeds"]
@@ -306,7 +308,7 @@ def table_md(summary: dict[str, dict[str, Any]], ev: games.GameEval, args: Args)
             name if not s["errors"] else f"{name} ({n}/{total} seeds; {len(s['errors'])} failed)", fmt_ci(s.get(ev.unit)), *(fmt_ci(s.get(m)) for m in exact),
             "n/a" if inv is None else f"{100 * inv['mean']:.0f}%", reach("episodes_to_target"), reach("wall_s_to_target"),
             f"{s['learn_s_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}"]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + note
 
 
 def verdict(summary: dict[str, dict[str, Any]], ev: games.GameEval) -> str:

@@ -158,17 +158,23 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def claim(r: dict[str, dict[str, float]]) -> str:
-    """Whether the paper's claim holds here, in words, from the measured ratios."""
+    """Whether each half of the paper's claim holds here, in words, from the measured ratios."""
     speed = r["s_per_step"]["mean"]
     mem = 1 - 1 / r["peak_rss_largest_mb"]["mean"]
-    parts = [f"full training takes {speed:.2f}x LoRA's time per step (paper: LoRA ~{PAPER['speedup']:.0f}x faster)",
-             f"LoRA's scheduler peaks at {100 * mem:.0f}% less memory than full training's (paper: ~40% less)"]
-    holds = speed >= PAPER["speedup"] and mem >= PAPER["memory_saving"]
+    fast, small = speed >= PAPER["speedup"], mem >= PAPER["memory_saving"]
+    parts = [(f"full training takes {speed:.2f}x LoRA's time per step (paper: LoRA ~{PAPER['speedup']:.0f}x faster: "
+              f"{'holds' if fast else 'does not hold'} here)"),
+             (f"LoRA's scheduler peaks at {100 * mem:.0f}% less memory than full training's (paper: ~"
+              f"{100 * PAPER['memory_saving']:.0f}% less: {'holds' if small else 'does not hold'} here)")]
     if "wall_s_to_target" in r:
-        parts.append(f"time to the target result: full / LoRA = {r['wall_s_to_target']['mean']:.2f}")
+        n = len(r["wall_s_to_target"]["per_seed"])
+        parts.append(f"time to the target result, on the {n} seed(s) where both kinds reached it: full / LoRA = "
+                     f"{r['wall_s_to_target']['mean']:.2f}")
     else:
-        parts.append("time to the target result: not reached by both kinds within the budget")
-    return "; ".join(parts) + (". The paper's claim holds here." if holds else ". The paper's claim does not hold here.")
+        parts.append("time to the target result: not reached by both kinds on any seed within the budget")
+    verdict = ("The paper's claim holds here." if fast and small else
+               "The paper's claim holds here in part." if fast or small else "The paper's claim does not hold here.")
+    return "; ".join(parts) + ". " + verdict
 
 
 def main() -> None:

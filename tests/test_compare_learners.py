@@ -14,7 +14,7 @@ from conftest import check_provenance
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import compare_learners as cl  # noqa: E402
+import compare_learners as cl
 
 
 def test_bootstrap_interval_of_the_mean() -> None:
@@ -48,7 +48,7 @@ def test_a_quick_comparison_runs_every_learner_and_resumes(tmp_path, tiny_path) 
     out, js = tmp_path / "cmp", tmp_path / "result.json"
     cmd = [sys.executable, "benchmarks/compare_learners.py", "--quick", "--game", "referential_v0",
            "--out", str(out), "--json", str(js)]
-    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     r = json.loads(js.read_text())
     check_provenance(r, "compare_learners.py")
@@ -66,7 +66,7 @@ def test_a_quick_comparison_runs_every_learner_and_resumes(tmp_path, tiny_path) 
         assert [c["episodes"] for c in row["curve"]] == [s * 2 * 4 for s in steps]
         assert row["curve"][-1][unit] == row["final"][unit] and -1 <= row["final"][unit] <= 1
         assert row["learn_s_per_step"] > 0 and row["peak_rss_mb"] > 0
-    for name, s in r["summary"].items():
+    for s in r["summary"].values():
         if s["seeds"]:
             x = s[unit]
             assert x["lo"] <= x["mean"] <= x["hi"] and len(x["values"]) == s["seeds"]
@@ -78,7 +78,7 @@ def test_a_quick_comparison_runs_every_learner_and_resumes(tmp_path, tiny_path) 
     assert (out / "curves.png").stat().st_size > 10_000 and "| learner |" in (out / "table.md").read_text()
     assert r["verdict"] in (out / "table.md").read_text()
     # The same command again: every run is found and reused, and the result is the same.
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0 and again.stdout.count("reusing") == 2, again.stdout[-2000:]
     assert json.loads(js.read_text())["rows"] == r["rows"]
 
@@ -89,7 +89,7 @@ def test_lora_vs_full_reports_ratios_of_its_own_rows(tmp_path, tiny_path) -> Non
 
     js = tmp_path / "lvf.json"
     res = subprocess.run([sys.executable, "benchmarks/lora_vs_full.py", "--quick", "--out", str(tmp_path / "o"),
-                          "--json", str(js)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "--json", str(js)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(js.read_text())
     check_provenance(r, "lora_vs_full.py")
@@ -100,7 +100,9 @@ def test_lora_vs_full_reports_ratios_of_its_own_rows(tmp_path, tiny_path) -> Non
         assert r["ratios"][k]["mean"] == pytest.approx(by_kind["full"][k] / by_kind["lora"][k]), k
     # A full-parameter policy holds every base weight and its AdamW moments: a larger process.
     assert by_kind["full"]["peak_rss_largest_mb"] > by_kind["lora"]["peak_rss_largest_mb"]
-    holds = r["ratios"]["s_per_step"]["mean"] >= 3 and 1 - 1 / r["ratios"]["peak_rss_largest_mb"]["mean"] >= 0.4
-    assert r["claim"] == lvf.claim(r["ratios"]) and r["claim"].endswith("holds here." if holds else "does not hold here.")
+    fast = r["ratios"]["s_per_step"]["mean"] >= 3
+    small = 1 - 1 / r["ratios"]["peak_rss_largest_mb"]["mean"] >= 0.4
+    want = "holds here." if fast and small else "holds here in part." if fast or small else "does not hold here."
+    assert r["claim"] == lvf.claim(r["ratios"]) and r["claim"].endswith(want)
     runs = [json.loads(line) for line in (Path(by_kind["full"]["run"]) / "metrics.jsonl").read_text().splitlines()]
     assert [x["train/main/version"] for x in runs if x["kind"] == "train"] == [1, 2]
