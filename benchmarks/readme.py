@@ -85,7 +85,7 @@ def render_default_job(results: Path) -> str:
     """The final table of the default job, seed 0: untrained (first eval) vs trained (last)."""
     run = load(results, "default_job")["runs"][0]
     first, last = run["first_eval"], run["last_eval"]
-    hands = {o: last[f"{EVAL}{o}/hands"] for o in ("vs_random", "vs_base")}
+    hands = {o: int(last[f"{EVAL}{o}/hands"]) for o in ("vs_random", "vs_base")}
     rows = [
         [f"chips/hand vs random (95% CI, {hands['vs_random']} hands)",
          _chips(first, "vs_random"), _chips(last, "vs_random", bold=True)],
@@ -314,7 +314,7 @@ def render_codec(results: Path) -> str:
 
 # --- whole jobs: the default job's time per machine, learners, LoRA against full --------
 
-DEFAULT_JOB_FILES = ("default_job", "default_job_rerun", "default_job_twins")
+DEFAULT_JOB_FILES = ("default_job", "default_job_20261201", "default_job_rerun", "default_job_twins")
 """The default job's runs (its config as shipped at the time), each recording its machine."""
 
 

@@ -137,7 +137,7 @@ def test_an_evaluation_without_the_base_match_renders_a_dash(tmp_path: Path) -> 
     data = json.loads((RESULTS / "default_job.json").read_text())
     first = data["runs"][0]["first_eval"]
     first["eval/main/vs_base/chips"] = None
-    first.pop("eval/main/vs_base/ci95")
+    first.pop("eval/main/vs_base/ci95", None)
     (tmp_path / "default_job.json").write_text(json.dumps(data))
     rendered = readme.render_default_job(tmp_path)
     assert "| chips/hand vs base model (95% CI, 120 hands) | — | +0.983 ± 0.052 |" in rendered
