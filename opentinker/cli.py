@@ -97,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
 
             training_units(cfg)
         if args.resume:
-            from opentinker.control.checkpoints import latest_checkpoint
+            from opentinker.control.checkpoints import (
+                check_run_files,
+                latest_checkpoint,
+            )
 
             try:
-                latest_checkpoint(args.resume)  # a clear error before anything starts
+                # A clear error before anything starts: a checkpoint that checks out, files that parse.
+                step = latest_checkpoint(args.resume, cfg).step
+                check_run_files(args.resume, step)
             except (ValueError, OSError) as e:
                 raise ConfigError("--resume", str(e)) from None
     except (ValueError, OSError) as e:

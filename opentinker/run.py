@@ -35,6 +35,7 @@ from opentinker.control.checkpoints import (
 )
 from opentinker.control.runtime import Job
 from opentinker.engine.model_specs import resolve_model
+from opentinker.eval.ratings import plot_ratings
 from opentinker.eval.report import (
     MetricsLog,
     plot_cross_play,
@@ -43,9 +44,9 @@ from opentinker.eval.report import (
     ratings_table,
     summary_table,
 )
-from opentinker.eval.ratings import plot_ratings
 from opentinker.machine import git_commit, machine
 from opentinker.progress import EpisodeFeed
+from opentinker.training import trajectory_log
 
 
 @dataclass
@@ -99,7 +100,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     ckpt = None
     if resume is not None:
         run_dir = Path(resume)
-        ckpt = latest_checkpoint(run_dir)
+        ckpt = latest_checkpoint(run_dir, cfg)  # verified before anything of the run is rewritten
+        for why in ckpt.skipped:
+            console.print(f"[yellow]skipped checkpoint[/] {escape(why)}")
     else:
         run_dir = run_dir or cfg.run_dir()  # inside out_dir (checked)
     policies = [p.name for p in cfg.policies]
@@ -108,8 +111,11 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
         model_path = resolve_model(cfg.model.base)
     if ckpt is not None:
+        rows = truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
+        for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
+            trajectory_log.truncate(path, ckpt.step)  # the steps after it are played again
         log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
-        log.rows = truncate_metrics(log.path, ckpt.step)
+        log.rows = rows
     else:
         run_dir.mkdir(parents=True, exist_ok=False)
         log = MetricsLog(run_dir / "metrics.jsonl")

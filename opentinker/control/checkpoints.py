@@ -16,7 +16,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from opentinker.control.checkpoint_checks import verify, write_manifest
+
+if TYPE_CHECKING:
+    from opentinker.config import JobConfig
 
 STATE = "state.json"
 LEAGUE_STATE = "league_state.json"
@@ -30,6 +35,8 @@ class Checkpoint:
     folder: Path
     first_eval: dict[str, float]
     last_eval: dict[str, float]
+    skipped: tuple[str, ...] = ()
+    """Newer checkpoints that did not check out, each with its problems."""
 
     @property
     def adapters(self) -> Path:
@@ -49,9 +56,14 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_states(save_adapters(str((tmp / "adapters").resolve())))
-    (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval}))
+    try:
+        tmp.mkdir(parents=True)
+        save_states(save_adapters(str((tmp / "adapters").resolve())))
+        (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval}))
+        write_manifest(tmp)  # last: a checkpoint without one was cut short
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -62,9 +74,15 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Checkpoint:
-    """The newest complete checkpoint of a run; ``FileNotFoundError`` naming the run when it
-    has none, ``ValueError`` naming a corrupt ``state.json``."""
+def latest_checkpoint(run_dir: Path, cfg: JobConfig | None = None) -> Checkpoint:
+    """The newest checkpoint of a run that checks out; ``FileNotFoundError`` naming the run
+    when it has none at all.
+
+    With the run's ``cfg``, each checkpoint is verified first (:func:`checkpoint_checks.verify`:
+    checksums, steps, versions, finite weights, learner states); one that fails is skipped for
+    the one before it (its problems are in :attr:`Checkpoint.skipped`), and when none checks
+    out a ``ValueError`` lists every problem by file. Without ``cfg`` (reading a finished
+    run's adapters) only ``state.json`` is read (``ValueError`` naming it when corrupt)."""
     root = Path(run_dir) / "checkpoints"
     steps = sorted(
         (int(p.name.removeprefix("step_")), p)
@@ -73,26 +91,62 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint:
     )
     if not steps:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (checkpoints/step_N/{STATE})")
-    folder = steps[-1][1]
+    skipped: list[str] = []
+    if cfg is not None:
+        updates = {p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches for p in cfg.policies}
+        for _, folder in reversed(steps):
+            problems = verify(folder, updates, cfg.train.steps)
+            if not problems:
+                return _read(folder, tuple(skipped))
+            skipped.append(f"{folder.name}: " + "; ".join(problems))
+        raise ValueError(f"{run_dir}: no checkpoint checks out:\n  " + "\n  ".join(skipped))
+    return _read(steps[-1][1], ())
+
+
+def _read(folder: Path, skipped: tuple[str, ...]) -> Checkpoint:
     try:
         state = json.loads((folder / STATE).read_text())
         return Checkpoint(step=int(state["step"]), folder=folder, first_eval=state["first_eval"],
-                          last_eval=state["last_eval"])
+                          last_eval=state["last_eval"], skipped=skipped)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{folder / STATE} is corrupt: {e}") from None
 
 
 def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     """Keep the rows of ``metrics.jsonl`` up to ``step`` (a resumed run writes the rest
-    again); returns them. The file is rewritten atomically."""
+    again); returns them. The file is rewritten atomically; a line that is not a JSON object
+    with a step is a ``ValueError`` naming the file and line (nothing is rewritten then)."""
     rows = []
     if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
                 row = json.loads(line)
-                if row.get("step", 0) <= step:
-                    rows.append(row)
+                keep = int(row.get("step", 0)) <= step
+            except (ValueError, AttributeError, TypeError) as e:
+                raise ValueError(f"{path}:{i}: not a metrics row ({e})") from None
+            if keep:
+                rows.append(row)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, path)
     return rows
+
+
+def check_run_files(run_dir: Path, step: int) -> None:
+    """Read (without rewriting) what a resume from ``step`` rewinds: ``metrics.jsonl`` and
+    every ``trajectories/*.jsonl``; ``ValueError`` naming the file and line of a bad record."""
+    from opentinker.training import trajectory_log
+
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for i, line in enumerate(metrics.read_text().splitlines(), 1):
+            try:
+                if line.strip():
+                    int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError, TypeError) as e:
+                raise ValueError(f"{metrics}:{i}: not a metrics row ({e})") from None
+    for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
+        trajectory_log.read(path)

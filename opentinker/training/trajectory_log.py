@@ -13,6 +13,7 @@ has trained; offline jobs (:mod:`opentinker.training.offline`) read them back as
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,3 +101,28 @@ def read(path: str | Path) -> list[TrajectoryRecord]:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise ValueError(f"{file}:{n}: not a trajectory record: {e}") from None
     return out
+
+
+def truncate(path: str | Path, step: int) -> int:
+    """Keep the records of ``path`` from steps up to ``step`` (a resumed run plays the later
+    steps again and appends them: no record twice); the file is rewritten atomically, lines
+    kept byte for byte. Returns the number of records dropped. ``ValueError`` naming the
+    file and line of a malformed record (nothing is rewritten then)."""
+    path = Path(path)
+    decoder = msgspec.json.Decoder(TrajectoryRecord)
+    keep, dropped = [], 0
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ValueError(f"{path}:{n}: not a trajectory record: {e}") from None
+        if rec.step <= step:
+            keep.append(line + b"\n")
+        else:
+            dropped += 1
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(b"".join(keep))
+    os.replace(tmp, path)
+    return dropped
