@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -450,6 +450,39 @@ class LearnerStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     metrics: dict[str, float]
 
 
+class TrajectoryAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask a learner which of ``step``'s trajectories it holds: it answers
+    :class:`TrajectoriesHeld` once ``expected`` have arrived or ``wait_s`` has passed."""
+
+    step: int
+    expected: int
+    wait_s: float = 10.0
+
+
+class TrajectoriesHeld(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    step: int
+    held: list[tuple[int, str]]
+    """``(episode_id, seat)`` of every trajectory of the step the learner holds."""
+    duplicates: int = 0
+    """Copies that arrived again (re-sent) and were dropped, over the learner's life so far."""
+
+
+class ResendTrajectories(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask an env runner to push these trajectories of ``step`` again (a runner keeps a
+    training step's trajectories until a later training step starts)."""
+
+    step: int
+    keys: list[tuple[int, str]]
+    """``(episode_id, seat)`` of each trajectory to push again."""
+
+
+class Resent(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    step: int
+    count: int
+    missing: list[tuple[int, str]] = []
+    """Keys the runner no longer (or never) held."""
+
+
 class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """A component's metrics at a step, streamed one way (PUSH) to whoever draws progress."""
 
@@ -568,6 +601,10 @@ Message = Union[
     Trajectory,
     LearnerStep,
     LearnerStepResult,
+    TrajectoryAck,
+    TrajectoriesHeld,
+    ResendTrajectories,
+    Resent,
     Ack,
     Error,
 ]

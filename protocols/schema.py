@@ -43,6 +43,8 @@ REPLIES: dict[type, type] = {
     m.SchedulerStats: m.SchedulerStats,
     m.RunEpisodes: m.EpisodesDone,
     m.LearnerStep: m.LearnerStepResult,
+    m.TrajectoryAck: m.TrajectoriesHeld,
+    m.ResendTrajectories: m.Resent,
 }
 """Request -> its reply (any request may instead be answered with ``Error``)."""
 
@@ -53,7 +55,7 @@ SERVED_BY: dict[type, str] = {
     m.SnapshotAdapter: "scheduler", m.SaveAdapter: "scheduler", m.LoadAdapter: "scheduler",
     m.ForwardBackward: "scheduler",
     m.OptimStep: "scheduler", m.SchedulerStats: "scheduler", m.RunEpisodes: "env runner",
-    m.LearnerStep: "learner",
+    m.LearnerStep: "learner", m.TrajectoryAck: "learner", m.ResendTrajectories: "env runner",
 }
 
 PARTIAL_OF: dict[type, tuple[type, str]] = {

@@ -22,8 +22,8 @@ from opentinker.bus import LOOPBACK, Client, LoopThread, Pusher, Server
 from opentinker.rollout.episodes import play_episode
 from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
-    EpisodeSpec,
     EpisodesDone,
+    EpisodeSpec,
     EpisodeSummary,
     LogprobsRequest,
     LogprobsResult,
@@ -31,6 +31,8 @@ from protocols.messages import (
     Metrics,
     PolicyKind,
     PolicyRef,
+    ResendTrajectories,
+    Resent,
     RunEpisodes,
     SampleRequest,
     SampleResult,
@@ -71,6 +73,10 @@ class EnvRunner:
         self._bind = endpoint
         self._seq = 0
         self._pushed = 0
+        self._resent = 0
+        self._outbox: dict[int, dict[tuple[int, str], Trajectory]] = {}
+        """Step -> (episode_id, seat) -> the trajectory pushed, kept until a later training
+        step starts, for :class:`ResendTrajectories`."""
         self.endpoint = ""
 
     def start(self) -> str:
@@ -91,11 +97,17 @@ class EnvRunner:
         out = dict(self.server.counters)
         out.update({f"client/{k}": v for k, v in self.scheduler.counters.items()})
         out["pushed/Trajectory"] = self._pushed
+        out["resent/Trajectory"] = self._resent
         return out
 
     async def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, ResendTrajectories):
+            return await self._resend(msg)
         if not isinstance(msg, RunEpisodes):
             raise ValueError(f"an env runner does not serve {type(msg).__name__}")
+        if msg.learners:  # a training step: the trajectories of earlier ones were all delivered
+            for old in [s for s in self._outbox if s < msg.step]:
+                del self._outbox[old]
         for spec in msg.episodes:
             if spec.game not in self.games and spec.game not in games.names():
                 raise ValueError(f"unknown game {spec.game!r}; known: {[*games.names(), *sorted(self.games)]}")
@@ -110,13 +122,30 @@ class EnvRunner:
 
         results = await asyncio.gather(*(progress(bounded(spec)) for spec in msg.episodes))
         sent = 0
+        outbox = self._outbox.setdefault(msg.step, {})
         for _, trajectories in results:
             for traj in trajectories:
                 self._seq += 1
-                await self.pushers[traj.policy].send(msgspec.structs.replace(traj, seq=self._seq))
+                traj = msgspec.structs.replace(traj, seq=self._seq)
+                outbox[(traj.episode_id, traj.seat)] = traj  # until acknowledged (a later step starts)
+                await self.pushers[traj.policy].send(traj)
                 self._pushed += 1
                 sent += 1
         return EpisodesDone(summaries=[s for s, _ in results], trajectories_sent=sent)
+
+    async def _resend(self, msg: ResendTrajectories) -> Resent:
+        """Push the trajectories ``msg`` names again, from this runner's outbox."""
+        outbox = self._outbox.get(msg.step, {})
+        count, missing = 0, []
+        for key in msg.keys:
+            traj = outbox.get((key[0], key[1]))
+            if traj is None:
+                missing.append(key)
+                continue
+            await self.pushers[traj.policy].send(traj)
+            self._resent += 1
+            count += 1
+        return Resent(step=msg.step, count=count, missing=missing)
 
     def _progress(self, msg: RunEpisodes) -> Callable[[Awaitable[T]], Awaitable[T]]:
         """Wraps each episode so that its end is pushed to ``msg.progress`` as

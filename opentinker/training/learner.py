@@ -42,10 +42,10 @@ from learners import (
     sort_trajectories,
     trajectory_tokens,
 )
-from opentinker.training import trajectory_log
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig
+from opentinker.training import trajectory_log
 from protocols.messages import (
     AdamParams,
     ForwardBackward,
@@ -55,7 +55,9 @@ from protocols.messages import (
     Message,
     OptimStep,
     OptimStepResult,
+    TrajectoriesHeld,
     Trajectory,
+    TrajectoryAck,
     ValuesRequest,
     ValuesResult,
 )
@@ -128,6 +130,9 @@ class Learner:
         self._bind = endpoint
         self._by_step: dict[int, dict[tuple[int, str], Trajectory]] = collections.defaultdict(dict)
         self.duplicates = 0
+        """Trajectories that arrived twice (a resend of one already here, or of a trained step)."""
+        self.last_step = 0
+        """The newest step trained on: later copies of its trajectories are dropped."""
         self.endpoint = self.pull_endpoint = ""
 
     def start(self) -> tuple[str, str]:
@@ -158,12 +163,28 @@ class Learner:
                 continue
             key = (msg.episode_id, msg.seat)
             async with self._arrived:
+                if msg.step <= self.last_step:  # a copy of a step already trained on
+                    self.duplicates += 1
+                    continue
                 if key in self._by_step[msg.step]:
-                    self.duplicates += 1  # a re-sent trajectory is counted once
+                    self.duplicates += 1  # a re-sent trajectory is kept once
+                    continue
                 self._by_step[msg.step][key] = msg
                 self._arrived.notify_all()
 
+    async def _held(self, msg: TrajectoryAck) -> TrajectoriesHeld:
+        """The keys of ``msg.step``'s trajectories held, once ``expected`` are or ``wait_s`` passed."""
+        async with self._arrived:
+            try:
+                await asyncio.wait_for(
+                    self._arrived.wait_for(lambda: len(self._by_step[msg.step]) >= msg.expected), msg.wait_s)
+            except TimeoutError:
+                pass
+            return TrajectoriesHeld(step=msg.step, held=sorted(self._by_step[msg.step]), duplicates=self.duplicates)
+
     async def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, TrajectoryAck):
+            return await self._held(msg)
         if not isinstance(msg, LearnerStep):
             raise TypeError(f"a learner does not serve {type(msg).__name__}")
         async with self._arrived:
@@ -178,6 +199,7 @@ class Learner:
                     f"learner {self.policy}: step {msg.step} has {got} of {msg.expected} trajectories"
                 ) from None
             trajectories = sort_trajectories(list(self._by_step.pop(msg.step).values()))
+            self.last_step = max(self.last_step, msg.step)
         values = await self._values(trajectories)
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
