@@ -114,10 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from pathlib import Path
 
+    from opentinker.control.runtime import ComponentDied
     from opentinker.run import run_job
 
     try:
         run_job(cfg, resume=Path(args.resume) if args.resume else None)
+    except ComponentDied as e:
+        # Every other component was stopped on the way out (run_job's finally); one line.
+        where = getattr(e, "run_dir", "RUN_DIR")
+        print(f"opentinker: {escape_controls(str(e))}: the run cannot go on; its folder keeps every "
+              f"checkpoint written: continue with opentinker run --resume {escape_controls(where)}", file=sys.stderr)
+        return 4
     except TimeoutError as e:
         # Every component was stopped on the way out (run_job's finally); say why in one line:
         # the first line of the original error (Ray wraps it in a remote traceback).

@@ -33,7 +33,7 @@ from opentinker.control.checkpoints import (
     truncate_metrics,
     write_checkpoint,
 )
-from opentinker.control.runtime import Job
+from opentinker.control.runtime import ComponentDied, Job
 from opentinker.engine.model_specs import resolve_model
 from opentinker.eval.ratings import plot_ratings
 from opentinker.eval.report import (
@@ -189,6 +189,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         save_learner_states(job.learner_states(), adapters)
         (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
         info = job.info()
+    except ComponentDied as e:
+        e.run_dir = str(run_dir)  # where --resume continues
+        raise
     finally:
         if feed is not None:
             feed.close()

@@ -302,3 +302,48 @@ def test_trajectory_ack_resend(tiny_path, monkeypatch, tmp_path) -> None:
         assert m2["train/main/duplicates"] >= out.count and m2["train/main/resent"] == 0.0
     finally:
         job.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_dead_component_is_named(tiny_path, tmp_path, ray_session) -> None:
+    """SIGKILL one component of a Ray job: the next step fails with ComponentDied naming it
+    (role, pid, node), not a bus endpoint; and the command line says so in one line, with the
+    resume command."""
+    import os
+    import re
+    import signal
+
+    from opentinker.control.runtime import ComponentDied, Job
+
+    cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 2)),
+                           "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60}}, JobConfig)
+    job = Job(cfg, tiny_path, run_dir=str(tmp_path / "run"))
+    try:
+        job.coordinator("train_step", 1)
+        where = job.info()["env_runner1"]
+        pid, node = where["pid"], re.escape(where["node"])  # the node Ray placed it on
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ComponentDied, match=rf"env runner 1 \(pid {pid}, node {node}\) stopped") as e:
+            job.coordinator("train_step", 2)
+        assert e.value.names == ["env_runner1"]
+    finally:
+        job.shutdown()
+
+
+def test_the_command_line_names_a_dead_component_in_one_line(monkeypatch, capsys, tmp_path) -> None:
+    import opentinker.run
+    from opentinker.control.runtime import ComponentDied, describe
+
+    def dies(cfg, resume=None):
+        e = ComponentDied(["learner_main"], describe("learner_main", {"pid": 7, "node": "127.0.0.1"}), EOFError())
+        e.run_dir = str(tmp_path / "run")
+        raise e
+
+    monkeypatch.setattr(opentinker.run, "run_job", dies)
+    assert main(["run", "--set", "train.steps=1", "--set", "model.base=tiny-random"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    want = (f"opentinker: the learner of policy main (pid 7, node 127.0.0.1) stopped (EOFError): the run "
+            f"cannot go on; its folder keeps every checkpoint written: continue with opentinker run --resume "
+            f"{tmp_path / 'run'}")
+    assert err == [want]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,44 @@ _KINDS = {
     "learner": "opentinker.training.learner:Learner",
     "coordinator": "opentinker.control.coordinator:Coordinator",
 }
+
+
+class ComponentDied(RuntimeError):
+    """A component of the job stopped answering (its process died): the run cannot go on.
+    ``names`` are the dead components' names in the job (``env_runner0``, ``learner_main``)."""
+
+    def __init__(self, names: list[str], what: str, cause: BaseException) -> None:
+        super().__init__(f"{what} stopped ({type(cause).__name__})")
+        self.names = names
+        self.run_dir = ""
+        """The run's folder (set by :func:`opentinker.run.run_job`)."""
+
+
+def _node() -> str:
+    """The node a component runs on: its Ray node's IP address, else this host's name."""
+    try:
+        import ray
+
+        if ray.is_initialized():  # the address the node was started with (127.0.0.1 locally)
+            node_id = ray.get_runtime_context().get_node_id()
+            return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), node_id)
+    except Exception as e:  # noqa: BLE001  (no Ray, or one shutting down: the host name will do)
+        log.debug("no Ray node address (%s): using the host name", e)
+    return socket.gethostname()
+
+
+def describe(name: str, where: dict[str, Any] | None = None) -> str:
+    """A component's name in words, with its process and node: ``env runner 0 (pid 41, node
+    127.0.0.1)``, ``the learner of policy main (...)``."""
+    if name.startswith("env_runner"):
+        text = f"env runner {name.removeprefix('env_runner')}"
+    elif name.startswith("learner_"):
+        text = f"the learner of policy {name.removeprefix('learner_')}"
+    else:
+        text = f"the {name}"
+    if where:
+        text += f" (pid {where.get('pid')}, node {where.get('node')})"
+    return text
 
 
 def _build(kind: str, kwargs: dict[str, Any]) -> Any:
@@ -54,6 +93,7 @@ class Component:
         self.obj = _build(kind, kwargs)
         self.calls = 0
         self.pid = os.getpid()
+        self.node = _node()
 
     def start(self) -> Any:
         self.calls += 1
@@ -66,7 +106,7 @@ class Component:
     def info(self) -> dict[str, Any]:
         """Ray calls served so far (this one not counted), process id, bus counters."""
         counters = self.obj.counters() if hasattr(self.obj, "counters") and callable(self.obj.counters) else {}
-        return {"calls": self.calls, "pid": self.pid, "counters": counters}
+        return {"calls": self.calls, "pid": self.pid, "node": self.node, "counters": counters}
 
     def stop(self) -> None:
         self.obj.stop()
@@ -117,6 +157,8 @@ class Job:
         self.scheduler_endpoint = ""
         self.backend = cfg.runtime.backend
         self._handles: dict[str, Any] = {}
+        self._where: dict[str, dict[str, Any]] = {}
+        """Component name -> its pid and node (Ray), to name one that dies."""
         threads = cfg.model.threads or os.cpu_count() or 1
         m = cfg.model
         # The scheduler reads and writes adapters only inside the run's folder (none without one)
@@ -204,6 +246,8 @@ class Job:
             "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
             "runner_endpoints": runners, "learner_endpoints": learners}, secret))
         start_all({"coordinator": coord})
+        # Where each one runs, to name a component that dies (ComponentDied).
+        self._where = {name: ray.get(h.info.remote()) for name, h in self._handles.items()}
 
     # --------------------------------------------------------------------------- calls
 
@@ -215,11 +259,30 @@ class Job:
         """Call a method of a component (``coordinator``, ``learner_<policy>``, ...): one Ray
         call on the Ray backend, for control (small arguments), never for data."""
         h = self._handles[component]
-        if self.backend == "ray":
-            import ray
+        if self.backend != "ray":
+            return h.call(method, *args)
+        import ray
 
+        try:
             return ray.get(h.call.remote(method, *args), timeout=self.cfg.runtime.timeout_s * 4)
-        return h.call(method, *args)
+        except Exception as e:  # a component that died: say which, not a bus endpoint
+            dead = self.dead()
+            if dead:
+                raise ComponentDied(dead, ", ".join(describe(n, self._where.get(n)) for n in dead), e) from e
+            raise
+
+    def dead(self, timeout: float = 10.0) -> list[str]:
+        """Names of the Ray actors that no longer answer (their process died)."""
+        import ray
+
+        refs = {name: h.info.remote() for name, h in self._handles.items()}
+        out = []
+        for name, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout)
+            except Exception:  # noqa: BLE001  (ActorDiedError, a timeout: it is gone either way)
+                out.append(name)
+        return out
 
     def learner_states(self) -> dict[str, dict[str, Any]]:
         """Policy -> its learner's :meth:`~opentinker.training.learner.Learner.state_dict`."""
@@ -252,7 +315,10 @@ class Job:
                     ray.kill(h)
                 else:
                     h.stop()
-            except Exception:  # shut down the rest regardless
-                log.warning("shutdown of %s failed", name, exc_info=True)
+            except Exception as e:  # shut down the rest regardless
+                if "ActorDied" in type(e).__name__:  # already gone: said once, by ComponentDied
+                    log.info("shutdown of %s: already stopped", name)
+                else:
+                    log.warning("shutdown of %s failed", name, exc_info=True)
         self._handles.clear()
 
