@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
 RATING_ANCHOR = "random"
+"""The player every rating is relative to (it plays every game)."""
 DELIVERY_WAIT_S = 3.0
 """How long a learner waits for a step's trajectories before saying which it holds (they were
 all pushed before the runners answered, so only a lost one takes this long; a copy re-sent
@@ -70,7 +71,6 @@ RESEND_WAIT_S = 2.0
 """The same wait after a resend."""
 DELIVERY_ROUNDS = 5
 """Resends of missing trajectories before the step fails."""
-"""The player every rating is relative to (it plays every game)."""
 
 
 def game_result(rewards: dict[str, float], seat: str) -> int:
