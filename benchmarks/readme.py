@@ -173,7 +173,7 @@ def render_pipeline_pace(results: Path) -> str:
           " / ".join(f"{ray_cpu[k]:.2f}" for k in RAY_COMPONENTS[1:])],
          ["Ray's daemons (raylet, gcs_server, log monitor) and the driver", "", "",
           f"{daemons:.2f}"],
-         [f"total (share of {data['machine']['cores']} cores x wall)",
+         [f"total (share of {data['provenance']['cores']} cores x wall)",
           *(f"{r['cpu_total_s']:.2f} ({r['cpu_util']:.0%})" for r in (single, local, ray))]])
     return steps + "\n" + cpu
 
