@@ -388,6 +388,9 @@ class RuntimeConfig(_Config):
     timeout_s: Timeout = 900.0
     """Longest wait for any one request (a training step, an evaluation batch)."""
     startup_timeout_s: Timeout = 180.0
+    max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
+    """Env runners (game code) restarted over a job when one dies (Ray backend): the step or
+    evaluation it was playing is played again; 0: a dead runner stops the run."""
 
 
 class OfflineConfig(_Config):

@@ -164,7 +164,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
 
             feed = EpisodeFeed(on_episodes)
             if ckpt is None:
-                first = job.coordinator("evaluate", 0, True, final_n, feed.endpoint)
+                first = job.supervised("evaluate", 0, True, final_n, feed.endpoint)
                 log.write(0, "eval", first)
                 report(0, "eval", first)
                 last = first
@@ -172,13 +172,14 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                 first, last = ckpt.first_eval, ckpt.last_eval
             progress.update(task, description="train", status=_status(last, policies, "eval", game_eval))
             for step in range(start, cfg.train.steps + 1):
-                m = job.coordinator("train_step", step, feed.endpoint)
+                m = job.supervised("train_step", step, feed.endpoint)
+                m["runtime/restarts"] = float(job.restarts)
                 log.write(step, "train", m)
                 progress.update(task, advance=1, status=report(step, "train", m))
                 final = step == cfg.train.steps
                 if final or (ev.every and step % ev.every == 0):
                     progress.update(task, description="eval")
-                    last = job.coordinator("evaluate", step, final, final_n if final else ev.hands_per_stratum,
+                    last = job.supervised("evaluate", step, final, final_n if final else ev.hands_per_stratum,
                                            feed.endpoint)
                     log.write(step, "eval", last)
                     progress.update(task, description="train", status=report(step, "eval", last))

@@ -347,3 +347,36 @@ def test_the_command_line_names_a_dead_component_in_one_line(monkeypatch, capsys
             f"cannot go on; its folder keeps every checkpoint written: continue with opentinker run --resume "
             f"{tmp_path / 'run'}")
     assert err == [want]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
+    """SIGKILL an env runner of a Ray job: the next step notices (ComponentDied), starts the
+    runner again in a new process, reconnects and plays the step again; every episode of the
+    step is trained on exactly once (its trajectories counted and unique), and a later step
+    and an evaluation go on as before."""
+    import os
+    import signal
+
+    from opentinker.control.runtime import Job
+    from opentinker.rollout.episodes import train_episodes
+
+    cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 3)),
+                           "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60, "max_restarts": 1}},
+                          JobConfig)
+    job = Job(cfg, tiny_path, run_dir=str(tmp_path / "run"))
+    try:
+        job.supervised("train_step", 1)
+        old = job.info()["env_runner1"]["pid"]
+        os.kill(old, signal.SIGKILL)
+        m = job.supervised("train_step", 2)
+        assert job.restarts == 1 and job.info()["env_runner1"]["pid"] != old
+        records = trajectory_log.read(tmp_path / "run" / "trajectories" / "main.jsonl")
+        step2 = [(r.episode_id, r.seat) for r in records if r.step == 2]
+        assert len(step2) == len(set(step2)) == m["train/main/n_datums"]
+        assert {e for e, _ in step2} == {s.episode_id for s in train_episodes(cfg, 2)}  # every episode, once
+        assert job.supervised("train_step", 3)["train/main/version"] == 3
+        assert job.supervised("evaluate", 3, False, 1)["eval/main/vs_referential_heuristic/hands"] > 0
+    finally:
+        job.shutdown()

@@ -24,6 +24,7 @@ from opentinker.bus import Client, LoopThread
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
 from opentinker.control.checkpoints import LEAGUE_STATE
+from opentinker.control.delivery import deliver
 from opentinker.eval.evaluation import (
     BARE,
     SPELLINGS,
@@ -48,14 +49,11 @@ from protocols.messages import (
     LogprobsResult,
     PolicyKind,
     PolicyRef,
-    ResendTrajectories,
     RunEpisodes,
     SamplingParams,
     SaveAdapter,
     SchedulerStats,
     SnapshotAdapter,
-    TrajectoriesHeld,
-    TrajectoryAck,
 )
 
 log = logging.getLogger(__name__)
@@ -63,14 +61,6 @@ log = logging.getLogger(__name__)
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
 RATING_ANCHOR = "random"
 """The player every rating is relative to (it plays every game)."""
-DELIVERY_WAIT_S = 3.0
-"""How long a learner waits for a step's trajectories before saying which it holds (they were
-all pushed before the runners answered, so only a lost one takes this long; a copy re-sent
-too early is dropped by the learner)."""
-RESEND_WAIT_S = 2.0
-"""The same wait after a resend."""
-DELIVERY_ROUNDS = 5
-"""Resends of missing trajectories before the step fails."""
 
 
 def game_result(rewards: dict[str, float], seat: str) -> int:
@@ -133,6 +123,15 @@ class Coordinator:
             spec = self.cfg.lora_spec(p.name)
             await self.scheduler.request(CreateAdapter(name=p.name, spec=spec), self.cfg.runtime.timeout_s)
 
+    def replace_runner(self, index: int, endpoint: str) -> None:
+        """Talk to env runner ``index`` at ``endpoint`` from now on (it was started again)."""
+        async def swap() -> None:
+            self.runners[index].close()
+            self.runners[index] = Client(self.loop.ctx, endpoint, name=f"coordinator->runner{index}")
+            self.runner_endpoints[index] = endpoint
+
+        self.loop.run(swap())
+
     def stop(self) -> None:
         if hasattr(self, "loop"):
             for c in [self.scheduler, *self.runners, *self.learners.values()]:
@@ -167,59 +166,6 @@ class Coordinator:
         )
         summaries = [s for rep in replies for s in rep.summaries if isinstance(rep, EpisodesDone)]
         return sorted(summaries, key=lambda s: s.episode_id)
-
-    # ----------------------------------------------------------------------------- delivery
-
-    async def _deliver(self, step: int, specs: list[EpisodeSpec], by_id: dict[int, EpisodeSummary]) -> dict[str, float]:
-        """Make sure every learner holds every trajectory of the step before it trains: each
-        learner acknowledges what it holds (:class:`TrajectoryAck`, once all have arrived or
-        :data:`DELIVERY_WAIT_S` passed), and the runner that played a missing one pushes it
-        again (:class:`ResendTrajectories`), up to :data:`DELIVERY_ROUNDS` times; a copy that
-        arrives twice is dropped by the learner. Returns ``train/<policy>/resent`` and
-        ``/duplicates``. ``RuntimeError`` naming the policy when some never arrive."""
-        n = len(self.runners)
-        runner_of = {spec.episode_id: self.runners[j % n] for j, spec in enumerate(specs)}  # as _run splits
-        want: dict[str, set[tuple[int, str]]] = {p.name: set() for p in self.cfg.policies}
-        for spec in specs:
-            s = by_id[spec.episode_id]
-            for seat, ref in spec.seats.items():
-                if ref.kind is PolicyKind.ADAPTER and ref.name in want and s.turns.get(seat, 0) > 0:
-                    want[ref.name].add((spec.episode_id, seat))
-        resent = {name: 0 for name in want}
-        duplicates: dict[str, int] = {}
-        for attempt in range(DELIVERY_ROUNDS + 1):
-            acks = await asyncio.gather(*(
-                self.learners[name].request(TrajectoryAck(step=step, expected=len(keys),
-                                                          wait_s=DELIVERY_WAIT_S if attempt == 0 else RESEND_WAIT_S),
-                                            DELIVERY_WAIT_S + 30)
-                for name, keys in want.items()))
-            missing = {}
-            for (name, keys), ack in zip(want.items(), acks):
-                assert isinstance(ack, TrajectoriesHeld)
-                duplicates[name] = ack.duplicates
-                lost = keys - {(e, seat) for e, seat in ack.held}
-                if lost:
-                    missing[name] = lost
-            if not missing:
-                break
-            if attempt == DELIVERY_ROUNDS:
-                raise RuntimeError(
-                    f"step {step}: " + "; ".join(f"{len(v)} trajectories of policy {k} never reached its learner"
-                                                 for k, v in missing.items())
-                    + f" after {DELIVERY_ROUNDS} resends (is the learner's process alive?)")
-            by_runner: dict[int, list[tuple[int, str]]] = {}
-            for name, lost in missing.items():
-                resent[name] += len(lost)
-                for key in sorted(lost):
-                    by_runner.setdefault(self.runners.index(runner_of[key[0]]), []).append(key)
-            log.warning("step %d: resending %d trajectories that did not reach their learners", step,
-                        sum(len(v) for v in by_runner.values()))
-            await asyncio.gather(*(self.runners[i].request(ResendTrajectories(step=step, keys=keys),
-                                                           self.cfg.runtime.timeout_s)
-                                   for i, keys in by_runner.items()))
-        out = {f"train/{name}/resent": float(v) for name, v in resent.items()}
-        out.update({f"train/{name}/duplicates": float(v) for name, v in duplicates.items()})
-        return out
 
     # ----------------------------------------------------------------------------- training
 
@@ -256,7 +202,7 @@ class Coordinator:
             metrics[f"train/{p.name}/invalid_rate"] = invalid / max(turns, 1)
         metrics.update(self._update_win_rates(specs, by_id))
         metrics.update(exploit)
-        metrics.update(await self._deliver(step, specs, by_id))
+        metrics.update(await deliver(step, specs, by_id, self.runners, self.learners, self.cfg.runtime.timeout_s))
         results = await asyncio.gather(
             *(
                 self.learners[name].request(LearnerStep(step=step, expected=n, timeout_s=self.cfg.runtime.timeout_s),

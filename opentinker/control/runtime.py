@@ -159,6 +159,10 @@ class Job:
         self._handles: dict[str, Any] = {}
         self._where: dict[str, dict[str, Any]] = {}
         """Component name -> its pid and node (Ray), to name one that dies."""
+        self._kwargs: dict[str, tuple[str, dict[str, Any]]] = {}
+        """Components that can be restarted (env runners) -> (kind, constructor arguments)."""
+        self.restarts = 0
+        """Components restarted so far (:meth:`supervised`)."""
         threads = cfg.model.threads or os.cpu_count() or 1
         m = cfg.model
         # The scheduler reads and writes adapters only inside the run's folder (none without one)
@@ -220,6 +224,7 @@ class Job:
         actor_cls = ray.remote(num_cpus=0)(Component)
         secret = run_secret().decode()  # every actor's sockets present and accept the driver's
         timeout = cfg.runtime.startup_timeout_s
+        self._actor_cls, self._secret = actor_cls, secret
 
         def start_all(named: dict[str, Any]) -> dict[str, Any]:
             refs = {name: h.start.remote() for name, h in named.items()}
@@ -235,6 +240,7 @@ class Job:
             return
         group = {}
         for i in range(cfg.runtime.env_runners):
+            self._kwargs[f"env_runner{i}"] = ("env_runner", self._runner_kwargs(i, ep))
             group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
                 "env_runner", self._runner_kwargs(i, ep), secret))
         for p in cfg.policies:
@@ -270,6 +276,41 @@ class Job:
             if dead:
                 raise ComponentDied(dead, ", ".join(describe(n, self._where.get(n)) for n in dead), e) from e
             raise
+
+    def supervised(self, method: str, *args: Any) -> Any:
+        """A coordinator call that survives dead env runners: when one died
+        (:class:`ComponentDied` naming env runners only), each is started again in a new
+        process, the coordinator reconnects to it, and the call is made again, up to
+        ``runtime.max_restarts`` restarts over the job. A training step played again sends
+        its trajectories again: learners keep one copy of each, so every episode is trained on
+        once. Anything else that died (a learner, the scheduler) is raised as it is."""
+        while True:
+            try:
+                return self.coordinator(method, *args)
+            except ComponentDied as e:
+                if any(n not in self._kwargs for n in e.names) or self.restarts + len(e.names) > self.cfg.runtime.max_restarts:
+                    raise
+                for name in e.names:
+                    self.coordinator("replace_runner", int(name.removeprefix("env_runner")), self.restart(name))
+                    self.restarts += 1
+                    log.warning("%s died; restarted as %s (restart %d of at most %d); %s is made again", str(e),
+                                describe(name, self._where.get(name)), self.restarts, self.cfg.runtime.max_restarts,
+                                method)
+
+    def restart(self, name: str) -> str:
+        """Start component ``name`` again in a new Ray actor (the old one killed, if it is not
+        gone already); returns its new endpoint."""
+        import ray
+
+        kind, kwargs = self._kwargs[name]
+        try:
+            ray.kill(self._handles[name])
+        except Exception as e:  # noqa: BLE001  (already dead)
+            log.debug("kill %s: %s", name, e)
+        h = self._handles[name] = self._actor_cls.remote(kind, kwargs, self._secret)
+        endpoint = ray.get(h.start.remote(), timeout=self.cfg.runtime.startup_timeout_s)
+        self._where[name] = ray.get(h.info.remote())
+        return endpoint
 
     def dead(self, timeout: float = 10.0) -> list[str]:
         """Names of the Ray actors that no longer answer (their process died)."""
