@@ -84,9 +84,12 @@ def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str,
     return time.perf_counter() - t0, mem
 
 
-def finished_run(root: Path, name: str, seed: int) -> Path | None:
-    """The newest run folder of job ``name`` and ``seed`` under ``root`` with a ``summary.json``."""
-    done = sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/summary.json"))
+def finished_run(root: Path, name: str, seed: int, config: bytes | None = None) -> Path | None:
+    """The newest run folder of job ``name`` and ``seed`` under ``root`` with a ``summary.json``
+    (and, given ``config``, whose ``config.toml`` is exactly it: a run of other settings, or of
+    another game, is never reused)."""
+    done = sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/summary.json")
+                  if config is None or (p.parent / "config.toml").read_bytes() == config)
     return done[-1] if done else None
 
 

@@ -220,12 +220,12 @@ def run_seed(args: Args, seed: int, learners: list[str], ev: games.GameEval) -> 
     root = out / "runs"
     root.mkdir(parents=True, exist_ok=True)
     cfg = job_config(args, seed, learners)
-    run = finished_run(root, "compare", seed)
+    run = finished_run(root, "compare", seed, to_toml(cfg))
     if run is None:
         path = out / f"compare_seed{seed}.toml"
         path.write_bytes(to_toml(cfg))
         wall, mem = run_logged(opentinker("run", str(path)), out / f"compare_seed{seed}.log", f"seed {seed}")
-        run = finished_run(root, "compare", seed)
+        run = finished_run(root, "compare", seed, to_toml(cfg))
         assert run is not None, f"seed {seed}: the run left no summary.json under {root}"
         (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
     else:
@@ -238,20 +238,25 @@ def run_seed(args: Args, seed: int, learners: list[str], ev: games.GameEval) -> 
     return rows, {"seed": seed, "run": str(run), **phases}
 
 
+def dpo_config(args: Args, seed: int, run: Path) -> JobConfig:
+    """The offline DPO job on the frozen ``dpo`` policy's trajectories of ``run``."""
+    base = job_config(args, seed, ["dpo"])
+    return msgspec.structs.replace(
+        base, name="compare_dpo", policies=[msgspec.structs.replace(base.policies[0], frozen=False)],
+        offline=OfflineConfig(kind="dpo", data=str(run / "trajectories" / "dpo.jsonl"), steps=args.dpo_steps,
+                              batch_size=args.dpo_batch, beta=args.dpo_beta))
+
+
 def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[str, float]) -> dict[str, Any]:
     """``dpo``: an offline DPO job on the frozen policy's trajectories of ``run``, then
     ``opentinker eval`` of its adapter with the online learners' final evaluation."""
     out = Path(args.out).resolve()
     root = out / "runs"
-    off = finished_run(root, "compare_dpo", seed)
+    off_cfg = dpo_config(args, seed, run)
+    off = finished_run(root, "compare_dpo", seed, to_toml(off_cfg))
     if off is None:
-        base = job_config(args, seed, ["dpo"])
-        cfg = msgspec.structs.replace(
-            base, name="compare_dpo", policies=[msgspec.structs.replace(base.policies[0], frozen=False)],
-            offline=OfflineConfig(kind="dpo", data=str(run / "trajectories" / "dpo.jsonl"), steps=args.dpo_steps,
-                                  batch_size=args.dpo_batch, beta=args.dpo_beta))
         path = out / f"compare_dpo_seed{seed}.toml"
-        path.write_bytes(to_toml(cfg))
+        path.write_bytes(to_toml(off_cfg))
         log = out / f"compare_dpo_seed{seed}.log"
         try:
             wall, mem = run_logged(opentinker("run", str(path)), log, f"seed {seed} dpo")
@@ -259,7 +264,7 @@ def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[s
             reason = next((ln for ln in reversed(log.read_text().splitlines()) if ln.strip()), str(e))
             print(f"  [seed {seed} dpo] failed: {reason}")
             return {"learner": "dpo", "seed": seed, "error": reason}
-        off = finished_run(root, "compare_dpo", seed)
+        off = finished_run(root, "compare_dpo", seed, to_toml(off_cfg))
         assert off is not None
         (off / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
     report = off / "eval.json"
@@ -319,8 +324,10 @@ def verdict(summary: dict[str, dict[str, Any]], ev: games.GameEval) -> str:
         if pairs:
             found.append(f"{metric}: " + ", ".join(f"{a} better than {b}" for a, b in pairs))
     seeds = max((s["seeds"] for s in summary.values()), default=0)
-    caveat = (f" With {seeds} seeds a bootstrap interval of the mean is about the seeds' range: more seeds "
-              "would tighten or undo a separation." if seeds < 5 else "")
+    pairs = len(summary) * (len(summary) - 1) // 2
+    caveat = (f" With {seeds} seeds a bootstrap interval of the mean is about the seeds' range, and the {pairs} "
+              "pairs are compared without a correction for multiple comparisons: a separation at this budget "
+              "may be chance, more seeds would confirm or undo it." if seeds < 5 else "")
     if not found:
         return "No two learners separate at this budget: every pair's 95% intervals overlap on every metric." + caveat
     return "Separated (non-overlapping 95% intervals): " + "; ".join(found) + "." + caveat

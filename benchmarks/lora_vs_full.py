@@ -111,12 +111,13 @@ def run_one(args: Args, kind: str, seed: int, ev: games.GameEval) -> dict[str, A
     out = Path(args.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     name = f"lvf_{kind}"
-    run = finished_run(out / "runs", name, seed)
+    config = to_toml(job_config(args, kind, seed))
+    run = finished_run(out / "runs", name, seed, config)
     if run is None:
         path = out / f"{name}_seed{seed}.toml"
-        path.write_bytes(to_toml(job_config(args, kind, seed)))
+        path.write_bytes(config)
         wall, mem = run_logged(opentinker("run", str(path)), out / f"{name}_seed{seed}.log", f"{kind} seed {seed}")
-        run = finished_run(out / "runs", name, seed)
+        run = finished_run(out / "runs", name, seed, config)
         assert run is not None, f"{kind} seed {seed}: no summary.json under {out / 'runs'}"
         (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
     else:

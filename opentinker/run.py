@@ -185,7 +185,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                     progress.update(task, description="train", status=report(step, "eval", last))
                 if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                     write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
-                                     lambda paths: save_learner_states(job.learner_states(), paths), first, last)
+                                     lambda paths: save_learner_states(job.learner_states(), paths), first, last,
+                                     updates_per_step={p.name: cfg.train_for(p.name).epochs
+                                                       * cfg.train_for(p.name).minibatches for p in cfg.policies})
         adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
         save_learner_states(job.learner_states(), adapters)
         (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")

@@ -6,8 +6,7 @@ checkpoint is *verified* when:
 
 * its manifest is there and every file it lists has its size and checksum (a bit flipped on
   disk, a file cut short or deleted);
-* ``state.json`` names the folder's own step, a step of the run (``1 <= step``, at most
-  ``train.steps`` when the run is resumed to train on);
+* ``state.json`` names the folder's own step (``1 <= step``);
 * every policy's adapter has a version in ``[0, step x updates per step]``, its weights
   (``*.safetensors``: the adapter, a full policy's weights, the optimizer moments) are finite,
   and the weights are below :data:`MAX_WEIGHT` in magnitude;
@@ -124,10 +123,10 @@ def _check_learner(path: Path, policy: str, step: int, problems: list[str]) -> N
             problems.append(f"{path}: baseline {key!r} = {b!r} is not a finite value within +-{MAX_BASELINE:g}")
 
 
-def verify(folder: Path, policies: dict[str, int], max_step: int | None = None) -> list[str]:
+def verify(folder: Path, policies: dict[str, int]) -> list[str]:
     """Problems of checkpoint ``folder`` (``checkpoints/step_N``), each naming its file; empty
     when it checks out. ``policies``: policy -> optimizer updates per step (its version may be
-    at most ``step`` times that); ``max_step``: the run's ``train.steps``."""
+    at most ``step`` times that, or times the number recorded in ``state.json``)."""
     problems: list[str] = []
     _check_files(folder, problems)
     want = int(folder.name.removeprefix("step_"))
@@ -137,12 +136,12 @@ def verify(folder: Path, policies: dict[str, int], max_step: int | None = None) 
         got = state.get("step") if isinstance(state, dict) else None
         if got != want or not isinstance(got, int) or got < 1:
             problems.append(f"{folder / 'state.json'}: step {got!r} is not its folder's step {want}")
-        elif max_step is not None and got > max_step:
-            problems.append(f"{folder / 'state.json'}: step {got} is past train.steps = {max_step} "
-                            "(nothing to train: --set train.steps=N to train on)")
         if not isinstance(state, dict) or not all(isinstance(state.get(k), dict) for k in ("first_eval", "last_eval")):
             problems.append(f"{folder / 'state.json'}: no first_eval / last_eval tables")
+    recorded = state.get("updates_per_step") if isinstance(state, dict) else None
     for policy, per_step in policies.items():
+        if isinstance(recorded, dict) and isinstance(recorded.get(policy), int):
+            per_step = max(per_step, recorded[policy])  # the run's own, should the config have changed
         adapter = folder / "adapters" / policy
         meta = _json(adapter / "opentinker.json", problems) if (adapter / "opentinker.json").is_file() else None
         if meta is None and not (adapter / "opentinker.json").is_file():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,8 @@ KEEP = 2
 
 
 def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: Any,
-                     first_eval: dict[str, float], last_eval: dict[str, float], keep: int = KEEP) -> Path:
+                     first_eval: dict[str, float], last_eval: dict[str, float], keep: int = KEEP,
+                     updates_per_step: dict[str, int] | None = None) -> Path:
     """Write ``checkpoints/step_<step>`` atomically, then delete all but the ``keep`` newest.
     ``save_adapters(folder) -> {policy: path}`` writes the adapters; ``save_states(paths)``
     writes each learner's state beside its adapter."""
@@ -59,7 +61,8 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
     try:
         tmp.mkdir(parents=True)
         save_states(save_adapters(str((tmp / "adapters").resolve())))
-        (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval}))
+        (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval,
+                                             "updates_per_step": updates_per_step or {}}))
         write_manifest(tmp)  # last: a checkpoint without one was cut short
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
@@ -95,9 +98,13 @@ def latest_checkpoint(run_dir: Path, cfg: JobConfig | None = None) -> Checkpoint
     if cfg is not None:
         updates = {p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches for p in cfg.policies}
         for _, folder in reversed(steps):
-            problems = verify(folder, updates, cfg.train.steps)
+            problems = verify(folder, updates)
             if not problems:
-                return _read(folder, tuple(skipped))
+                ck = _read(folder, tuple(skipped))
+                if ck.step > cfg.train.steps:  # the config, not the checkpoint: never fall back for it
+                    raise ValueError(f"{folder}: step {ck.step} is past train.steps = {cfg.train.steps}: nothing "
+                                     "to train (--set train.steps=N to train on)")
+                return ck
             skipped.append(f"{folder.name}: " + "; ".join(problems))
         raise ValueError(f"{run_dir}: no checkpoint checks out:\n  " + "\n  ".join(skipped))
     return _read(steps[-1][1], ())
@@ -112,19 +119,29 @@ def _read(folder: Path, skipped: tuple[str, ...]) -> Checkpoint:
         raise ValueError(f"{folder / STATE} is corrupt: {e}") from None
 
 
+def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """``(number, line, torn)`` for each non-empty line of ``path``, read one at a time;
+    ``torn``: the last line with no newline (a write cut short by a crash)."""
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                yield i, line.rstrip(b"\n"), not line.endswith(b"\n")
+
+
 def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     """Keep the rows of ``metrics.jsonl`` up to ``step`` (a resumed run writes the rest
-    again); returns them. The file is rewritten atomically; a line that is not a JSON object
-    with a step is a ``ValueError`` naming the file and line (nothing is rewritten then)."""
+    again); returns them. The file is rewritten atomically. A line that is not a JSON object
+    with a step is a ``ValueError`` naming the file and line (nothing is rewritten then),
+    but for a torn last line, which is dropped (a crash cut its write short)."""
     rows = []
     if path.is_file():
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
+        for i, line, torn in _lines(path):
             try:
                 row = json.loads(line)
                 keep = int(row.get("step", 0)) <= step
             except (ValueError, AttributeError, TypeError) as e:
+                if torn:
+                    break
                 raise ValueError(f"{path}:{i}: not a metrics row ({e})") from None
             if keep:
                 rows.append(row)
@@ -135,18 +152,19 @@ def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
 
 
 def check_run_files(run_dir: Path, step: int) -> None:
-    """Read (without rewriting) what a resume from ``step`` rewinds: ``metrics.jsonl`` and
-    every ``trajectories/*.jsonl``; ``ValueError`` naming the file and line of a bad record."""
+    """Read (without rewriting or keeping them) what a resume from ``step`` rewinds:
+    ``metrics.jsonl`` and every ``trajectories/*.jsonl``, a line at a time; ``ValueError``
+    naming the file and line of a bad record (a torn last line is fine: it is dropped)."""
     from opentinker.training import trajectory_log
 
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        for i, line in enumerate(metrics.read_text().splitlines(), 1):
+        for i, line, torn in _lines(metrics):
             try:
-                if line.strip():
-                    int(json.loads(line).get("step", 0))
+                int(json.loads(line).get("step", 0))
             except (ValueError, AttributeError, TypeError) as e:
-                raise ValueError(f"{metrics}:{i}: not a metrics row ({e})") from None
+                if not torn:
+                    raise ValueError(f"{metrics}:{i}: not a metrics row ({e})") from None
     for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
-        trajectory_log.read(path)
+        trajectory_log.check(path)

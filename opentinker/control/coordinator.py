@@ -24,7 +24,7 @@ from opentinker.bus import Client, LoopThread
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
 from opentinker.control.checkpoints import LEAGUE_STATE
-from opentinker.control.delivery import deliver
+from opentinker.control.delivery import deliver, gather_or_cancel
 from opentinker.eval.evaluation import (
     BARE,
     SPELLINGS,
@@ -151,7 +151,7 @@ class Coordinator:
         learners = {p: pull for p, (_, pull) in self.learner_endpoints.items()} if train else {}
         parts = [specs[i::n] for i in range(n)]
         timeout = self.cfg.runtime.timeout_s
-        replies = await asyncio.gather(
+        replies = await gather_or_cancel(
             *(
                 request_split_async(
                     lambda m, r=r: r.request(m, timeout),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
+from typing import Any
 
 from opentinker.bus import Client
 from protocols.messages import (
@@ -18,6 +20,20 @@ from protocols.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather`` that, when one fails, cancels the others (a request cancelled on a
+    client sends ``Cancel``) and waits for them before raising: a step that failed (a dead
+    runner) leaves no episodes playing behind the step played again."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 DELIVERY_WAIT_S = 3.0
 """How long a learner waits for a step's trajectories before saying which it holds (they were
@@ -36,7 +52,7 @@ async def deliver(step: int, specs: list[EpisodeSpec], by_id: dict[int, EpisodeS
     :data:`DELIVERY_WAIT_S` passed), and the runner that played a missing one pushes it
     again (:class:`ResendTrajectories`), up to :data:`DELIVERY_ROUNDS` times; a copy that
     arrives twice is dropped by the learner. Returns ``train/<policy>/resent`` and
-    ``/duplicates``. ``RuntimeError`` naming the policy when some never arrive.
+    ``/duplicates_total`` (copies the learner dropped over the run). ``RuntimeError`` naming the policy when some never arrive.
 
     Args:
         specs: ``[E]`` the step's episodes, in the order the coordinator split them over
@@ -82,8 +98,12 @@ async def deliver(step: int, specs: list[EpisodeSpec], by_id: dict[int, EpisodeS
                 by_runner.setdefault(runners.index(runner_of[key[0]]), []).append(key)
         log.warning("step %d: resending %d trajectories that did not reach their learners", step,
                     sum(len(v) for v in by_runner.values()))
-        await asyncio.gather(*(runners[i].request(ResendTrajectories(step=step, keys=keys), timeout_s)
-                               for i, keys in by_runner.items()))
+        replies = await asyncio.gather(*(runners[i].request(ResendTrajectories(step=step, keys=keys), timeout_s)
+                                         for i, keys in by_runner.items()))
+        gone = [k for r in replies for k in getattr(r, "missing", [])]
+        if gone:  # a runner no longer has them (restarted): resending cannot help
+            raise RuntimeError(f"step {step}: {len(gone)} trajectories never reached their learner and their "
+                               f"runner no longer holds them (e.g. episode {gone[0][0]}, seat {gone[0][1]})")
     out = {f"train/{name}/resent": float(v) for name, v in resent.items()}
-    out.update({f"train/{name}/duplicates": float(v) for name, v in duplicates.items()})
+    out.update({f"train/{name}/duplicates_total": float(v) for name, v in duplicates.items()})
     return out

@@ -271,6 +271,8 @@ class Job:
 
         try:
             return ray.get(h.call.remote(method, *args), timeout=self.cfg.runtime.timeout_s * 4)
+        except ray.exceptions.GetTimeoutError:
+            raise  # a call still running (the component is busy, not dead): asking it would time out too
         except Exception as e:  # a component that died: say which, not a bus endpoint
             dead = self.dead()
             if dead:

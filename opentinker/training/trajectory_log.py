@@ -14,7 +14,7 @@ has trained; offline jobs (:mod:`opentinker.training.offline`) read them back as
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -103,26 +103,48 @@ def read(path: str | Path) -> list[TrajectoryRecord]:
     return out
 
 
+def _records(path: Path) -> Iterator[tuple[int, bytes, TrajectoryRecord | None]]:
+    """``(number, line, record)`` per non-empty line of ``path``, a line at a time; a torn
+    last line (no newline: a crash cut its write short) that does not decode comes as
+    ``None``; any other bad line is a ``ValueError`` naming the file and line."""
+    decoder = msgspec.json.Decoder(TrajectoryRecord)
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, line.rstrip(b"\n"), decoder.decode(line)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                if not line.endswith(b"\n"):
+                    yield n, line, None
+                    return
+                raise ValueError(f"{path}:{n}: not a trajectory record: {e}") from None
+
+
+def check(path: str | Path) -> int:
+    """Decode every record of ``path`` without keeping them (``ValueError`` as :func:`read`,
+    but a torn last line is fine); returns the number of records."""
+    return sum(rec is not None for _, _, rec in _records(Path(path)))
+
+
 def truncate(path: str | Path, step: int) -> int:
     """Keep the records of ``path`` from steps up to ``step`` (a resumed run plays the later
-    steps again and appends them: no record twice); the file is rewritten atomically, lines
-    kept byte for byte. Returns the number of records dropped. ``ValueError`` naming the
-    file and line of a malformed record (nothing is rewritten then)."""
+    steps again and appends them: no record twice); the file is rewritten atomically, a line
+    at a time, lines kept byte for byte. Returns the number of records dropped (a torn last
+    line included). ``ValueError`` naming the file and line of a malformed record (nothing is
+    rewritten then)."""
     path = Path(path)
-    decoder = msgspec.json.Decoder(TrajectoryRecord)
-    keep, dropped = [], 0
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = decoder.decode(line)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ValueError(f"{path}:{n}: not a trajectory record: {e}") from None
-        if rec.step <= step:
-            keep.append(line + b"\n")
-        else:
-            dropped += 1
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(b"".join(keep))
+    dropped = 0
+    try:
+        with open(tmp, "wb") as out:
+            for _, line, rec in _records(path):
+                if rec is not None and rec.step <= step:
+                    out.write(line + b"\n")
+                else:
+                    dropped += 1
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return dropped
