@@ -200,7 +200,6 @@ class Coordinator:
                         turns += s.turns.get(seat, 0)
             metrics[f"train/{p.name}/reward"] = float(np.mean(rewards)) if rewards else float("nan")
             metrics[f"train/{p.name}/invalid_rate"] = invalid / max(turns, 1)
-        metrics.update(self._update_win_rates(specs, by_id))
         metrics.update(exploit)
         metrics.update(await deliver(step, specs, by_id, self.runners, self.learners, self.cfg.runtime.timeout_s))
         results = await asyncio.gather(
@@ -210,6 +209,9 @@ class Coordinator:
                 for name, n in expected.items()
             )
         )
+        # Only a step that trained moves the win rates: a step that failed and is played again
+        # (a dead env runner) draws its league opponents from the same estimates.
+        metrics.update(self._update_win_rates(specs, by_id))
         for name, res in zip(expected, results):
             assert isinstance(res, LearnerStepResult)
             metrics[f"train/{name}/version"] = res.version
