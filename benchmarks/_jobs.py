@@ -138,12 +138,29 @@ def to_target(curve: list[dict[str, Any]], unit: str, target: float) -> dict[str
     return {"episodes_to_target": hit["episodes"] if hit else None, "wall_s_to_target": hit["wall_s"] if hit else None}
 
 
+COMPUTE_OPS = ("SampleRequest", "ForwardBackward", "OptimStep")
+"""The scheduler operations of a training step (the coordinator's ``perf/compute_s/*``)."""
+
+
+def opponent_mix(spec: str) -> dict[str, float]:
+    """``"random=0.75,self=0.25"`` -> ``{"random": 0.75, "self": 0.25}`` (a policy's opponents)."""
+    return {k: float(v) for k, v in (item.split("=") for item in spec.split(","))}
+
+
+def model_table(base: str, device: str, threads: int) -> dict[str, Any]:
+    """A job's ``[model]`` table: the base model on ``device``, ``threads`` torch threads (0:
+    the job's default)."""
+    model: dict[str, Any] = {"base": base, "device": device}
+    if threads:
+        model["threads"] = threads
+    return model
+
+
 def job_phases(run: Path, mem: dict[str, float], wall_s: float) -> dict[str, float]:
     """A seed's job: median seconds per step by phase, its wall time and peak memory."""
     trains = [r for r in read_rows(run) if r["kind"] == "train"]
     med = lambda k: statistics.median(r.get(k, 0.0) for r in trains)
-    compute = statistics.median(sum(r.get(f"perf/compute_s/{op}", 0.0) for op in
-                                    ("SampleRequest", "ForwardBackward", "OptimStep", "LogprobsRequest")) for r in trains)
+    compute = statistics.median(sum(r.get(f"perf/compute_s/{op}", 0.0) for op in COMPUTE_OPS) for r in trains)
     rollout, learn = med("timing_s/rollout"), med("timing_s/learn")
     return {"rollout_s": rollout, "learn_s": learn, "compute_s": compute, "rest_s": rollout + learn - compute,
             "wall_s": wall_s, **mem}

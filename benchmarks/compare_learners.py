@@ -57,7 +57,9 @@ from _jobs import (
     finished_run,
     fmt_ci,
     job_phases,
+    model_table,
     opentinker,
+    opponent_mix,
     read_rows,
     run_logged,
     to_target,
@@ -140,20 +142,12 @@ def separated(summary: dict[str, dict[str, Any]], metric: str) -> list[tuple[str
     return out
 
 
-def opponents(spec: str) -> dict[str, float]:
-    """``"random=0.75,self=0.25"`` -> ``{"random": 0.75, "self": 0.25}``."""
-    return {k: float(v) for k, v in (item.split("=") for item in spec.split(","))}
-
-
 def job_config(args: Args, seed: int, learners: list[str]) -> JobConfig:
     """The seed's job: one policy per learner (``dpo`` frozen), everything else shared."""
-    model: dict[str, Any] = {"base": args.model, "device": args.device}
-    if args.threads:
-        model["threads"] = args.threads
     return msgspec.convert({
         "name": "compare", "seed": seed, "game": args.game, "out_dir": str(Path(args.out).resolve() / "runs"),
-        "model": model,
-        "policies": [{"name": n, "opponents": opponents(args.opponents), "train": LEARNERS[n], "frozen": n in OFFLINE}
+        "model": model_table(args.model, args.device, args.threads),
+        "policies": [{"name": n, "opponents": opponent_mix(args.opponents), "train": LEARNERS[n], "frozen": n in OFFLINE}
                      for n in learners],
         "train": {"steps": args.steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size,
                   "lr": args.lr, "checkpoint_every": 0},

@@ -42,7 +42,9 @@ from _jobs import (
     final_metrics,
     finished_run,
     job_phases,
+    model_table,
     opentinker,
+    opponent_mix,
     read_rows,
     run_logged,
     to_target,
@@ -89,14 +91,10 @@ GAME = "kuhn_poker_v0"
 
 def job_config(args: Args, kind: str, seed: int) -> JobConfig:
     """The job of one (kind, seed): one policy ``main`` of that kind, all else shared."""
-    model: dict[str, Any] = {"base": args.model, "device": args.device}
-    if args.threads:
-        model["threads"] = args.threads
     return msgspec.convert({
         "name": f"lvf_{kind}", "seed": seed, "game": GAME, "out_dir": str(Path(args.out).resolve() / "runs"),
-        "model": model,
-        "policies": [{"name": "main", "kind": kind,
-                      "opponents": {k: float(v) for k, v in (x.split("=") for x in args.opponents.split(","))}}],
+        "model": model_table(args.model, args.device, args.threads),
+        "policies": [{"name": "main", "kind": kind, "opponents": opponent_mix(args.opponents)}],
         "train": {"steps": args.steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size,
                   "lr": args.lora_lr if kind == "lora" else args.full_lr, "checkpoint_every": 0},
         "sampling": {"max_tokens": args.max_tokens},

@@ -57,6 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
+from _jobs import COMPUTE_OPS
 from _machine import machine, script_provenance
 from learners import assemble, loss_token_count
 from opentinker.config import JobConfig, load_config
@@ -71,8 +72,6 @@ from protocols.messages import (
     Trajectory,
 )
 
-COMPUTE_OPS = ("SampleRequest", "ForwardBackward", "OptimStep")
-"""The scheduler operations of a training step (the coordinator's ``perf/compute_s/*``)."""
 NAMES = {"single": "single-process loop (baseline)", "local": "components over the bus, one process",
          "ray": "Ray actors over the bus"}
 
