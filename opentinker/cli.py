@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from opentinker.config_checks import check_config
     from opentinker.logs import escape_controls
 
+    checkpoint = None  # with --resume: verified here, before anything starts, and handed on
     try:
         if args.resume and args.config:
             raise ConfigError("--resume", "continues a run with its own config.toml: give no CONFIG")
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 # A clear error before anything starts: a checkpoint that checks out, files that parse.
-                step = latest_checkpoint(args.resume, cfg).step
-                check_run_files(args.resume, step)
+                checkpoint = latest_checkpoint(args.resume, cfg)
+                check_run_files(args.resume, checkpoint.step)
             except (ValueError, OSError) as e:
                 raise ConfigError("--resume", str(e)) from None
     except (ValueError, OSError) as e:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from opentinker.run import run_job
 
     try:
-        run_job(cfg, resume=Path(args.resume) if args.resume else None)
+        run_job(cfg, resume=Path(args.resume) if args.resume else None, checkpoint=checkpoint)
     except ComponentDied as e:
         # Every other component was stopped on the way out (run_job's finally); one line.
         where = getattr(e, "run_dir", "RUN_DIR")

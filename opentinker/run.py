@@ -29,6 +29,7 @@ import games
 from opentinker.config import JobConfig, to_toml
 from opentinker.config_checks import check_config
 from opentinker.control.checkpoints import (
+    Checkpoint,
     latest_checkpoint,
     truncate_metrics,
     write_checkpoint,
@@ -87,7 +88,7 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
 
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None,
-            resume: Path | None = None) -> RunResult:
+            resume: Path | None = None, checkpoint: Checkpoint | None = None) -> RunResult:
     """Run a job into ``run_dir`` (default ``<out_dir>/<run name>``); with ``resume``, continue
     the run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``).
 
@@ -100,7 +101,8 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     ckpt = None
     if resume is not None:
         run_dir = Path(resume)
-        ckpt = latest_checkpoint(run_dir, cfg)  # verified before anything of the run is rewritten
+        # Verified before anything of the run is rewritten (by the caller, the CLI, when given).
+        ckpt = checkpoint or latest_checkpoint(run_dir, cfg)
         for why in ckpt.skipped:
             console.print(f"[yellow]skipped checkpoint[/] {escape(why)}")
     else:

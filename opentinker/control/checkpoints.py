@@ -128,11 +128,10 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
                 yield i, line.rstrip(b"\n"), not line.endswith(b"\n")
 
 
-def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
-    """Keep the rows of ``metrics.jsonl`` up to ``step`` (a resumed run writes the rest
-    again); returns them. The file is rewritten atomically. A line that is not a JSON object
-    with a step is a ``ValueError`` naming the file and line (nothing is rewritten then),
-    but for a torn last line, which is dropped (a crash cut its write short)."""
+def metrics_rows(path: Path, step: int) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` up to ``step``, read a line at a time (none when there is
+    no file). A line that is not a JSON object with a step is a ``ValueError`` naming the file
+    and line, but for a torn last line, which is dropped (a crash cut its write short)."""
     rows = []
     if path.is_file():
         for i, line, torn in _lines(path):
@@ -145,6 +144,14 @@ def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{i}: not a metrics row ({e})") from None
             if keep:
                 rows.append(row)
+    return rows
+
+
+def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the rows of ``metrics.jsonl`` up to ``step`` (a resumed run writes the rest
+    again); returns them (:func:`metrics_rows`: a bad line is an error and nothing is
+    rewritten). The file is rewritten atomically."""
+    rows = metrics_rows(path, step)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, path)
@@ -158,13 +165,6 @@ def check_run_files(run_dir: Path, step: int) -> None:
     from opentinker.training import trajectory_log
 
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for i, line, torn in _lines(metrics):
-            try:
-                int(json.loads(line).get("step", 0))
-            except (ValueError, AttributeError, TypeError) as e:
-                if not torn:
-                    raise ValueError(f"{metrics}:{i}: not a metrics row ({e})") from None
+    metrics_rows(run_dir / "metrics.jsonl", step)
     for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
         trajectory_log.check(path)
