@@ -240,9 +240,8 @@ class Job:
             return
         group = {}
         for i in range(cfg.runtime.env_runners):
-            self._kwargs[f"env_runner{i}"] = ("env_runner", self._runner_kwargs(i, ep))
-            group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(
-                "env_runner", self._runner_kwargs(i, ep), secret))
+            spec = self._kwargs[f"env_runner{i}"] = ("env_runner", self._runner_kwargs(i, ep))  # for restart
+            group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(*spec, secret))
         for p in cfg.policies:
             group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir), secret))
         eps = start_all(group)

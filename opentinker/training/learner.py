@@ -163,23 +163,26 @@ class Learner:
                 continue
             key = (msg.episode_id, msg.seat)
             async with self._arrived:
-                if msg.step <= self.last_step:  # a copy of a step already trained on
+                # A copy of a step already trained on, or a re-sent one already here: kept once.
+                if msg.step <= self.last_step or key in self._by_step[msg.step]:
                     self.duplicates += 1
-                    continue
-                if key in self._by_step[msg.step]:
-                    self.duplicates += 1  # a re-sent trajectory is kept once
                     continue
                 self._by_step[msg.step][key] = msg
                 self._arrived.notify_all()
 
+    async def _arrival(self, step: int, expected: int, timeout_s: float) -> bool:
+        """Wait (holding ``_arrived``) until ``expected`` trajectories of ``step`` are here or
+        ``timeout_s`` passed; whether they are."""
+        try:
+            await asyncio.wait_for(self._arrived.wait_for(lambda: len(self._by_step[step]) >= expected), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def _held(self, msg: TrajectoryAck) -> TrajectoriesHeld:
         """The keys of ``msg.step``'s trajectories held, once ``expected`` are or ``wait_s`` passed."""
         async with self._arrived:
-            try:
-                await asyncio.wait_for(
-                    self._arrived.wait_for(lambda: len(self._by_step[msg.step]) >= msg.expected), msg.wait_s)
-            except TimeoutError:
-                pass
+            await self._arrival(msg.step, msg.expected, msg.wait_s)
             return TrajectoriesHeld(step=msg.step, held=sorted(self._by_step[msg.step]), duplicates=self.duplicates)
 
     async def _handle(self, msg: Message) -> Message:
@@ -188,16 +191,9 @@ class Learner:
         if not isinstance(msg, LearnerStep):
             raise TypeError(f"a learner does not serve {type(msg).__name__}")
         async with self._arrived:
-            try:
-                await asyncio.wait_for(
-                    self._arrived.wait_for(lambda: len(self._by_step[msg.step]) >= msg.expected),
-                    msg.timeout_s,
-                )
-            except TimeoutError:
+            if not await self._arrival(msg.step, msg.expected, msg.timeout_s):
                 got = len(self._by_step[msg.step])
-                raise TimeoutError(
-                    f"learner {self.policy}: step {msg.step} has {got} of {msg.expected} trajectories"
-                ) from None
+                raise TimeoutError(f"learner {self.policy}: step {msg.step} has {got} of {msg.expected} trajectories")
             trajectories = sort_trajectories(list(self._by_step.pop(msg.step).values()))
             self.last_step = max(self.last_step, msg.step)
         values = await self._values(trajectories)
