@@ -67,7 +67,7 @@ from opentinker.bus import (
     SyncClient,
     new_event_loop,
 )
-from opentinker.bus.auth import USERNAME, run_secret
+from opentinker.bus.auth import run_secret, run_user
 from protocols.codec import encode
 from protocols.messages import (
     Ack,
@@ -153,7 +153,7 @@ def serve_raw(bind: str, out: Any, stop: Any, mech: str = "null", keys: CurveKey
 
         auth = ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_plain("*", {USERNAME.decode(): run_secret().decode()})
+        auth.configure_plain("*", {run_user(): run_secret().decode()})
         sock.plain_server = True
     elif mech == "curve":
         sock.curve_server = True
@@ -354,7 +354,7 @@ class RawZmq:
         sock.setsockopt(zmq.RCVTIMEO, int(self.args.timeout * 1000))
         sock.setsockopt(zmq.SNDTIMEO, int(self.args.timeout * 1000))
         if self.mech == "plain":
-            sock.plain_username, sock.plain_password = USERNAME, run_secret()
+            sock.plain_username, sock.plain_password = run_user().encode(), run_secret()
         elif self.mech == "curve":
             mine = CurveKeys.generate()
             sock.curve_publickey, sock.curve_secretkey = mine.public, mine.secret

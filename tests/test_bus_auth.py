@@ -32,7 +32,7 @@ def _stranger(ctx: zmq.asyncio.Context, ep: str, how: str) -> zmq.asyncio.Socket
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     if how == "wrong":
-        s.plain_username, s.plain_password = USERNAME, b"x" * 43
+        s.plain_username, s.plain_password = USERNAME.encode(), b"x" * 43
     elif how == "curve":
         public, secret = zmq.curve_keypair()
         s.curve_publickey, s.curve_secretkey, s.curve_serverkey = public, secret, zmq.curve_keypair()[0]
@@ -78,7 +78,7 @@ def test_a_puller_takes_only_authenticated_pushes():
         puller = Puller(ctx)
         bad = ctx.socket(zmq.PUSH)
         bad.setsockopt(zmq.LINGER, 0)
-        bad.plain_username, bad.plain_password = USERNAME, b"y" * 40
+        bad.plain_username, bad.plain_password = USERNAME.encode(), b"y" * 40
         bad.connect(puller.endpoint)
         await bad.send_multipart(encode(_trajectory(1), 0))
         good = Pusher(ctx, puller.endpoint)

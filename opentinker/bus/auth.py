@@ -1,7 +1,9 @@
 """Who may talk on the bus: every socket authenticates its peers, loopback included.
 
 * **PLAIN with the run's secret** (the default, every socket): a server accepts a connection
-  only when the peer presents the user name ``opentinker`` and this run's secret; the check
+  only when the peer presents this process's bus user (``opentinker`` unless
+  ``$OPENTINKER_BUS_USER`` names another) and this run's secret, or one of the server's
+  ``accounts`` (a shared scheduler's jobs, each a user with its own secret); the check
   is ZeroMQ's ZAP handshake, so an unauthenticated process never gets a frame of its own
   decoded (libzmq drops the connection before any message is passed up). PLAIN sends the
   secret in clear text, which is why it is for loopback (and ``ipc://``) only.
@@ -14,6 +16,12 @@ so processes started from it (Ray's raylet and its workers when this process sta
 benchmark's server processes) inherit it, and the runtime hands it to every actor it starts
 (:mod:`opentinker.control.runtime`). A process's environment is readable only by its user
 (``/proc/<pid>/environ`` is mode 0400); the secret is never written to a file or a log.
+
+The user a peer authenticated as is its *principal*: ZeroMQ stamps it on every message of the
+connection (the ``User-Id`` property), and :class:`~opentinker.bus.server.Server` keeps it with
+the peer's session, so a shared scheduler knows which job sent a request without trusting
+anything the peer says. A CURVE peer's principal is this process's user (the allow lists hold
+the run's own keys).
 
 Each server socket's ZAP domain is its own (``<name>/<n>``), so a refused handshake is counted
 on the server it was meant for (``auth_denied`` in its counters) and logged at most once a
@@ -28,8 +36,10 @@ import hmac
 import itertools
 import logging
 import os
+import re
 import secrets
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import zmq
@@ -39,13 +49,27 @@ from zmq.utils import z85
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "OPENTINKER_BUS_SECRET"
-USERNAME = b"opentinker"
+USER_ENV = "OPENTINKER_BUS_USER"
+USERNAME = "opentinker"
+"""The bus user of a process whose environment names none."""
 MIN_SECRET_CHARS = 32
 MAX_SECRET_CHARS = 255
 """ZeroMQ's PLAIN carries at most 255 bytes of password."""
 
 _secret: bytes | None = None
+_user: str | None = None
 _lock = threading.Lock()
+_USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+"""A bus user name: what a job id is made of (:func:`check_user`)."""
+
+
+def check_user(value: str, where: str = "bus user") -> str:
+    """``value`` if it can be a bus user (1 to 64 of ``A-Z a-z 0-9 _ . + -``, starting with a
+    letter or digit), else ``ValueError`` naming ``where``."""
+    if not isinstance(value, str) or not _USER.fullmatch(value):
+        raise ValueError(f"{where}: a bus user is 1 to 64 letters, digits, '_', '.', '+' or '-', starting with a "
+                         f"letter or digit (got {value!r:.80})")
+    return value
 
 
 def _checked(value: str, where: str) -> bytes:
@@ -70,19 +94,67 @@ def run_secret() -> bytes:
         return _secret
 
 
-def set_run_secret(value: str) -> None:
-    """Use ``value`` as this process's bus secret (an actor, given the driver's): sockets made
-    from now on present and accept it."""
-    global _secret
+def run_user() -> str:
+    """This process's bus user: ``$OPENTINKER_BUS_USER``, else ``opentinker``."""
+    global _user
+    with _lock:
+        if _user is None:
+            _user = check_user(os.environ.get(USER_ENV) or USERNAME, f"${USER_ENV}")
+        return _user
+
+
+def set_run_secret(value: str, user: str = "") -> None:
+    """Use ``value`` as this process's bus secret, and ``user`` (when given) as its bus user (an
+    actor, given the driver's; a job attached to a shared scheduler, given its job's): sockets
+    made from now on present and accept them."""
+    global _secret, _user
     checked = _checked(value, "bus secret")
+    if user:
+        check_user(user)
     with _lock:
         _secret = checked
         os.environ[SECRET_ENV] = value
+        if user:
+            _user = user
+            os.environ[USER_ENV] = user
 
 
-def secure_client(sock: zmq.Socket) -> None:
-    """Make a connecting socket present the run's secret (PLAIN)."""
-    sock.plain_username = USERNAME
+def new_secret() -> str:
+    """A fresh secret for an account (a job on a shared scheduler)."""
+    return secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A bus user and its secret, for a socket that presents other than this process's own
+    (a job's on a shared scheduler, :class:`~protocols.messages.JobOpened`)."""
+
+    user: str
+    secret: str
+
+    def __post_init__(self) -> None:
+        check_user(self.user)
+        _checked(self.secret, f"secret of bus user {self.user!r}")
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"Credentials(user={self.user!r}, secret=...)"
+
+    @classmethod
+    def of(cls, pair: tuple[str, str] | list[str] | None) -> Credentials | None:
+        """From ``(user, secret)`` as a component's arguments carry it; None for None."""
+        return None if not pair else cls(pair[0], pair[1])
+
+    def pair(self) -> tuple[str, str]:
+        return (self.user, self.secret)
+
+
+def secure_client(sock: zmq.Socket, credentials: Credentials | None = None) -> None:
+    """Make a connecting socket present ``credentials``, else this process's bus user and
+    secret (PLAIN)."""
+    if credentials is not None:
+        sock.plain_username, sock.plain_password = credentials.user.encode(), credentials.secret.encode()
+        return
+    sock.plain_username = run_user().encode()
     sock.plain_password = run_secret()
 
 
@@ -96,6 +168,9 @@ class _Domain:
     curve_allowed: frozenset[bytes] | None
     """CURVE public keys (Z85) this server accepts; ``None``: any key (CURVE itself then only
     authenticates the server) or PLAIN. ZAP hands the handler the raw 32-byte key."""
+    accounts: Mapping[str, bytes] | None = None
+    """Further PLAIN users this server accepts, user -> secret (a shared scheduler's jobs;
+    read at each handshake, so an account added or removed takes effect at the next one)."""
 
 
 class _Handler(ThreadAuthenticator):
@@ -112,9 +187,16 @@ class _Handler(ThreadAuthenticator):
         """The domain of the request being answered (one at a time, in the handler's thread)."""
 
     def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
-        ok = (domain in self.domains and hmac.compare_digest(username.encode(), USERNAME)
-              and hmac.compare_digest(password.encode(), run_secret()))
+        d = self.domains.get(domain)
+        ok = False
+        if d is not None:
+            expected = run_secret() if username == run_user() else (d.accounts or {}).get(username)
+            # Compared in constant time whoever the user is (an unknown one against a dummy).
+            ok = hmac.compare_digest(password.encode(), expected or b"\0" * MIN_SECRET_CHARS) and expected is not None
         return ok, b"OK" if ok else b"wrong credentials"
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return run_user()
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         d = self.domains.get(domain)
@@ -158,9 +240,10 @@ class Guard:
 
 
 def guard_server(sock: zmq.Socket, name: str, counters: dict, curve: bool = False,
-                 curve_allowed: tuple[bytes, ...] = ()) -> Guard:
-    """Before ``sock`` binds: PLAIN server with the run's secret (or CURVE when ``curve``; then
-    only ``curve_allowed`` keys when given), checked by its context's ZAP handler."""
+                 curve_allowed: tuple[bytes, ...] = (), accounts: Mapping[str, bytes] | None = None) -> Guard:
+    """Before ``sock`` binds: PLAIN server with the run's user and secret, and the users of
+    ``accounts`` with theirs (or CURVE when ``curve``; then only ``curve_allowed`` keys when
+    given), checked by its context's ZAP handler."""
     if not curve:
         sock.plain_server = True
         run_secret()
@@ -174,7 +257,8 @@ def guard_server(sock: zmq.Socket, name: str, counters: dict, curve: bool = Fals
         if handler is None:
             handler = _handlers[addr] = _Handler(plain_context(sock.context))
             handler.start()
-        handler.domains[domain] = _Domain(counters, name, frozenset(curve_allowed) if curve_allowed else None)
+        handler.domains[domain] = _Domain(counters, name, frozenset(curve_allowed) if curve_allowed else None,
+                                          accounts)
     return Guard(addr, domain)
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from opentinker.bus.auth import Credentials
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
@@ -44,6 +45,7 @@ from opentinker.bus.common import (
     BeatCounter,
     Counters,
     CurveKeys,
+    PartialCallbackFailed,
     PeerLost,
     RemoteError,
     ReplyPolling,
@@ -51,7 +53,6 @@ from opentinker.bus.common import (
     configure,
     cut_error,
     plain_context,
-    PartialCallbackFailed,
     read_bounds,
     read_reply,
     yield_cpu,
@@ -102,6 +103,8 @@ class Client:
         limits: what one reply may be (default :data:`~opentinker.bus.common.REPLY_LIMITS`;
             ``max_bytes`` replaces its ``max_bytes``); a reply over them fails its request
             with ``RemoteError(too_large)``.
+        credentials: the bus user and secret to present (PLAIN) instead of this process's
+            own (a job's on a shared scheduler).
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class Client:
         hwm: int = DEFAULT_HWM,
         spin_s: float = DEFAULT_SPIN_S,
         limits: Limits | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.polling = ReplyPolling(spin_s)
         self.endpoint = endpoint
@@ -127,7 +131,8 @@ class Client:
         self.counters = Counters()
         self.welcome: Welcome | None = None
         self.beats = BeatCounter()
-        self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys)
+        self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys,
+                               credentials=credentials)
         self._sock.connect(endpoint)
         self._pending: dict[int, asyncio.Future] = {}
         self._on_partial: dict[int, Callable[[Message], None]] = {}

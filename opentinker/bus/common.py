@@ -15,11 +15,12 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import zmq
 
-from opentinker.bus.auth import Guard, guard_server, secure_client
+from opentinker.bus.auth import Credentials, Guard, guard_server, secure_client
 from opentinker.bus.loop import Bounds, Cut
 from protocols.codec import (
     DEFAULT_LIMITS,
@@ -157,12 +158,13 @@ def configure(
     max_bytes: int = DEFAULT_MAX_BYTES,
     keys: CurveKeys | None = None,
     server: bool = False,
+    credentials: Credentials | None = None,
 ) -> zmq.Socket:
     """Options every bus socket gets: ``LINGER=0``, bounded queues (``hwm`` messages each
     way), a hard cap of :func:`frame_cap` bytes per frame (libzmq drops a peer that sends more; a
     message between ``max_bytes`` and that gets a ``too_large`` reply), and its credentials:
     CURVE when ``keys`` are given, else a connecting socket presents the run's secret (PLAIN,
-    :mod:`opentinker.bus.auth`); a binding socket is made a PLAIN or CURVE server by
+    :mod:`opentinker.bus.auth`; or ``credentials``); a binding socket is made a PLAIN or CURVE server by
     :func:`~opentinker.bus.auth.guard_server`."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -178,18 +180,18 @@ def configure(
                 raise ValueError("a CURVE client needs the server's public key (CurveKeys.client_of)")
             sock.curve_serverkey = keys.server_public
     elif not server:
-        secure_client(sock)
+        secure_client(sock, credentials)
     return sock
 
 
 def bind_guarded(sock: zmq.Socket, endpoint: str, name: str, counters: Counters,
-                 keys: CurveKeys | None) -> Guard:
+                 keys: CurveKeys | None, accounts: Mapping[str, bytes] | None = None) -> Guard:
     """Make ``sock`` (configured with ``server=True``) a PLAIN server with the run's secret, or
     a CURVE server with ``keys`` (only ``keys.allowed_clients`` when given), and bind it; on a
     failed bind the registration and the socket are closed. :meth:`Guard.close` goes with the
     socket's close."""
     guard = guard_server(sock, name, counters, curve=keys is not None,
-                         curve_allowed=keys.allowed_clients if keys is not None else ())
+                         curve_allowed=keys.allowed_clients if keys is not None else (), accounts=accounts)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError:

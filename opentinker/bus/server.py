@@ -44,14 +44,14 @@ import asyncio
 import collections
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from opentinker.bus.auth import Guard
+from opentinker.bus.auth import Guard, run_user
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
@@ -98,16 +98,18 @@ HELLO_LIMITS = Limits(max_bytes=4096, max_buffers=0, max_body_bytes=4096, max_nd
 one is not decoded and gets ``Error(no_handshake)`` (a bundled client then says ``Hello`` and
 retries), so a peer without a session costs the server next to nothing."""
 
-_SERVING: contextvars.ContextVar[tuple[Server, Emitter | None, str] | None] = contextvars.ContextVar(
+_SERVING: contextvars.ContextVar[tuple[Server, Emitter | None, _Peer] | None] = contextvars.ContextVar(
     "opentinker_bus_serving", default=None)
 """In a request's task (each has its own context): its server, its emitter (None unless the
-request asked for a stream) and the name its peer gave in ``Hello``."""
+request asked for a stream) and its peer's session."""
 
 
 @dataclass
 class _Peer:
     name: str
     beats: BeatCounter
+    principal: str = ""
+    """The bus user it authenticated as (ZeroMQ's ``User-Id`` of its ``Hello``)."""
     inflight: dict[int, asyncio.Task] = field(default_factory=dict)
     streams: dict[int, Emitter] = field(default_factory=dict)
     """Emitters of its streamed requests in flight, by request id (closed on Cancel)."""
@@ -141,6 +143,9 @@ class Server:
             made the server stops it).
         stream_backlog: partials of one request waiting to be sent, at most (more are
             dropped, see :mod:`opentinker.bus.stream`).
+        accounts: further PLAIN users this server accepts, user -> secret, besides the run's
+            own (:mod:`opentinker.bus.auth`); read at each handshake, so the caller may add
+            and remove accounts while it serves.
     """
 
     def __init__(
@@ -160,8 +165,10 @@ class Server:
         on_shutdown: Callable[[], Any] | None = None,
         stream_backlog: int = DEFAULT_BACKLOG,
         owners: Collection[str] = (),
+        accounts: Mapping[str, bytes] | None = None,
     ) -> None:
         check_bind(endpoint, keys)
+        self.accounts = accounts
         self.handler = handler
         self.name = name
         self.limits = (limits or DEFAULT_LIMITS).with_max_bytes(max_bytes)
@@ -200,7 +207,7 @@ class Server:
         # A reply to a peer whose queue is full fails (EAGAIN) instead of vanishing: partials
         # are then dropped and counted, a final reply waits for room (Parked).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys)
+        self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys, self.accounts)
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
@@ -226,9 +233,24 @@ class Server:
         """The name (from its ``Hello``) of the peer whose request the handler is serving; call
         it in the handler's task. Only authenticated peers have sessions, so this tells the
         run's components apart, not adversaries."""
-        return self._serving("peer_name")[2]
+        return self._serving("peer_name")[2].name
 
-    def _serving(self, what: str) -> tuple[Server, Emitter | None, str]:
+    def principal(self) -> str:
+        """The bus user the peer whose request the handler is serving authenticated as (the
+        run's own user, or an account's: a shared scheduler's job); call it in the handler's
+        task. Unlike :meth:`peer_name`, a peer cannot choose it: ZeroMQ's handshake set it."""
+        return self._serving("principal")[2].principal
+
+    def drop_principal(self, principal: str) -> int:
+        """End every session of ``principal`` (a job closed on a shared scheduler): their
+        requests in flight are cancelled. Returns the number of sessions ended; call it on
+        the server's loop."""
+        idents = [i for i, p in self._peers.items() if p.principal == principal]
+        for ident in idents:
+            self._drop(ident)
+        return len(idents)
+
+    def _serving(self, what: str) -> tuple[Server, Emitter | None, _Peer]:
         serving = _SERVING.get()
         if serving is None or serving[0] is not self:
             raise RuntimeError(f"{self.name}: Server.{what}() is for this server's handler, while it serves a request")
@@ -322,7 +344,7 @@ class Server:
                     peer.inflight[rid] = task
                 return
         if isinstance(msg, Hello):
-            self._hello(identity, rid, msg)
+            self._hello(identity, rid, msg, _user_id(frames[1]))
         elif peer is None:
             self.counters["error/no_handshake"] += 1
             self._send(identity, Error(code=ErrorCode.NO_HANDSHAKE,
@@ -342,7 +364,7 @@ class Server:
                 task.cancel()
                 self._send(identity, Ack(), rid)
         elif isinstance(msg, Shutdown):
-            if peer.name not in self.owners:
+            if peer.name not in self.owners or peer.principal != run_user():  # a job of a shared server never
                 self.counters["error/not_owner"] += 1
                 self._log.warning("not_owner", "%s: refused a shutdown from %s (not an owner)", self.name, peer.name)
                 self._send(identity, Error(code=ErrorCode.INVALID, message=(
@@ -361,7 +383,7 @@ class Server:
             if task is not None:  # it waits for something: cancellable while in flight
                 peer.inflight[rid] = task
 
-    def _hello(self, identity: bytes, rid: int, msg: Hello) -> None:
+    def _hello(self, identity: bytes, rid: int, msg: Hello, principal: str) -> None:
         if msg.version != PROTOCOL_VERSION:  # the header said otherwise: a broken peer
             self.counters["error/bad_version"] += 1
             log.warning("%s: peer %s says protocol %d, this side %d", self.name, msg.peer, msg.version, PROTOCOL_VERSION)
@@ -369,11 +391,17 @@ class Server:
                                        message=f"peer speaks protocol {msg.version}, this side {PROTOCOL_VERSION}"), rid)
             return
         name = msg.peer or identity.hex()
+        if self.accounts is not None and principal != run_user() and principal not in self.accounts:
+            # An account removed since this connection's handshake (a job closed on a shared scheduler).
+            self.counters["error/closed_account"] += 1
+            self._send(identity, Error(code=ErrorCode.INVALID,
+                                       message=f"{self.name}: {principal!r} may no longer connect (its job was closed)"), rid)
+            return
         if identity not in self._peers and len(self._peers) >= self.max_peers:
             self._evict_for(name)
         old = self._peers.get(identity)
         self._seen += 1
-        self._peers[identity] = _Peer(name=name, beats=BeatCounter(),
+        self._peers[identity] = _Peer(name=name, beats=BeatCounter(), principal=principal,
                                       inflight=old.inflight if old else {},
                                       streams=old.streams if old else {}, last_request=self._seen)
         self.counters["handshakes"] += 1
@@ -398,7 +426,7 @@ class Server:
         em = None
         if wants_stream(msg):
             em = peer.streams[rid] = self._outbox.emitter(identity, rid)
-        _SERVING.set((self, em, peer.name))  # this task's own context (run_eager): read by emitter(), peer_name()
+        _SERVING.set((self, em, peer))  # this task's own context (run_eager): read by emitter(), peer_name()
         try:
             if isinstance(msg, STATE_CHANGING):
                 reply = await self._once(identity, rid, msg)
@@ -511,3 +539,13 @@ class Server:
             self._auth = None
         if self.stopped is not None:
             self.stopped.set()
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The bus user ZeroMQ's handshake authenticated the frame's sender as; this process's own
+    user where the transport authenticates nobody (``inproc://``: the same process)."""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return run_user()
+    return user if isinstance(user, str) and user else run_user()

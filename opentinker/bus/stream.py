@@ -67,7 +67,7 @@ class Emitter:
     cancelled (or its peer lost): a producer should stop working for it then.
     """
 
-    __slots__ = ("request_id", "identity", "_outbox", "_queue", "_closed", "_ready")
+    __slots__ = ("_closed", "_outbox", "_queue", "_ready", "identity", "request_id")
 
     def __init__(self, outbox: Outbox, identity: bytes, request_id: int, closed: bool = False) -> None:
         self.request_id = request_id

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import zmq
 
+from opentinker.bus.auth import Credentials
 from opentinker.bus.client import next_request_id
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
@@ -90,6 +91,7 @@ class SyncClient:
         connect_timeout: float = 30.0,
         spin_s: float = DEFAULT_SPIN_S,
         limits: Limits | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.polling = ReplyPolling(spin_s)
         self.endpoint = endpoint
@@ -102,7 +104,8 @@ class SyncClient:
         self.beats = BeatCounter()
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
-        self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys)
+        self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys,
+                               credentials=credentials)
         self._sock.connect(endpoint)
         self._rcvtimeo = -1
         self._outstanding: dict[int, Message] = {}
