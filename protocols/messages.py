@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -29,6 +29,9 @@ MAX_STATS_BATCHES = 256
 its items are read: the one field whose items can be empty containers)."""
 MAX_TABLE = 4096
 """Entries of a scripted table seat (:attr:`PolicyRef.table`)."""
+
+MAX_LISTED = 65536
+"""Adapters or jobs one listing may name, at most."""
 
 
 class StopReason(enum.StrEnum):
@@ -331,6 +334,74 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """For the most recent sample batches (at most 256), the client names of their rows."""
 
 
+class ListAdapters(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask which adapters the asking peer can use by name: its job's own on a shared
+    scheduler (named without the job's prefix), every adapter for the scheduler's own user.
+    Replied with :class:`AdapterList`."""
+
+
+class AdapterList(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    adapters: Annotated[list[AdapterInfo], msgspec.Meta(max_length=MAX_LISTED)] = []
+    """Sorted by name; ``version`` is each adapter's current version."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs on a shared scheduler (``opentinker serve``); from the scheduler's own user only
+
+
+class OpenJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Register a job with a shared scheduler. The reply's credentials make the job a tenant:
+    its components' adapter names are its own (another job's adapter is reachable only by its
+    full name ``<job>/<adapter>``, for sampling and scoring, never for training or dropping),
+    and its adapter paths must lie in ``roots`` (``read_roots``: read only). Replied with
+    :class:`JobOpened`."""
+
+    name: str
+    """The job's name (letters, digits, ``_ . + -``); the job id is made from it."""
+    roots: Annotated[list[str], msgspec.Meta(max_length=16)] = []
+    read_roots: Annotated[list[str], msgspec.Meta(max_length=16)] = []
+    priority: float = 1.0
+    """The job's weight in the scheduler's sharing of compute time between jobs, > 0."""
+
+
+class JobOpened(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    job: str
+    """The job id: the bus user name of its components and the prefix of its adapters."""
+    secret: str
+    """The bus secret its components present (PLAIN, with ``job`` as the user name)."""
+
+
+class CloseJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """End a job on a shared scheduler: its adapters are dropped, its credentials refused from
+    now on, its requests in flight cancelled. Replied with :class:`JobInfo`."""
+
+    job: str
+
+
+class ListJobs(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask for the jobs a shared scheduler serves; replied with :class:`JobList`."""
+
+
+class JobInfo(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    job: str
+    name: str
+    priority: float
+    state: str
+    """``running`` or ``closed``."""
+    adapters: Annotated[list[str], msgspec.Meta(max_length=MAX_LISTED)] = []
+    compute_ms: int = 0
+    """Compute time the scheduler spent on the job's requests so far."""
+    contended_ms: int = 0
+    """Of it, the time spent while another job also had work waiting or running: where the
+    jobs' priorities set their shares (alone, a job takes all it asks for)."""
+    opened_at: float = 0.0
+    """Unix time the job was opened."""
+
+
+class JobList(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    jobs: Annotated[list[JobInfo], msgspec.Meta(max_length=MAX_LISTED)] = []
+
+
 # ---------------------------------------------------------------------------------------------
 # Episodes and trajectories
 
@@ -590,6 +661,14 @@ Message = Union[
     LoadAdapter,
     Saved,
     SchedulerStats,
+    ListAdapters,
+    AdapterList,
+    OpenJob,
+    JobOpened,
+    CloseJob,
+    ListJobs,
+    JobInfo,
+    JobList,
     Metrics,
     Hello,
     Welcome,

@@ -45,6 +45,10 @@ REPLIES: dict[type, type] = {
     m.LearnerStep: m.LearnerStepResult,
     m.TrajectoryAck: m.TrajectoriesHeld,
     m.ResendTrajectories: m.Resent,
+    m.ListAdapters: m.AdapterList,
+    m.OpenJob: m.JobOpened,
+    m.CloseJob: m.JobInfo,
+    m.ListJobs: m.JobList,
 }
 """Request -> its reply (any request may instead be answered with ``Error``)."""
 
@@ -56,6 +60,8 @@ SERVED_BY: dict[type, str] = {
     m.ForwardBackward: "scheduler",
     m.OptimStep: "scheduler", m.SchedulerStats: "scheduler", m.RunEpisodes: "env runner",
     m.LearnerStep: "learner", m.TrajectoryAck: "learner", m.ResendTrajectories: "env runner",
+    m.ListAdapters: "scheduler", m.OpenJob: "shared scheduler (its owner)", m.CloseJob: "shared scheduler (its owner)",
+    m.ListJobs: "shared scheduler (its owner)",
 }
 
 PARTIAL_OF: dict[type, tuple[type, str]] = {

@@ -20,6 +20,10 @@ Without it (architectures the engine does not run, or ``engine="peft"``) the com
 takes the oldest request; a sample request takes every other waiting sample request with it
 and serves all their rows in one batch.
 
+A shared scheduler (``tenants``, ``opentinker serve``) serves many jobs: each authenticates
+as its own bus user, its adapter names and folders are its own, and the scheduler's own user
+opens and closes jobs (:mod:`opentinker.engine.tenants`).
+
 Every request's arrays are checked when it arrives, before it is queued or batched with
 another client's (:func:`check_request`): a bad request fails alone with ``Error(invalid)``
 naming the field, and its batch-mates never see it.
@@ -38,23 +42,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from opentinker.bus import LOOPBACK, LoopThread, Server, settle_heap, unsettle_heap
+from opentinker.bus.auth import new_secret, run_user
 from opentinker.bus.stream import wants_stream
 from opentinker.engine.spec_checks import check_adam, check_spec
+from opentinker.engine.tenants import Tenants
+from opentinker.logs import escape_controls
 from protocols.codec import Limits
 from protocols.messages import (
     MAX_STATS_BATCHES,
     AdapterInfo,
+    AdapterList,
+    CloseJob,
     CreateAdapter,
     DropAdapter,
     ForwardBackward,
     ForwardBackwardResult,
+    JobList,
+    JobOpened,
+    ListAdapters,
+    ListJobs,
     LoadAdapter,
     LogprobsRequest,
     LogprobsResult,
     Message,
+    OpenJob,
     OptimStep,
     OptimStepResult,
     SampleRequest,
@@ -75,6 +90,25 @@ COMPUTE_OPS = (
     LoadAdapter, ForwardBackward, OptimStep, SaveAdapter,
 )
 """Requests that queue for the compute thread."""
+
+JOB_CONTROL = (OpenJob, CloseJob, ListJobs)
+"""Requests that open, close and list the jobs of a shared scheduler (its owner's)."""
+
+
+def check_job_name(name: str) -> None:
+    """``ValueError`` unless ``name`` can name a job (what a job config's ``name`` may be)."""
+    from opentinker.config import ConfigError, check_name
+
+    try:
+        check_name(name)
+    except ConfigError as e:
+        raise ValueError(f"OpenJob.{e}") from None
+
+
+def _absolute_root(path: str, where: str) -> str:
+    if not isinstance(path, str) or not path or "\0" in path or not os.path.isabs(path):
+        raise ValueError(f"{where}: {path!r} is not an absolute path")
+    return os.path.realpath(path)
 
 
 def check_tokens(arr: Any, where: str, vocab_size: int, max_len: int | None = None) -> None:
@@ -176,6 +210,8 @@ class _Job:
     """Its caller cancelled while the engine ran its rows: they leave at the next step."""
     dropped: bool = False
     """Its caller cancelled before it started: it never runs."""
+    tenant: str = ""
+    """The job it came from on a shared scheduler (its compute time is charged to it)."""
 
 
 class Scheduler:
@@ -198,6 +234,7 @@ class Scheduler:
         adapter_roots: Sequence[str] | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         read_roots: Sequence[str] = (),
+        tenants: Tenants | None = None,
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
@@ -208,7 +245,13 @@ class Scheduler:
         (symbolic links resolved; a job gives its run folder); ``None``: anywhere (a scheduler
         used as a library by its owner). ``read_roots``: folders that ``LoadAdapter`` may also
         read and nothing may write (a job's warm-start adapters). ``max_new_tokens``: the most tokens one row may ask to
-        draw (with its prompt, it must also fit the model's context)."""
+        draw (with its prompt, it must also fit the model's context). ``tenants``: serve many jobs, each
+a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and closes them."""
+        self.tenants = tenants
+        self.tenant_ms: collections.Counter[str] = collections.Counter()
+        """Compute time (ms) spent on each job's requests (a sampling step's split by rows)."""
+        self.contended_ms: collections.Counter[str] = collections.Counter()
+        """Of it, the time while two or more jobs had work (the step loop's sharing applied)."""
         self.max_new_tokens = int(max_new_tokens)
         self._owner: dict[str, str] = {}
         """Adapter name -> the peer that made it (created, loaded or snapshotted): only that peer
@@ -248,42 +291,118 @@ class Scheduler:
         if self.host.engine is not None:
             from opentinker.engine.step_worker import StepWorker
 
-            target = StepWorker(self, self.train_share, self.fair_window_s).run
+            self.step_worker = StepWorker(self, self.train_share, self.fair_window_s)
+            target = self.step_worker.run
         self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
         self._worker.start()
         self.loop = LoopThread("scheduler-bus")
-        self.server = Server(self._handle, self._bind, name="scheduler", limits=self.limits)
+        self.server = Server(self._handle, self._bind, name="scheduler", limits=self.limits,
+                             accounts=self.tenants.accounts if self.tenants is not None else None)
         self.endpoint = self.loop.run(self.server.start(self.loop.ctx))
         return self.endpoint
 
     # --------------------------------------------------------------------------- bus side
 
     async def _handle(self, msg: Message) -> Message:
+        tenant = self._tenant()
+        if isinstance(msg, JOB_CONTROL):
+            return await self._job_control(msg, tenant)
         if isinstance(msg, SchedulerStats):
             return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
+        if isinstance(msg, ListAdapters):
+            listed = AdapterList(adapters=[AdapterInfo(name=n, version=self.host.version(n))
+                                           for n in sorted(self.host.adapters)])
+            return listed if self.tenants is None else self.tenants.unqualify(listed, tenant)
         if not isinstance(msg, COMPUTE_OPS):
             raise TypeError(f"the scheduler does not serve {type(msg).__name__}")
         reg = self.host.registry
         check_request(msg, reg.vocab_size, reg.max_context, self.max_new_tokens, reg.hidden_size)
+        if self.tenants is not None:
+            msg = self.tenants.qualify(msg, tenant)
+            if tenant is not None and isinstance(msg, (SaveAdapter, LoadAdapter)):
+                t = self.tenants.running(tenant)
+                roots = t.roots if isinstance(msg, SaveAdapter) else t.roots + t.read_roots
+                msg = msgspec.structs.replace(msg, path=confined(msg.path, roots))
         peer = self.server.peer_name()
         if isinstance(msg, DropAdapter):
             owner = self._owner.get(msg.name)
             if owner is not None and owner != peer:
                 self.compute_counters["refused/not_owner"] += 1
                 raise ValueError(f"adapter {msg.name!r} was made by {owner!r}: only it may drop it, not {peer!r}")
-        reply = await self._submit(msg)
+        try:
+            reply = await self._submit(msg, tenant or "")
+        except (LookupError, ValueError, TypeError) as e:
+            if tenant is None or self.tenants is None:
+                raise
+            text = self.tenants.error_text(str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e), tenant)
+            raise type(e)(text) from None  # what a job reads names its own adapters only
         if isinstance(reply, AdapterInfo):  # made, loaded, snapshotted or dropped
             if isinstance(msg, DropAdapter):
                 self._owner.pop(msg.name, None)
             else:
                 self._owner.setdefault(msg.name, peer)
-        return reply
+        return reply if self.tenants is None else self.tenants.unqualify(reply, tenant)
 
-    async def _submit(self, msg: Message) -> Message:
+    def _tenant(self) -> str | None:
+        """The job of the request being served on a shared scheduler; None for the
+        scheduler's own user (and on a scheduler of one job)."""
+        if self.tenants is None:
+            return None
+        principal = self.server.principal()
+        if principal == run_user():
+            return None
+        self.tenants.running(principal)  # closed since its handshake: refused
+        return principal
+
+    async def _job_control(self, msg: Message, tenant: str | None) -> Message:
+        """``OpenJob``, ``CloseJob``, ``ListJobs``: the scheduler's own user only."""
+        if self.tenants is None:
+            raise TypeError(f"{type(msg).__name__}: this scheduler serves one job (start a shared one with "
+                            "opentinker serve)")
+        if tenant is not None:
+            self.compute_counters["refused/not_owner"] += 1
+            raise ValueError(f"{type(msg).__name__} is for the scheduler's owner, not job {tenant!r}")
+        if isinstance(msg, OpenJob):
+            check_job_name(msg.name)
+            roots = [_absolute_root(r, "OpenJob.roots") for r in msg.roots]
+            read_roots = [_absolute_root(r, "OpenJob.read_roots") for r in msg.read_roots]
+            secret = new_secret()
+            t = self.tenants.open(msg.name, secret.encode(), roots, read_roots, msg.priority)
+            log.info("scheduler: opened job %s (%s)", t.job, escape_controls(t.name))
+            return JobOpened(job=t.job, secret=secret)
+        if isinstance(msg, CloseJob):
+            t = self.tenants.close(msg.job)
+            ended = self.server.drop_principal(t.job)
+            names = self.tenants.adapters_of(t.job, list(self.host.adapters))
+            for name in names:  # its adapters, their optimizer states and cached blocks are freed
+                await self._submit(DropAdapter(name=name), t.job)
+                self._owner.pop(name, None)
+            log.info("scheduler: closed job %s: %d sessions ended, %d adapters dropped", t.job, ended, len(names))
+            return self.tenants.info(t, list(self.host.adapters), self.tenant_ms[t.job], self.contended_ms[t.job])
+        internals = list(self.host.adapters)
+        return JobList(jobs=[self.tenants.info(t, internals, self.tenant_ms[t.job], self.contended_ms[t.job])
+                             for t in self.tenants.jobs.values()])
+
+    def charge(self, jobs: Sequence[_Job], dt: float) -> None:
+        """Charge ``dt`` seconds of compute to the jobs' tenants, an equal share per entry (a
+        sampling step lists the job of each running row)."""
+        if self.tenants is None or not jobs:
+            return
+        share = 1000.0 * dt / len(jobs)
+        for job in jobs:
+            self.tenant_ms[job.tenant] += share
+        worker = getattr(self, "step_worker", None)
+        if worker is not None:  # the step loop's fair sharing between jobs
+            for job in jobs:
+                worker.jobs.charge(job.tenant, dt / len(jobs))
+                if worker.contended:
+                    self.contended_ms[job.tenant] += share
+
+    async def _submit(self, msg: Message, tenant: str = "") -> Message:
         """Queue ``msg`` for the compute thread and wait for its reply (a cancelled caller drops
         it while queued, frees its rows while sampling, else waits for the state change)."""
         loop = asyncio.get_running_loop()
-        job = _Job(msg, loop.create_future(), loop)
+        job = _Job(msg, loop.create_future(), loop, tenant=tenant)
         if isinstance(msg, SampleRequest) and wants_stream(msg):
             job.emit = self.server.emitter()
         with self._cv:
@@ -361,7 +480,9 @@ class Scheduler:
                 continue
             finally:
                 # Time spent computing, by kind of request: the rest of a client's wait is queueing and transport.
-                self.compute_counters[f"compute_ms/{type(jobs[0].msg).__name__}"] += int(1000 * (time.perf_counter() - t0))
+                dt = time.perf_counter() - t0
+                self.compute_counters[f"compute_ms/{type(jobs[0].msg).__name__}"] += int(1000 * dt)
+                self.charge([j for j in jobs for _ in getattr(j.msg, "prompts", (None,))], dt)
             for job, reply in zip(jobs, replies):
                 job.loop.call_soon_threadsafe(_set_result, job.future, reply)
 

@@ -138,6 +138,11 @@ class Engine:
         self.held: set[str] = set()
         """Adapters whose waiting rows are not admitted (an optimizer step waits for their
         running rows to finish, so no row straddles two versions)."""
+        self.hold: Callable[[Sequence], bool] | None = None
+        """Also not admitted while this says so (a shared scheduler holds back the rows of a
+        job over its share of compute while another job waits)."""
+        self.on_admit: Callable[[Sequence], None] | None = None
+        """Called with each row the engine admits (to running, or as a running row's twin)."""
         self.stats = EngineStats()
         self._ids = itertools.count()
         registry.pinned = lambda: {s.adapter for s in self.running if s.adapter is not None}
@@ -173,7 +178,10 @@ class Engine:
             s.cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self.running) or any(s.adapter not in self.held for s in self.waiting)
+        return bool(self.running) or any(not self._held(s) for s in self.waiting)
+
+    def _held(self, seq: Sequence) -> bool:
+        return seq.adapter in self.held or (self.hold is not None and self.hold(seq))
 
     def rows_of(self, adapter: str) -> int:
         """Running rows of ``adapter``."""
@@ -215,7 +223,7 @@ class Engine:
                 self._finish(seq, None)
                 gone.append(seq)
                 continue
-            if seq.adapter in self.held or len(self.running) + self._n_twins >= self.max_rows:
+            if self._held(seq) or len(self.running) + self._n_twins >= self.max_rows:
                 keep.append(seq)
                 continue
             if seq.adapter is not None and seq.adapter not in self.registry.adapters:
@@ -240,6 +248,8 @@ class Engine:
                 seq.leader = leader
                 leader.twins.append(seq)
                 self._n_twins += 1
+                if self.on_admit is not None:
+                    self.on_admit(seq)
                 continue
             if self._prefilling_same_prefix(ns, seq):
                 keep.append(seq)  # joins next step, reusing that row's prompt instead of recomputing it
@@ -251,6 +261,8 @@ class Engine:
                 self.waiting.clear()
                 break
             self._start(seq, ns)
+            if self.on_admit is not None:
+                self.on_admit(seq)
             prefilling[(ns, seq.prompt.tobytes())] = seq
         self.waiting = keep
         return gone

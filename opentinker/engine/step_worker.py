@@ -11,6 +11,12 @@ long queue of ``forward_backward`` calls does not delay another's.
 An operation that changes an adapter's weights (``optim_step``, ``drop``, a ``load`` that
 replaces nothing but must not race a drop) waits until that adapter has no running rows,
 holding back its new rows meanwhile: a reply is drawn by one version from first token to last.
+
+On a shared scheduler, jobs share compute by their priorities (:class:`JobShare`): while two
+or more jobs have work, each may hold at most its priority's share of the engine's row slots,
+and a job whose decayed compute time per unit of priority is ahead of the least served one's
+gets no new rows admitted and no operation run until that one catches up (its running rows go
+on decoding), so backlogged jobs get compute in proportion to their priorities.
 """
 
 from __future__ import annotations
@@ -94,6 +100,39 @@ class FairShare:
         return total == 0 or self.ops_s <= self.train_share * total
 
 
+@dataclass
+class JobShare:
+    """Decayed compute seconds per job of a shared scheduler, and which jobs are ahead of
+    their share."""
+
+    window_s: float = 10.0
+    slack_s: float = 0.05
+    """How far (decayed seconds per unit of priority) a job may run ahead of the least served
+    one before it is held back: about one engine step, so jobs alternate at that grain."""
+    used: dict[str, float] = field(default_factory=dict)
+    _last: float = field(default_factory=time.perf_counter)
+
+    def _decay(self) -> None:
+        now = time.perf_counter()
+        k = math.exp(-(now - self._last) / self.window_s)
+        for t in self.used:
+            self.used[t] *= k
+        self._last = now
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        self._decay()
+        self.used[tenant] = self.used.get(tenant, 0.0) + seconds
+
+    def ahead(self, active: dict[str, float]) -> set[str]:
+        """Of the jobs with work (job -> priority), those to hold back now."""
+        if len(active) < 2:
+            return set()
+        self._decay()
+        norm = {t: self.used.get(t, 0.0) / w for t, w in active.items()}
+        least = min(norm.values())
+        return {t for t, u in norm.items() if u > least + self.slack_s}
+
+
 class StepWorker:
     """Runs the scheduler's engine and operations on the compute thread."""
 
@@ -105,6 +144,18 @@ class StepWorker:
         self.fair = FairShare(train_share, fair_window_s)
         self.ops: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()
         self.sampling: dict[int, _SampleJob] = {}
+        self.jobs = JobShare(fair_window_s)
+        self.behind: set[str] = set()
+        """Jobs held back this turn (:class:`JobShare`); empty unless the scheduler is shared."""
+        self.slots: dict[str, int] = {}
+        """Row slots each job with work may fill this turn (none: no limit)."""
+        self.rows: collections.Counter[str] = collections.Counter()
+        """Running rows per job, counted up as the engine admits."""
+        self.contended = False
+        """Two or more jobs have work this turn (their priorities set their shares)."""
+        if scheduler.tenants is not None:
+            self.engine.hold = self._hold
+            self.engine.on_admit = lambda seq: self.rows.update((getattr(seq.owner, "tenant", ""),))
 
     # ----------------------------------------------------------------------------- intake
 
@@ -144,10 +195,12 @@ class StepWorker:
 
     def run(self) -> None:
         while True:
+            self._share()  # before the idle check: rows held for a job that has gone idle are free again
             idle = not self.engine.has_work() and not self.ops and not self.engine.running
             if not self._intake(block=idle):
                 return
             self._cancel_abandoned()
+            self._share()
             op = self._next_op()
             if op is not None and (not self.engine.has_work() or self.fair.ops_due()):
                 self._run_op(op)
@@ -158,11 +211,38 @@ class StepWorker:
                 # nothing else can happen, so run the oldest regardless.
                 self._run_op(self._pop_any())
 
+    def _share(self) -> None:
+        if self.s.tenants is None:
+            return
+        active = self._active_jobs()
+        self.contended = len(active) > 1
+        self.behind = self.jobs.ahead(active)
+        self.rows = collections.Counter(getattr(q.owner, "tenant", "") for q in self.engine.running)
+        total = sum(active.values())
+        self.slots = {t: max(1, int(self.engine.max_rows * w / total)) for t, w in active.items()} \
+            if len(active) > 1 else {}
+
+    def _hold(self, seq: Sequence) -> bool:
+        """Whether the engine keeps ``seq`` waiting: its job is ahead of its share of compute,
+        or fills its share of row slots."""
+        tenant = getattr(seq.owner, "tenant", "")
+        return tenant in self.behind or self.rows[tenant] >= self.slots.get(tenant, self.engine.max_rows)
+
+    def _active_jobs(self) -> dict[str, float]:
+        """Jobs with work waiting or running -> their priorities (the owner's: 1)."""
+        tenants = {getattr(q.owner, "tenant", "") for q in (*self.engine.running, *self.engine.waiting)}
+        tenants.update(q[0].tenant for q in self.ops.values())
+        jobs = self.s.tenants.jobs  # type: ignore[union-attr]
+        return {t: jobs[t].priority if t in jobs else 1.0 for t in tenants}
+
     def _next_op(self) -> tuple[str, _Job] | None:
         """The next operation in round-robin order whose adapter has no running rows if it
-        changes weights (such an adapter's new rows are held back meanwhile)."""
+        changes weights (such an adapter's new rows are held back meanwhile), of a job not
+        held back."""
         for adapter, queue in self.ops.items():
             job = queue[0]
+            if job.tenant in self.behind:
+                continue
             if isinstance(job.msg, CHANGES_WEIGHTS) and self.engine.rows_of(adapter):
                 self.engine.held.add(adapter)
                 continue
@@ -192,12 +272,14 @@ class StepWorker:
         dt = time.perf_counter() - t0
         self.fair.charge("ops", dt)
         self.s.compute_counters[f"compute_ms/{type(job.msg).__name__}"] += int(1000 * dt)
+        self.s.charge([job], dt)
         self.s._reply(job, reply)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
             plan_clients = [getattr(q.owner.msg, "client", "") for q in self.engine.running]
+            row_jobs = [q.owner for q in self.engine.running]
             progressed, finished = self.engine.step()
         except Exception as e:
             self._fail_running(e)
@@ -205,6 +287,7 @@ class StepWorker:
         dt = time.perf_counter() - t0
         self.fair.charge("sample", dt)
         self.s.compute_counters["compute_ms/SampleRequest"] += int(1000 * dt)
+        self.s.charge(row_jobs, dt)
         self.s.compute_counters["engine_steps"] += 1
         if plan_clients:
             self.s.batches.append(plan_clients)
