@@ -1,6 +1,8 @@
 """``opentinker`` command line: ``opentinker run [CONFIG.toml] [--set key=value ...]``,
 ``opentinker eval PATH --game G --vs random,base,...`` (saved adapters, a run folder),
-``opentinker play GAME --agent PATH`` (a person against an agent), ``opentinker games``."""
+``opentinker play GAME --agent PATH`` (a person against an agent), ``opentinker games``,
+``opentinker serve`` (one scheduler for many jobs, with an OpenAI-compatible endpoint),
+``opentinker status`` (what a service holds)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
                      "(its config.toml, with any --set, e.g. train.steps=100 to train on)")
+    run.add_argument("--scheduler", metavar="ADDRESS", help="run on a shared scheduler (opentinker serve): its bus "
+                     "endpoint or service file, instead of starting one")
     sub.add_parser("games", help="list the registered games")
     from opentinker import play as play_cmd
     from opentinker.eval import cli_eval
@@ -67,7 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     play_cmd.add_arguments(sub.add_parser(
         "play", help="play a game in the terminal against a trained agent or the base model",
         description=(play_cmd.__doc__ or "").split("\n\n")[0].replace("``", "")))
+    from opentinker.serve import cli as serve_cli
+
+    serve_cli.add_serve_arguments(sub.add_parser(
+        "serve", help="serve one base model to many jobs, with an OpenAI-compatible HTTP endpoint"))
+    serve_cli.add_status_arguments(sub.add_parser("status", help="jobs, adapters and counters of a running service"))
     args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        return serve_cli.serve_main(args)
+    if args.command == "status":
+        return serve_cli.status_main(args)
 
     if args.command == "eval":
         return cli_eval.main(args)
@@ -91,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume and args.config:
             raise ConfigError("--resume", "continues a run with its own config.toml: give no CONFIG")
         config = f"{args.resume}/config.toml" if args.resume else args.config
-        cfg = load_config(config, _parse_set(args.set))
+        overrides = _parse_set(args.set)
+        if args.scheduler:
+            overrides.setdefault("runtime", {})["scheduler"] = args.scheduler
+        cfg = load_config(config, overrides)
         check_config(cfg)  # every field, before a run folder or an actor exists
         if cfg.offline_job() is not None:  # data with nothing to learn from: said before a run folder exists
             from opentinker.training.offline import training_units

@@ -391,6 +391,11 @@ class RuntimeConfig(_Config):
     max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
     """Env runners (game code) restarted over a job when one dies (Ray backend): the step or
     evaluation it was playing is played again; 0: a dead runner stops the run."""
+    scheduler: Annotated[str, Meta(max_length=4096)] = ""
+    """A shared scheduler to run on (``opentinker serve``): its bus endpoint or its service
+    file; ``""``: the job starts its own. ``opentinker run --scheduler ADDRESS`` sets it."""
+    priority: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    """The job's weight on a shared scheduler."""
 
 
 class OfflineConfig(_Config):

@@ -54,6 +54,17 @@ class ModelInfo(msgspec.Struct, frozen=True):
     """Its ``max_position_embeddings``, where known."""
 
 
+def _check_scheduler(address: str) -> None:
+    """A shared scheduler's address: a service that answers for it (its service file read;
+    whether it still runs is known when the job opens there)."""
+    from opentinker.serve.service import find_service
+
+    try:
+        find_service(address)
+    except ValueError as e:
+        raise ConfigError("runtime.scheduler", str(e).removeprefix(f"--scheduler {address}: ")) from None
+
+
 def check_config(cfg: JobConfig) -> None:
     """Every check that needs no model loaded and no component started, in the order of their
     cost; raises :class:`ConfigError` (``<field>: <reason>``) for the first field that cannot
@@ -66,7 +77,10 @@ def check_config(cfg: JobConfig) -> None:
     if oc is not None and not Path(oc.data).exists():
         raise ConfigError("offline.data", f"{oc.data!r}: no such file or folder")
     info = check_model(cfg.model.base)
-    _check_device(cfg.model.device, cfg.runtime.backend)
+    if cfg.runtime.scheduler:
+        _check_scheduler(cfg.runtime.scheduler)
+    else:  # on a shared scheduler the service chose its device
+        _check_device(cfg.model.device, cfg.runtime.backend)
     _check_modules(cfg, info)
     if info.context is not None and cfg.sampling.max_tokens >= info.context:
         raise ConfigError("sampling.max_tokens", f"{cfg.sampling.max_tokens} leaves no room for a prompt in the "

@@ -168,7 +168,7 @@ def play(game: str, agent: str = "base", *, seat: str | None = None, n_games: in
         who = f"adapter {name} ({source.adapters[name]})" if source is not None and name else f"the base model ({cfg.model.base})"
         job = Job(cfg, model_path, run_dir=tmp, scheduler_only=True)
         try:
-            with SyncClient(job.scheduler_endpoint, "play") as client:
+            with SyncClient(job.scheduler_endpoint, "play", credentials=job.scheduler_credentials) as client:
                 for adapter, path in staged.items():
                     try:
                         client.request(LoadAdapter(path=path, name=adapter, trainable=False), cfg.runtime.timeout_s)

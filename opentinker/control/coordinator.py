@@ -21,6 +21,7 @@ import games
 from games.evaluation import Distribution, ExactMeasure
 from games.scripted import SCRIPTED
 from opentinker.bus import Client, LoopThread
+from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
 from opentinker.control.checkpoints import LEAGUE_STATE
@@ -79,6 +80,7 @@ class Coordinator:
         scheduler_endpoint: str,
         runner_endpoints: list[str],
         learner_endpoints: dict[str, tuple[str, str]],
+        scheduler_auth: tuple[str, str] | None = None,
     ) -> None:
         games.resolve(cfg.game)  # ValueError naming an unknown game
         game_agents(cfg.game, cfg.game_kwargs)  # ValueError naming a bad game_kwargs
@@ -87,6 +89,8 @@ class Coordinator:
         self.cfg = cfg
         self.model_path = model_path
         self.scheduler_endpoint = scheduler_endpoint
+        self.scheduler_auth = scheduler_auth
+        """``(user, secret)`` it presents to the scheduler (a job's, on a shared scheduler)."""
         self.runner_endpoints = list(runner_endpoints)
         self.learner_endpoints = dict(learner_endpoints)
         self.sampling = SamplingParams(
@@ -112,7 +116,8 @@ class Coordinator:
 
     async def _connect(self) -> None:
         ctx = self.loop.ctx
-        self.scheduler = Client(ctx, self.scheduler_endpoint, name="coordinator")
+        self.scheduler = Client(ctx, self.scheduler_endpoint, name="coordinator",
+                                credentials=Credentials.of(self.scheduler_auth))
         self.runners = [Client(ctx, ep, name=f"coordinator->runner{i}") for i, ep in enumerate(self.runner_endpoints)]
         self.learners = {p: Client(ctx, ep, name=f"coordinator->{p}") for p, (ep, _) in self.learner_endpoints.items()}
         for p in self.cfg.policies:

@@ -14,14 +14,17 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from opentinker.bus.auth import run_secret, set_run_secret
+from opentinker.bus.auth import Credentials, run_secret, set_run_secret
 from opentinker.config import JobConfig
 from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
+
+if TYPE_CHECKING:
+    from opentinker.serve.service import Attachment
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +115,8 @@ class Component:
         self.obj.stop()
 
 
-def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str) -> dict[str, Any]:
+def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str,
+                    scheduler_auth: tuple[str, str] | None = None) -> dict[str, Any]:
     tc = cfg.train_for(policy)
     record = str(Path(run_dir) / "trajectories" / f"{policy}.jsonl") if run_dir and tc.record_trajectories else ""
     return {
@@ -131,6 +135,7 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
         "minibatches": tc.minibatches,
         "seed": cfg.seed,
         "frozen": next(p.frozen for p in cfg.policies if p.name == policy),
+        "scheduler_auth": scheduler_auth,
     }
 
 
@@ -142,7 +147,11 @@ class Job:
         model_path: the resolved base model.
         run_dir: the run's folder; learners record trajectories under it (``""``: nowhere).
         scheduler_only: start only the scheduler (offline jobs talk to it directly at
-            :attr:`scheduler_endpoint`).
+            :attr:`scheduler_endpoint`, presenting :attr:`scheduler_credentials`).
+
+    With ``cfg.runtime.scheduler`` set, no scheduler is started: the job is opened on that
+    shared scheduler (:func:`opentinker.serve.service.attach`), every component presents the
+    job's credentials to it, and :meth:`shutdown` closes the job there (its adapters are freed).
     """
 
     def __init__(self, cfg: JobConfig, model_path: str, run_dir: str = "", scheduler_only: bool = False) -> None:
@@ -155,6 +164,9 @@ class Job:
         self.run_dir = str(run_dir)
         self.scheduler_only = scheduler_only
         self.scheduler_endpoint = ""
+        self.scheduler_credentials: Credentials | None = None
+        """What this job's components present to the scheduler (None: the run's own secret)."""
+        self.attachment: Attachment | None = None
         self.backend = cfg.runtime.backend
         self._handles: dict[str, Any] = {}
         self._where: dict[str, dict[str, Any]] = {}
@@ -173,17 +185,35 @@ class Job:
                         "max_new_tokens": max(DEFAULT_MAX_NEW_TOKENS, cfg.sampling.max_tokens),
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
                                            "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype}}
-        if self.backend == "ray":
-            self._start_ray(sched_kwargs)
-        else:
-            self._start_local(sched_kwargs)
+        if cfg.runtime.scheduler:
+            from opentinker.serve.service import attach
+
+            self.attachment = attach(cfg.runtime.scheduler, cfg.name, model_path, sched_kwargs["adapter_roots"],
+                                     sched_kwargs["read_roots"], cfg.runtime.priority, cfg.runtime.startup_timeout_s)
+            self.scheduler_endpoint = self.attachment.endpoint
+            self.scheduler_credentials = self.attachment.credentials
+        try:
+            if self.backend == "ray":
+                self._start_ray(sched_kwargs)
+            else:
+                self._start_local(sched_kwargs)
+        except BaseException:
+            if self.attachment is not None:
+                self.attachment.close()
+            raise
+
+    @property
+    def _auth(self) -> tuple[str, str] | None:
+        return self.scheduler_credentials.pair() if self.scheduler_credentials is not None else None
 
     # --------------------------------------------------------------------------- local
 
     def _start_local(self, sched_kwargs: dict[str, Any]) -> None:
         cfg = self.cfg
-        sched = self._add("scheduler", Component("scheduler", sched_kwargs))
-        ep = self.scheduler_endpoint = sched.start()
+        if self.attachment is None:
+            sched = self._add("scheduler", Component("scheduler", sched_kwargs))
+            self.scheduler_endpoint = sched.start()
+        ep = self.scheduler_endpoint
         if self.scheduler_only:
             return
         runners = []
@@ -192,11 +222,12 @@ class Job:
             runners.append(r.start())
         learners = {}
         for p in cfg.policies:
-            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir)))
+            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir,
+                                                                                     self._auth)))
             learners[p.name] = tuple(ln.start())
         coord = self._add("coordinator", Component("coordinator", {
             "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
-            "runner_endpoints": runners, "learner_endpoints": learners}))
+            "runner_endpoints": runners, "learner_endpoints": learners, "scheduler_auth": self._auth}))
         coord.start()
 
     def _add(self, name: str, handle: Any) -> Any:
@@ -208,7 +239,8 @@ class Job:
         from opentinker.rollout.env_runner import SCHEDULER_EPISODES
 
         return {"name": f"runner{i}", "scheduler_endpoint": scheduler_endpoint, "model_path": self.model_path,
-                "games": (self.cfg.game,), "max_episodes": max(1, SCHEDULER_EPISODES // self.cfg.runtime.env_runners)}
+                "games": (self.cfg.game,), "max_episodes": max(1, SCHEDULER_EPISODES // self.cfg.runtime.env_runners),
+                "scheduler_auth": self._auth}
 
     # --------------------------------------------------------------------------- ray
 
@@ -234,8 +266,10 @@ class Job:
                 raise TimeoutError(f"actors still starting after {timeout:.0f} s: {names}")
             return {name: ray.get(ref) for name, ref in refs.items()}
 
-        sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs, secret))
-        ep = self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
+        if self.attachment is None:
+            sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs, secret))
+            self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
+        ep = self.scheduler_endpoint
         if self.scheduler_only:
             return
         group = {}
@@ -243,13 +277,14 @@ class Job:
             spec = self._kwargs[f"env_runner{i}"] = ("env_runner", self._runner_kwargs(i, ep))  # for restart
             group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(*spec, secret))
         for p in cfg.policies:
-            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir), secret))
+            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote(
+                "learner", _learner_kwargs(cfg, ep, p.name, self.run_dir, self._auth), secret))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
         coord = self._add("coordinator", actor_cls.remote("coordinator", {
             "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
-            "runner_endpoints": runners, "learner_endpoints": learners}, secret))
+            "runner_endpoints": runners, "learner_endpoints": learners, "scheduler_auth": self._auth}, secret))
         start_all({"coordinator": coord})
         # Where each one runs, to name a component that dies (ComponentDied).
         self._where = {name: ray.get(h.info.remote()) for name, h in self._handles.items()}
@@ -363,4 +398,6 @@ class Job:
                 else:
                     log.warning("shutdown of %s failed", name, exc_info=True)
         self._handles.clear()
+        if self.attachment is not None:
+            self.attachment.close()
 

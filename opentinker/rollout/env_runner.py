@@ -19,6 +19,7 @@ import numpy as np
 
 import games
 from opentinker.bus import LOOPBACK, Client, LoopThread, Pusher, Server
+from opentinker.bus.auth import Credentials
 from opentinker.rollout.episodes import play_episode
 from opentinker.rollout.render import ChatTokenizer
 from protocols.messages import (
@@ -58,8 +59,11 @@ class EnvRunner:
     def __init__(
         self, name: str, scheduler_endpoint: str, model_path: str, endpoint: str = LOOPBACK,
         sample_timeout_s: float = 900.0, games: tuple[str, ...] = (), max_episodes: int = MAX_EPISODES_IN_FLIGHT,
+        scheduler_auth: tuple[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.scheduler_auth = Credentials.of(scheduler_auth)
+        """What it presents to the scheduler (a job's credentials on a shared scheduler)."""
         self.max_episodes = max_episodes
         """Episodes played at once (each has at most one request at the scheduler): a batch
         larger than the scheduler's bound on requests in flight is played in waves instead of
@@ -87,7 +91,7 @@ class EnvRunner:
         return self.endpoint
 
     async def _start(self) -> str:
-        self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=self.name)
+        self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=self.name, credentials=self.scheduler_auth)
         self.pushers: dict[str, Pusher] = {}
         self._slots = asyncio.Semaphore(self.max_episodes)
         return await self.server.start(self.loop.ctx)

@@ -43,6 +43,7 @@ from learners import (
     trajectory_tokens,
 )
 from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
+from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig
 from opentinker.training import trajectory_log
@@ -104,6 +105,7 @@ class Learner:
         minibatches: int = 1,
         seed: int = 0,
         frozen: bool = False,
+        scheduler_auth: tuple[str, str] | None = None,
     ) -> None:
         check_algorithms(advantage, loss)
         if epochs < 1 or minibatches < 1:
@@ -122,6 +124,8 @@ class Learner:
         """The estimator's state, owned here (DESIGN §5); ``None`` until the first step."""
         self.steps_trained = 0
         self.scheduler_endpoint = scheduler_endpoint
+        self.scheduler_auth = scheduler_auth
+        """``(user, secret)`` it presents to the scheduler (a job's, on a shared scheduler)."""
         self.advantage = advantage
         self.advantage_config = dict(advantage_config or {})
         self.loss = loss
@@ -143,7 +147,8 @@ class Learner:
 
     async def _start(self) -> tuple[str, str]:
         self._arrived = asyncio.Condition()
-        self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=f"learner-{self.policy}")
+        self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=f"learner-{self.policy}",
+                                credentials=Credentials.of(self.scheduler_auth))
         self.puller = Puller(self.loop.ctx)
         self.server = Server(self._handle, self._bind, name=f"learner-{self.policy}")
         self._recv_task = asyncio.create_task(self._receive())

@@ -133,7 +133,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
     name = policy.name
     job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
     try:
-        with SyncClient(job.scheduler_endpoint, "offline") as client:
+        with SyncClient(job.scheduler_endpoint, "offline", credentials=job.scheduler_credentials) as client:
             def ask(msg: Message, unit: int = 1) -> Message:
                 """``msg``'s reply, sent in slices the scheduler takes (a pair's datums together)."""
                 return request_split(lambda m: client.request(m, timeout), msg, unit)

@@ -1,0 +1,112 @@
+"""``opentinker serve`` (a shared scheduler with an OpenAI-compatible endpoint) and
+``opentinker status`` (what a running service holds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from opentinker.logs import escape_controls
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="base model spec (default: smollm2-135m)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (anything but loopback needs --api-key-file)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--no-http", action="store_true", help="serve the bus only, no HTTP endpoint")
+    p.add_argument("--api-key-file", metavar="FILE", help="a file whose first line is the API key HTTP clients must send")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="load a saved adapter at start, served under NAME (repeatable)")
+    p.add_argument("--service-file", metavar="PATH", help="where to write the service file "
+                   "(default: $OPENTINKER_HOME/service.json or ~/.opentinker/service.json)")
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("address", nargs="?", help="the service's bus endpoint or service file (default: the service file "
+                   "in $OPENTINKER_HOME or ~/.opentinker)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from opentinker.serve.service import Service
+
+    adapters = {}
+    for item in args.adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            print(f"opentinker serve: --adapter {escape_controls(item)!r}: expected NAME=PATH", file=sys.stderr)
+            return 2
+        adapters[name] = path
+    api_key = None
+    if args.api_key_file:
+        try:
+            api_key = Path(args.api_key_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            print(f"opentinker serve: --api-key-file: {escape_controls(str(e)) or 'empty file'}", file=sys.stderr)
+            return 2
+    service = Service(args.model, device=args.device, http_host=args.host,
+                      http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
+                      service_file=Path(args.service_file) if args.service_file else None)
+    try:
+        info = service.start()
+    except (ValueError, OSError) as e:
+        print(f"opentinker serve: {escape_controls(str(e))}", file=sys.stderr)
+        return 2
+    print(f"opentinker serve: {info.model_path} on {info.device}\n"
+          f"  bus:  {info.endpoint}  (jobs: opentinker run CONFIG --scheduler {info.endpoint})\n"
+          + (f"  http: {info.http}/v1  (OpenAI-compatible; model names: opentinker status)\n" if info.http else "")
+          + f"  service file: {service.service_file}\n  Ctrl-C stops it.", flush=True)
+    try:
+        service.wait()
+    finally:
+        service.stop()
+    return 0
+
+
+def status(address: str | None, timeout: float = 30.0) -> dict:
+    """What the service at ``address`` holds: jobs, adapters, queue and compute counters."""
+    from opentinker.bus.sync import SyncClient
+    from opentinker.serve.service import SERVICE_FILE, find_service, home
+    from protocols.messages import ListAdapters, ListJobs, SchedulerStats
+
+    info = find_service(address or str(home() / SERVICE_FILE))
+    with SyncClient(info.endpoint, "status", credentials=info.credentials(), connect_timeout=timeout) as c:
+        jobs = c.request(ListJobs(), timeout)
+        adapters = c.request(ListAdapters(), timeout)
+        counters = c.request(SchedulerStats(), timeout).counters
+    return {
+        "endpoint": info.endpoint, "http": info.http, "model": info.model_path, "device": info.device,
+        "pid": info.pid, "up_s": round(time.time() - info.started_at, 1),
+        "jobs": [{"job": j.job, "name": j.name, "state": j.state, "priority": j.priority, "adapters": j.adapters,
+                  "compute_s": j.compute_ms / 1000, "contended_s": j.contended_ms / 1000} for j in jobs.jobs],
+        "adapters": [{"name": a.name, "version": a.version} for a in adapters.adapters],
+        "counters": counters,
+    }
+
+
+def status_main(args: argparse.Namespace) -> int:
+    try:
+        report = status(args.address)
+    except (ValueError, OSError, TimeoutError) as e:
+        print(f"opentinker status: {escape_controls(str(e))}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    c = report["counters"]
+    print(f"service {report['endpoint']}  http {report['http'] or '-'}  pid {report['pid']}  up {report['up_s']:.0f} s")
+    print(f"model {report['model']} on {report['device']}")
+    print(f"\n{'job':<24} {'state':<8} {'priority':>8} {'compute s':>10}  adapters")
+    for j in report["jobs"]:
+        print(f"{j['job']:<24} {j['state']:<8} {j['priority']:>8g} {j['compute_s']:>10.1f}  {', '.join(j['adapters'])}")
+    if not report["jobs"]:
+        print("(no jobs)")
+    print(f"\nadapters resident: {', '.join(a['name'] for a in report['adapters']) or '(none)'}")
+    keys = sorted(k for k in c if k.startswith(("engine/", "memory/", "kv/")) or k in ("sample_rows", "engine_steps"))
+    for k in keys:
+        print(f"  {k}: {c[k]}")
+    return 0

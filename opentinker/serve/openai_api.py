@@ -1,0 +1,432 @@
+"""An OpenAI-compatible HTTP endpoint in front of the scheduler, as vLLM and SGLang serve one.
+
+:func:`make_app` builds a FastAPI app that talks to the scheduler with its own bus
+:class:`~opentinker.bus.Client` (made on uvicorn's loop, in the lifespan); :func:`start_http`
+serves it with uvicorn in a background thread. The routes, and what they send on the bus:
+
+* ``GET /v1/models``: ``base`` (the bare base model), then every adapter of ``ListAdapters``.
+* ``POST /v1/chat/completions``: ``messages`` rendered by the model folder's chat template
+  (:class:`~opentinker.rollout.render.ChatTokenizer`, ``add_generation_prompt=True``).
+* ``POST /v1/completions``: ``prompt`` a string, token ids, or a list of either.
+
+Each HTTP request is one ``SampleRequest``. ``model`` picks the adapter (``base``: none); the
+``n`` choices of a prompt are rows (row ``i`` draws with ``seed + i``; ``seed`` defaults to 0,
+so a request without one is reproducible); ``temperature`` 0 is greedy (temperature 1 with
+``top_k`` 1); ``top_p``, ``top_k`` and ``max_tokens`` / ``max_completion_tokens`` pass through.
+The tokenizer's eos is the stop token: drawn and counted in ``usage``, but in neither the text
+nor the log-probs. A ``stop`` string cuts the text before its first occurrence (finish reason
+``stop``); the log-probs keep the tokens that start before the cut.
+
+Log-probs are the sampler's, of the drawn token only (``log_softmax(logits / temperature)``
+before top-k / top-p): chat ``logprobs=true`` and completions ``logprobs=0``; a request for
+alternatives (``top_logprobs`` or ``logprobs`` > 0) is refused with 400.
+
+``stream=true`` relays the ``SampleChunk`` partials as Server-Sent Events in OpenAI's chunk
+format, decoded incrementally (a multi-byte character goes out whole, and text that may begin
+a stop string is held back until it cannot), then ``data: [DONE]``. A client that goes away,
+streaming or not, has its request cancelled on the scheduler (the bus client sends ``Cancel``
+when the awaiting task is cancelled), which frees its rows at the next step.
+
+Errors are OpenAI's ``{"error": {message, type, param, code}}``: a bad field or a scheduler
+``invalid`` error 400, a missing or wrong API key 401, an unknown model 404
+(``model_not_found``), a busy scheduler 503, others 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import fastapi
+import numpy as np
+import uvicorn
+import zmq.asyncio
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from opentinker.bus import Client, RemoteError, is_loopback
+from opentinker.serve.detokenize import ChoiceText, TokenText, finish_choices
+from protocols.messages import (
+    AdapterList,
+    ErrorCode,
+    ListAdapters,
+    SampleChunk,
+    SampleRequest,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BASE = "base"
+"""The model name of the bare base model (an adapter of that name is not reachable here)."""
+MAX_ROWS = 128
+"""Choices (prompts times ``n``) one HTTP request may ask for."""
+MAX_STOPS = 4
+_UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": None,
+                "frequency_penalty": None, "repetition_penalty": 1, "echo": None, "suffix": None, "best_of": 1}
+"""Fields this server cannot honour -> the one value besides unset (falsy) that it accepts."""
+_STATUS = {ErrorCode.INVALID: 400, ErrorCode.TOO_LARGE: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.BUSY: 503}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format, with HTTP status ``status``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _api_error(e: Exception) -> ApiError:
+    """The HTTP error for a failure: a scheduler ``Error`` by its code, a bus timeout 504, an
+    unreachable scheduler 503, anything else 500."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RemoteError):
+        status = _STATUS.get(e.error.code, 500)
+        code = "model_not_found" if status == 404 else e.error.code.value
+        return ApiError(status, e.error.message, "invalid_request_error" if status < 500 else "server_error", code=code)
+    if isinstance(e, (TimeoutError, ConnectionError)):
+        status = 504 if isinstance(e, TimeoutError) else 503
+        return ApiError(status, f"the scheduler: {type(e).__name__}: {e}", "server_error",
+                        code="timeout" if status == 504 else "unavailable")
+    log.error("openai api: unexpected error", exc_info=e)
+    return ApiError(500, f"{type(e).__name__}: {e}", "server_error")
+
+
+class _Body(BaseModel):
+    """Fields of both routes; other fields are ignored, except those in ``_UNSUPPORTED``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    """vLLM's extension: keep the k most likely tokens (0 or unset: all)."""
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_ROWS)
+    seed: int | None = Field(None, ge=0, lt=1 << 62)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None
+
+
+class _Message(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        parts = self.content if isinstance(self.content, list) else [{"type": "text", "text": self.content or ""}]
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in parts):
+            raise ApiError(400, "only text content parts are supported", param="messages")
+        return "".join(p["text"] for p in parts)
+
+
+class ChatBody(_Body):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+
+class CompletionBody(_Body):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+
+
+async def _unless_gone(request: fastapi.Request, work: Awaitable[T]) -> T:
+    """``await work``, cancelled if the HTTP client disconnects first (once the body is read,
+    uvicorn's ``receive`` waits for the disconnect)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()  # the bus client cancels the request on the scheduler
+    if task.cancelled():
+        raise ApiError(499, "the client closed the request", code="client_closed")
+    return task.result()
+
+
+class _Reply:
+    """The JSON of one response: its head, each choice (text, log-probs, finish) and the usage."""
+
+    def __init__(self, tokens: TokenText, body: _Body, rows: list[ChoiceText], prompt_tokens: int, logprobs: bool) -> None:
+        self.tokens, self.rows, self.prompt_tokens, self.logprobs = tokens, rows, prompt_tokens, logprobs
+        self.chat = isinstance(body, ChatBody)
+        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                     "model": body.model}
+
+    def choice(self, i: int, text: str, toks: range, delta: bool = False) -> dict[str, Any]:
+        row, lp = self.rows[i], None
+        pieces = [self.tokens.bytes_of(row.ids[k]) for k in toks]
+        if self.logprobs and self.chat:
+            lp = {"content": [{"token": b.decode(errors="replace"), "logprob": row.logprobs[k], "bytes": list(b),
+                               "top_logprobs": []} for k, b in zip(toks, pieces)]}
+        elif self.logprobs:
+            lp = {"tokens": [b.decode(errors="replace") for b in pieces], "token_logprobs": [row.logprobs[k] for k in toks],
+                  "text_offset": [row.offsets[k] for k in toks], "top_logprobs": None}
+        out = ({"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}) \
+            if self.chat else {"text": text}
+        return {"index": i, **out, "logprobs": lp, "finish_reason": row.finish}
+
+    def usage(self) -> dict[str, int]:
+        drawn = sum(r.drawn for r in self.rows)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": drawn, "total_tokens": self.prompt_tokens + drawn}
+
+    def whole(self) -> dict[str, Any]:
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "usage": self.usage(),
+                "choices": [self.choice(i, *r.take()) for i, r in enumerate(self.rows)]}
+
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        """One SSE event of the stream (with ``usage``: the last one, with no choices)."""
+        body = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion", "choices": choices}
+        return f"data: {json.dumps({**body, 'usage': usage} if usage else body, ensure_ascii=False)}\n\n"
+
+
+async def _events(reply: _Reply, task: asyncio.Task, queue: asyncio.Queue, event: SampleChunk | None,
+                  usage: bool) -> AsyncIterator[str]:
+    """The SSE stream of a request, from its first partial ``event`` on (then the others from
+    ``queue``; ``None``: ``task`` has the reply)."""
+    rows, seq, lossy = reply.rows, 0, False
+    try:
+        if reply.chat:
+            yield reply.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(len(rows))])
+        while True:
+            if event is None:
+                finish_choices(rows, task.result())
+            elif event.seq == seq and not lossy:
+                for i, tokens_T, logprobs_T in zip(event.rows, event.tokens, event.logprobs):
+                    rows[i].push(tokens_T, logprobs_T)
+                seq += 1
+            else:
+                lossy = True  # a chunk was dropped (a slow reader): the rest comes with the reply
+            out = []
+            for i, row in enumerate(rows):
+                if not row.reported and ((taken := row.take())[0] or taken[1] or row.finish):
+                    out.append(reply.choice(i, *taken, delta=True))
+                    row.reported = row.finish is not None
+            if out:
+                yield reply.event(out)
+            if all(r.finish for r in rows) and (event is None or any(r.cut for r in rows)):
+                break
+            event = await queue.get()
+        if usage:
+            yield reply.event([], reply.usage())
+    except Exception as e:  # noqa: BLE001 - the stream has begun: the error is its last event
+        yield f"data: {json.dumps(_api_error(e).body)}\n\n"
+    finally:
+        task.cancel()  # every choice met a stop string, or the client went away: free the rows
+    yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose generator is closed however the response ends, so its request is cancelled."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _Api:
+    """What the routes share: the tokenizer, the bus client (made in the lifespan), the defaults."""
+
+    def __init__(self, model_path: str, timeout_s: float, max_tokens: int) -> None:
+        self.tokens = TokenText(model_path)
+        self.tok = self.tokens.tok
+        self.timeout_s, self.max_tokens = timeout_s, max_tokens
+        self.client: Client
+
+    async def adapters(self) -> list[str]:
+        reply = await self.client.request(ListAdapters(), self.timeout_s)
+        assert isinstance(reply, AdapterList)
+        return [a.name for a in reply.adapters]
+
+    async def serve(self, request: fastapi.Request, body: _Body, prompts: list[np.ndarray], limit: int | None,
+                    logprobs: bool) -> Any:
+        """``body.n`` choices of each prompt: the whole reply, or its SSE stream."""
+        for name, ok in _UNSUPPORTED.items():
+            if (value := (body.model_extra or {}).get(name)) and value != ok:
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > MAX_STOPS or not all(stops):
+            raise ApiError(400, f"stop: at most {MAX_STOPS} non-empty strings", param="stop")
+        if len(prompts) * body.n > MAX_ROWS:
+            raise ApiError(400, f"at most {MAX_ROWS} choices (prompts times n) per request", param="n")
+        if body.model != BASE and body.model not in await self.adapters():
+            raise ApiError(404, f"the model {body.model!r} does not exist (GET /v1/models lists them)", param="model",
+                           code="model_not_found")
+        greedy = body.temperature == 0
+        params = SamplingParams(
+            temperature=1.0 if greedy or body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=1 if greedy else body.top_k or 0,
+            max_tokens=limit or self.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=body.seed or 0)
+        req = SampleRequest(adapter=None if body.model == BASE else body.model, params=params, client="openai-api",
+                            prompts=[p for p in prompts for _ in range(body.n)], stream=body.stream)
+        rows = [ChoiceText(self.tok, stops, params.max_tokens) for _ in req.prompts]
+        reply = _Reply(self.tokens, body, rows, sum(map(len, prompts)), logprobs)
+        if not body.stream:
+            finish_choices(rows, await _unless_gone(request, self.client.request(req, self.timeout_s)))
+            return reply.whole()
+        queue: asyncio.Queue[SampleChunk | None] = asyncio.Queue()
+        task = asyncio.ensure_future(self.client.request(req, self.timeout_s, on_partial=queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:  # wait for the first tokens, so that a request the scheduler refuses is an HTTP error
+            first = await _unless_gone(request, queue.get())
+            if first is None:
+                task.result()
+        except BaseException:
+            task.cancel()
+            raise
+        usage = (body.stream_options or {}).get("include_usage", False)
+        return _EventStream(_events(reply, task, queue, first, usage),
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+             max_tokens: int = 256) -> fastapi.FastAPI:
+    """The OpenAI-compatible app in front of the scheduler at bus ``endpoint``.
+
+    Args:
+        endpoint: the scheduler's bus endpoint (what ``Scheduler.start()`` returned).
+        model_path: the model folder the scheduler serves (for its tokenizer and chat template).
+        api_key: when set, every route needs ``Authorization: Bearer <api_key>``.
+        timeout_s: the bound on one bus request; a sample still running then is cancelled.
+        max_tokens: tokens drawn per choice when the request names no limit.
+    """
+    api = _Api(model_path, timeout_s, max_tokens)
+    key = api_key.encode() if api_key else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
+        ctx = zmq.asyncio.Context()
+        api.client = Client(ctx, endpoint, name="openai-api")
+        try:
+            yield
+        finally:
+            api.client.close()
+            ctx.destroy(linger=0)
+
+    async def authorize(request: fastapi.Request) -> None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if key is not None and (scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key)):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
+                           code="invalid_api_key")
+
+    app = fastapi.FastAPI(title="OpenTinker", lifespan=lifespan, dependencies=[fastapi.Depends(authorize)])
+    app.state.api_key = api_key
+
+    async def on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
+        err = _api_error(e)
+        return JSONResponse(err.body, status_code=err.status)
+
+    async def on_bad_body(_: fastapi.Request, e: RequestValidationError) -> JSONResponse:
+        first = (e.errors() or [{}])[0]
+        loc = first.get("loc", ())
+        param = ".".join(map(str, loc[1:])) if len(loc) > 1 and isinstance(loc[1], str) else None
+        return JSONResponse(ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param).body, 400)
+
+    for kind in (ApiError, RemoteError, TimeoutError, ConnectionError):
+        app.add_exception_handler(kind, on_error)
+    app.add_exception_handler(RequestValidationError, on_bad_body)  # type: ignore[arg-type]
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        """OpenAI's model list: ``base``, then every adapter of the scheduler."""
+        now = int(time.time())
+        names = [BASE, *(n for n in await api.adapters() if n != BASE)]
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "opentinker",
+                                            "root": model_path, "parent": None if n == BASE else BASE} for n in names]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: fastapi.Request) -> Any:
+        """A chat completion (or its SSE stream) of the conversation, rendered by the chat template."""
+        if body.top_logprobs:
+            raise ApiError(400, "top_logprobs > 0 is not supported: only the drawn token's log-prob is known",
+                           param="top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = np.asarray(api.tok.encode(api.tok.render(messages, add_generation_prompt=True)), np.int32)
+        return await api.serve(request, body, [prompt], body.max_completion_tokens or body.max_tokens,
+                               bool(body.logprobs))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: fastapi.Request) -> Any:
+        """A completion (or its SSE stream) of each prompt: text, or token ids as given."""
+        if body.logprobs:
+            raise ApiError(400, "logprobs > 0 asks for alternatives, which are not computed: logprobs=0 gives the "
+                           "drawn tokens' log-probs", param="logprobs")
+        p = body.prompt
+        many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        prompts = [np.asarray(api.tok.encode(x) if isinstance(x, str) else x, np.int32) for x in many]
+        if not prompts or not all(len(x) for x in prompts):
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return await api.serve(request, body, prompts, body.max_tokens, body.logprobs is not None)
+
+    return app
+
+
+class HttpServer:
+    """A uvicorn server running an app in a daemon thread."""
+
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, url: str) -> None:
+        self.server, self.thread = server, thread
+        self.url = url
+        """``http://host:port`` as bound (the port the OS picked when asked for 0)."""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop accepting, close open streams after a few seconds' grace, and join the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            log.warning("openai api: the HTTP server did not stop within %.0f s", timeout)
+
+
+def start_http(app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+               start_timeout: float = 30.0) -> HttpServer:
+    """Serve ``app`` with uvicorn in a daemon thread; return once it listens.
+
+    Raises:
+        ValueError: ``host`` is not a loopback address and the app has no API key.
+        RuntimeError: the server did not start within ``start_timeout`` s (e.g. the port is taken).
+    """
+    if not is_loopback(f"tcp://{host}:0") and not getattr(app.state, "api_key", None):
+        raise ValueError(f"refusing to serve on {host} without an API key: a non-loopback address is reachable "
+                         "from the network (make_app(..., api_key=...)), or serve on 127.0.0.1")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="openai-api-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the HTTP server on {host}:{port} did not start")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return HttpServer(server, thread, f"http://{f'[{host}]' if ':' in host else host}:{bound}")

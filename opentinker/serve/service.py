@@ -1,0 +1,222 @@
+"""``opentinker serve``: one long-lived scheduler that many jobs share, and how a job finds it.
+
+The service is a :class:`~opentinker.engine.service.Scheduler` with tenants
+(:mod:`opentinker.engine.tenants`) and, beside it, the OpenAI-compatible HTTP endpoint
+(:mod:`opentinker.serve.openai_api`). It writes a *service file* (JSON, mode 0600 in a folder
+of mode 0700: ``$OPENTINKER_HOME/service.json``, by default ``~/.opentinker/service.json``)
+with its bus endpoint, its HTTP address, its model and its owner's bus credentials. A job
+attached to it (``opentinker run CONFIG --scheduler ADDRESS``, :func:`attach`) reads the file
+(only its user can), opens itself as a job with the owner's credentials and from then on talks
+to the scheduler only with the job's own: its adapters, folders and compute are its own, and
+closing it (at the job's end, or when it fails) frees its adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentinker.bus.auth import Credentials, run_secret, run_user
+from opentinker.logs import escape_controls
+
+log = logging.getLogger(__name__)
+
+HOME_ENV = "OPENTINKER_HOME"
+SERVICE_FILE = "service.json"
+
+
+def home() -> Path:
+    """The folder of the service file: ``$OPENTINKER_HOME``, else ``~/.opentinker``."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".opentinker")
+
+
+@dataclass
+class ServiceInfo:
+    """What a job needs to attach to a service (the service file's content)."""
+
+    endpoint: str
+    """The scheduler's bus endpoint (``tcp://127.0.0.1:PORT``)."""
+    model_path: str
+    """The resolved base model folder: an attached job must name the same model."""
+    user: str
+    secret: str
+    """The owner's bus credentials (they open and close jobs)."""
+    http: str = ""
+    """The OpenAI-compatible endpoint's base URL, ``""`` when not served."""
+    pid: int = 0
+    device: str = "cpu"
+    started_at: float = field(default_factory=time.time)
+
+    def credentials(self) -> Credentials:
+        return Credentials(self.user, self.secret)
+
+    def write(self, path: Path) -> None:
+        """Write atomically, readable by this user only."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: Path) -> ServiceInfo:
+        """The service file at ``path``; ``ValueError`` naming the file when it is not one."""
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: not a readable service file ({type(e).__name__}: {e})") from None
+
+
+def find_service(address: str) -> ServiceInfo:
+    """The service at ``address``: a service file's path, or a bus endpoint that the service
+    file in :func:`home` names. ``ValueError`` saying what to do when there is none."""
+    if not address.startswith(("tcp://", "ipc://")):
+        return ServiceInfo.read(Path(address).expanduser())
+    path = home() / SERVICE_FILE
+    if not path.is_file():
+        raise ValueError(f"--scheduler {address}: no service file at {path} (start one with opentinker serve, or "
+                         f"give the path of its service file, or set ${HOME_ENV})")
+    info = ServiceInfo.read(path)
+    if info.endpoint != address:
+        raise ValueError(f"--scheduler {address}: the service in {path} is at {info.endpoint}")
+    return info
+
+
+@dataclass
+class Attachment:
+    """A job attached to a service: where its scheduler is and what its components present."""
+
+    endpoint: str
+    job: str
+    credentials: Credentials
+    owner: Credentials
+    closed: bool = False
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the job on the service (its adapters are dropped); once."""
+        if self.closed:
+            return
+        self.closed = True
+        from opentinker.bus.sync import SyncClient
+        from protocols.messages import CloseJob
+
+        try:
+            with SyncClient(self.endpoint, "attach", credentials=self.owner, connect_timeout=timeout) as c:
+                c.request(CloseJob(job=self.job), timeout)
+        except Exception as e:  # noqa: BLE001 - the service may be gone; the job's end goes on
+            log.warning("could not close job %s on %s: %s", self.job, self.endpoint, escape_controls(str(e)))
+
+
+def attach(address: str, name: str, model_path: str, roots: list[str], read_roots: list[str],
+           priority: float = 1.0, timeout: float = 30.0) -> Attachment:
+    """Open a job named ``name`` on the service at ``address`` (see :func:`find_service`);
+    ``ValueError`` when the service serves another model or refuses the job."""
+    from opentinker.bus.common import RemoteError
+    from opentinker.bus.sync import SyncClient
+    from protocols.messages import OpenJob
+
+    info = find_service(address)
+    if os.path.realpath(info.model_path) != os.path.realpath(model_path):
+        raise ValueError(f"--scheduler {address}: the service serves {info.model_path}, this job's model is "
+                         f"{model_path}")
+    owner = info.credentials()
+    try:
+        with SyncClient(info.endpoint, "attach", credentials=owner, connect_timeout=timeout) as c:
+            opened = c.request(OpenJob(name=name, roots=roots, read_roots=read_roots, priority=priority), timeout)
+    except (RemoteError, TimeoutError, OSError) as e:
+        raise ValueError(f"--scheduler {address}: {e}") from None
+    return Attachment(info.endpoint, opened.job, Credentials(opened.job, opened.secret), owner)
+
+
+class Service:
+    """A shared scheduler with its HTTP endpoint and service file.
+
+    Args:
+        model: a model spec (``smollm2-135m``, ``tiny-random``, a folder, a hub id).
+        http_port: the OpenAI-compatible endpoint's port (0: the OS picks; ``None``: no HTTP).
+        http_host: where it binds; anything but loopback needs ``api_key``.
+        adapters: saved adapters to load at start, name -> folder (served as model names).
+        service_file: where to write the service file (default :func:`home`).
+        scheduler: further :class:`~opentinker.engine.service.Scheduler` arguments.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
+                 http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
+                 service_file: Path | None = None, **scheduler: Any) -> None:
+        self.model = model
+        self.device = device
+        self.http_host, self.http_port, self.api_key = http_host, http_port, api_key
+        self.adapters = dict(adapters or {})
+        self.service_file = service_file or home() / SERVICE_FILE
+        self.scheduler_args = scheduler
+        self.scheduler: Any = None
+        self.http: Any = None
+        self.info: ServiceInfo | None = None
+
+    def start(self) -> ServiceInfo:
+        from opentinker.engine.model_specs import resolve_model
+        from opentinker.engine.service import Scheduler
+        from opentinker.engine.tenants import Tenants
+
+        model_path = resolve_model(self.model)
+        self.scheduler = Scheduler(model_path, device=self.device, tenants=Tenants(), **self.scheduler_args)
+        endpoint = self.scheduler.start()
+        try:
+            self._load_adapters(endpoint)
+            url = ""
+            if self.http_port is not None:
+                from opentinker.serve.openai_api import make_app, start_http
+
+                app = make_app(endpoint, model_path, api_key=self.api_key)
+                self.http = start_http(app, host=self.http_host, port=self.http_port)
+                url = self.http.url
+            self.info = ServiceInfo(endpoint=endpoint, model_path=model_path, user=run_user(),
+                                    secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device)
+            self.info.write(self.service_file)
+        except BaseException:
+            self.stop()
+            raise
+        return self.info
+
+    def _load_adapters(self, endpoint: str) -> None:
+        from opentinker.bus.sync import SyncClient
+        from protocols.messages import LoadAdapter
+
+        if not self.adapters:
+            return
+        with SyncClient(endpoint, "serve") as c:
+            for name, path in self.adapters.items():
+                c.request(LoadAdapter(path=os.path.abspath(path), name=name, trainable=False), 600)
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
+        if self.scheduler is not None:
+            self.scheduler.stop()
+            self.scheduler = None
+        if self.info is not None:
+            try:  # only our own file: another service may have replaced it since
+                if ServiceInfo.read(self.service_file).pid == os.getpid():
+                    self.service_file.unlink()
+            except (ValueError, OSError):
+                pass
+            self.info = None
+
+    def wait(self) -> None:
+        """Serve until SIGINT or SIGTERM."""
+        done = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+        while not done.wait(1.0):
+            pass
+

@@ -1,0 +1,337 @@
+"""One scheduler for many jobs (``opentinker serve``): tenants, attached jobs, status.
+
+The OpenAI-compatible endpoint has its own tests (``tests/test_openai_api.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from opentinker.bus.auth import Credentials
+from opentinker.bus.common import RemoteError
+from opentinker.bus.sync import SyncClient
+from opentinker.engine.service import Scheduler
+from opentinker.engine.tenants import Tenants
+from protocols.messages import (
+    AdamParams,
+    AdapterInfo,
+    CloseJob,
+    CreateAdapter,
+    Datum,
+    DropAdapter,
+    ForwardBackward,
+    ListAdapters,
+    ListJobs,
+    LoadAdapter,
+    LoraSpec,
+    OpenJob,
+    OptimStep,
+    SampleRequest,
+    SamplingParams,
+    SaveAdapter,
+    Shutdown,
+    SnapshotAdapter,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+P = np.arange(3, 9, dtype=np.int32)
+PARAMS = SamplingParams(max_tokens=6, seed=3)
+
+
+def _train_once(c: SyncClient, adapter: str) -> None:
+    tokens = np.arange(5, 15, dtype=np.int32)
+    mask = np.r_[np.zeros(5), np.ones(5)].astype(np.float32)
+    c.request(ForwardBackward(adapter=adapter, datums=[Datum(tokens=tokens, loss_inputs={"mask": mask})], loss="sft",
+                              normalizer=5.0))
+    c.request(OptimStep(adapter=adapter, params=AdamParams(lr=0.05)))
+
+
+def _refused(c: SyncClient, msg, code: str, words: str) -> None:
+    with pytest.raises(RemoteError) as e:
+        c.request(msg, 30)
+    assert e.value.error.code.value == code and words in str(e.value), str(e.value)
+
+
+def test_jobs_are_tenants_with_their_own_names_folders_and_credentials(tiny_path, tmp_path):
+    s = Scheduler(tiny_path, tenants=Tenants())
+    ep = s.start()
+    try:
+        with SyncClient(ep, "owner") as owner:
+            a = owner.request(OpenJob(name="alpha", roots=[str(tmp_path / "a")]))
+            b = owner.request(OpenJob(name="beta", roots=[str(tmp_path / "b")]))
+            assert (a.job, b.job) == ("j1_alpha", "j2_beta") and a.secret != b.secret
+            ca = SyncClient(ep, "coordinator", credentials=Credentials(a.job, a.secret))
+            cb = SyncClient(ep, "coordinator", credentials=Credentials(b.job, b.secret))
+            # Both jobs name their adapter "main": two adapters, each job's own.
+            assert ca.request(CreateAdapter(name="main", spec=LoraSpec())) == AdapterInfo(name="main", version=0)
+            assert cb.request(CreateAdapter(name="main", spec=LoraSpec(seed=1))) == AdapterInfo(name="main", version=0)
+            _train_once(ca, "main")
+            assert [x.name for x in ca.request(ListAdapters()).adapters] == ["main"]
+            assert [(x.name, x.version) for x in ca.request(ListAdapters()).adapters] == [("main", 1)]
+            assert [(x.name, x.version) for x in cb.request(ListAdapters()).adapters] == [("main", 0)]
+            assert [x.name for x in owner.request(ListAdapters()).adapters] == ["j1_alpha/main", "j2_beta/main"]
+            # Another job's adapter is reachable by its full name for sampling and snapshots ...
+            mine = ca.request(SampleRequest(adapter="main", prompts=[P], params=PARAMS))
+            theirs = cb.request(SampleRequest(adapter="j1_alpha/main", prompts=[P], params=PARAMS))
+            own_b = cb.request(SampleRequest(adapter="main", prompts=[P], params=PARAMS))
+            assert theirs.adapter_version == 1 and np.array_equal(mine.tokens[0], theirs.tokens[0])
+            assert np.allclose(mine.logprobs[0], theirs.logprobs[0], atol=1e-5)
+            assert not np.allclose(own_b.logprobs[0][: len(mine.logprobs[0])], mine.logprobs[0][: len(own_b.logprobs[0])],
+                                   atol=1e-3)
+            assert cb.request(SnapshotAdapter(adapter="j1_alpha/main", name="alpha_copy")).name == "alpha_copy"
+            # ... never for training, dropping, saving or making one in its namespace.
+            for msg in (OptimStep(adapter="j1_alpha/main", params=AdamParams()), DropAdapter(name="j1_alpha/main"),
+                        SaveAdapter(adapter="j1_alpha/main", path=str(tmp_path / "b" / "x")),
+                        CreateAdapter(name="j1_alpha/extra", spec=LoraSpec())):
+                _refused(cb, msg, "invalid", "belongs to job 'j1_alpha'")
+            # An unknown name reads as the job names it, with no other job's adapters listed.
+            _refused(cb, SampleRequest(adapter="nosuch", prompts=[P], params=PARAMS), "not_found", "'nosuch'")
+            with pytest.raises(RemoteError) as e:
+                cb.request(SampleRequest(adapter="nosuch", prompts=[P], params=PARAMS))
+            assert "j1_alpha" not in str(e.value) and "known:" not in str(e.value)
+            # Folders: each job's own.
+            _refused(cb, SaveAdapter(adapter="main", path=str(tmp_path / "a" / "x")), "invalid", "outside the folders")
+            assert cb.request(SaveAdapter(adapter="main", path=str(tmp_path / "b" / "x"))).version == 0
+            _refused(ca, LoadAdapter(path=str(tmp_path / "b" / "x"), name="stolen"), "invalid", "outside the folders")
+            # Only the owner opens, lists and closes jobs, and stops the scheduler.
+            for msg in (ListJobs(), OpenJob(name="gamma"), CloseJob(job="j1_alpha")):
+                _refused(cb, msg, "invalid", "for the scheduler's owner")
+            _refused(cb, Shutdown(reason="x"), "invalid", "Shutdown is only for its owners")
+            jobs = {j.job: j for j in owner.request(ListJobs()).jobs}
+            assert jobs["j1_alpha"].adapters == ["main"] and sorted(jobs["j2_beta"].adapters) == ["alpha_copy", "main"]
+            assert jobs["j1_alpha"].compute_ms > 0 and jobs["j1_alpha"].state == "running"
+            # Closing a job frees its adapters and refuses its credentials from then on.
+            closed = owner.request(CloseJob(job="j1_alpha"))
+            assert closed.state == "closed" and closed.adapters == []
+            assert [x.name for x in owner.request(ListAdapters()).adapters] == ["j2_beta/alpha_copy", "j2_beta/main"]
+            _refused(ca, ListAdapters(), "invalid", "may no longer connect")
+            _refused(cb, SampleRequest(adapter="j1_alpha/main", prompts=[P], params=PARAMS), "not_found", "j1_alpha")
+            # The copy outlives its source's job: it is job beta's.
+            assert cb.request(SampleRequest(adapter="alpha_copy", prompts=[P], params=PARAMS)).tokens[0].tolist() == \
+                mine.tokens[0].tolist()
+            _refused(owner, OpenJob(name="../x"), "invalid", "OpenJob.name")
+            _refused(owner, OpenJob(name="ok", roots=["relative"]), "invalid", "not an absolute path")
+            ca.close()
+            cb.close()
+    finally:
+        s.stop()
+
+
+def test_a_wrong_job_secret_gets_nothing(tiny_path):
+    s = Scheduler(tiny_path, tenants=Tenants())
+    ep = s.start()
+    try:
+        with SyncClient(ep, "owner") as owner:
+            a = owner.request(OpenJob(name="alpha"))
+        with pytest.raises(TimeoutError):
+            SyncClient(ep, "forger", credentials=Credentials(a.job, "x" * 43), connect_timeout=1.5)
+        assert s.server.counters["auth_denied"] >= 1
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------------ jobs attached
+
+
+def _cli(*args: str, env: dict | None = None) -> list[str]:
+    return [sys.executable, "-m", "opentinker.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def service(tiny_path, tmp_path_factory):
+    """``opentinker serve`` in its own process (with its HTTP endpoint on a free port), until the
+    module's tests end."""
+    folder = tmp_path_factory.mktemp("service")
+    file = folder / "service.json"
+    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--port", "0", "--service-file", str(file)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert file.is_file(), proc.stdout.read() if proc.poll() is not None else "no service file in 120 s"
+    assert (file.stat().st_mode & 0o777) == 0o600
+    yield file
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert not file.exists()  # the service removes its file when it stops
+
+
+def _job_args(tiny_path: str, out: Path, *extra: str) -> list[str]:
+    sets = {"model.base": tiny_path, "model.threads": 1, "runtime.backend": "local", "runtime.env_runners": 1,
+            "train.steps": 2, "train.groups_per_step": 4, "train.lr": 0.05, "eval.every": 0,
+            "eval.hands_per_stratum": 2, "eval.final_hands_per_stratum": 3, "eval.head_to_head_per_stratum": 1,
+            "sampling.max_tokens": 3, "out_dir": str(out)}
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")] + list(extra)
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for c in commands]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+
+
+def _summary(out: Path) -> dict:
+    (run,) = out.iterdir()
+    return json.loads((run / "summary.json").read_text())
+
+
+def _weights(summary: dict) -> dict[str, np.ndarray]:
+    (path,) = summary["adapters"].values()
+    return load_file(str(Path(path) / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_rl_jobs_and_an_sft_job_share_one_scheduler(service, tiny_path, tmp_path):
+    rl = {"grpo": ["--set", "train.advantage=dr_grpo", "--set", "name=rl_grpo"],
+          "rloo": ["--set", "train.advantage=rloo", "--set", "name=rl_rloo", "--set", "seed=1"]}
+    # Alone first: each job with its own scheduler; the SFT job's data is the first job's games.
+    _run_all([_cli("run", *_job_args(tiny_path, tmp_path / f"alone_{k}", *v)) for k, v in rl.items()])
+    (data,) = (tmp_path / "alone_grpo").glob("*/trajectories/main.jsonl")
+    sft = ["--set", "name=sft", "--set", "offline.kind=sft", "--set", f"offline.data={data}",
+           "--set", "offline.min_reward=-2", "--set", "offline.steps=2", "--set", "offline.batch_size=4"]
+    _run_all([_cli("run", *_job_args(tiny_path, tmp_path / "alone_sft", *sft))])
+    # Then the three at once on the service.
+    shared = {k: _cli("run", "--scheduler", str(service), *_job_args(tiny_path, tmp_path / f"shared_{k}", *v))
+              for k, v in {**rl, "sft": sft}.items()}
+    _run_all(list(shared.values()))
+    for k in rl:
+        alone, together = _summary(tmp_path / f"alone_{k}")["last_eval"], _summary(tmp_path / f"shared_{k}")["last_eval"]
+        chips, ci = alone["eval/main/vs_random/chips"], alone["eval/main/vs_random/ci95"]
+        assert abs(together["eval/main/vs_random/chips"] - chips) <= max(ci, 1e-9), (k, alone, together)
+        assert together["eval/main/exploitability"] == pytest.approx(alone["eval/main/exploitability"], abs=1e-3)
+        assert together["eval/main/version"] == alone["eval/main/version"] == 2
+    for k in [*rl, "sft"]:  # the same training: the same weights, within the batching's rounding
+        a, b = _weights(_summary(tmp_path / f"alone_{k}")), _weights(_summary(tmp_path / f"shared_{k}"))
+        assert a.keys() == b.keys() and max(float(np.abs(a[n] - b[n]).max()) for n in a) < 1e-3, k
+        assert max(float(np.abs(a[n]).max()) for n in a) > 1e-3  # trained: LoRA B moved off zero
+    alone_sft, shared_sft = _summary(tmp_path / "alone_sft"), _summary(tmp_path / "shared_sft")
+    for key, v in alone_sft["last_eval"].items():
+        assert math.isclose(shared_sft["last_eval"][key], v, rel_tol=1e-3, abs_tol=1e-5), key
+    # Every job was opened, ran as its own tenant, and was closed: its adapters freed.
+    report = json.loads(subprocess.run(_cli("status", str(service), "--json"), capture_output=True, text=True,
+                                       cwd=ROOT, check=True, timeout=120).stdout)
+    names = {j["name"]: j for j in report["jobs"]}
+    assert {"rl_grpo", "rl_rloo", "sft"} <= set(names)
+    assert all(names[n]["state"] == "closed" and names[n]["compute_s"] > 0 for n in ("rl_grpo", "rl_rloo", "sft"))
+    assert report["adapters"] == []
+
+
+def test_a_bad_scheduler_address_is_a_config_error(tiny_path, tmp_path):
+    env = dict(os.environ, OPENTINKER_HOME=str(tmp_path / "home"))
+    for address, words in (("tcp://127.0.0.1:9", "no service file"), (str(tmp_path / "none.json"), "not a readable")):
+        r = subprocess.run(_cli("run", "--scheduler", address, *_job_args(tiny_path, tmp_path / "runs")),
+                           check=False, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        assert r.returncode == 2 and "bad config: runtime.scheduler" in r.stderr and words in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------ sharing compute
+
+
+def test_job_share_holds_back_the_jobs_ahead_of_their_share():
+    from opentinker.engine.step_worker import JobShare
+
+    share = JobShare(window_s=1e9, slack_s=0.05)
+    assert share.ahead({"a": 1.0}) == set()  # alone: never held back
+    share.charge("a", 1.0)
+    share.charge("b", 0.5)
+    assert share.ahead({"a": 1.0, "b": 1.0}) == {"a"}
+    assert share.ahead({"a": 2.0, "b": 1.0}) == set()  # a's priority 2: 0.5 s per unit, as b's
+    assert share.ahead({"a": 4.0, "b": 1.0}) == {"b"}  # a's 0.25 s per unit: b is ahead
+    share.charge("b", 0.5)
+    assert share.ahead({"a": 1.0, "b": 1.0}) == set()  # within the slack of each other
+    assert share.ahead({"a": 1.0, "c": 1.0}) == {"a"}  # a newcomer with nothing used goes first
+
+
+def test_backlogged_jobs_get_compute_in_proportion_to_their_priorities(tiny_path):
+    """Two jobs that keep the scheduler busy, priorities 1 and 3: while both wait, their compute
+    counters split about 1 : 3 (a proportion of compute time, not a timing)."""
+    s = Scheduler(tiny_path, tenants=Tenants(), fair_window_s=30.0, engine_options={"max_rows": 16})  # saturated: 48 rows asked
+    ep = s.start()
+    prompts = [np.arange(3 + i, 40 + i, dtype=np.int32) for i in range(4)]
+    params = SamplingParams(max_tokens=24, seed=1)
+    try:
+        with SyncClient(ep, "owner") as owner:
+            opened = {p: owner.request(OpenJob(name=f"p{p}", priority=float(p))) for p in (1, 3)}
+            clients = {p: SyncClient(ep, f"job{p}", credentials=Credentials(o.job, o.secret)) for p, o in opened.items()}
+            for p, c in clients.items():
+                c.request(CreateAdapter(name="main", spec=LoraSpec(seed=p)))
+            enough, done = threading.Event(), {1: 0, 3: 0}
+
+            def keep_busy(p: int) -> None:  # each job on its own: 6 requests in flight, each reply replaced
+                c = clients[p]
+                pending = [c.submit(SampleRequest(adapter="main", prompts=prompts, params=params)) for _ in range(6)]
+                for _ in range(400):
+                    c.result(pending.pop(0), 120)
+                    done[p] += 1
+                    if p == 3 and done[3] == 30:
+                        enough.set()
+                    if enough.is_set():
+                        break
+                    pending.append(c.submit(SampleRequest(adapter="main", prompts=prompts, params=params)))
+                for rid in pending:
+                    c.result(rid, 120)
+
+            threads = [threading.Thread(target=keep_busy, args=(p,)) for p in clients]
+            for t in threads:
+                t.start()
+            assert enough.wait(240)
+            listed = owner.request(ListJobs()).jobs  # both still have work
+            ms = {j.name: j.contended_ms for j in listed}
+            assert all(0 < j.contended_ms <= j.compute_ms for j in listed)
+            for t in threads:
+                t.join(240)
+            for c in clients.values():
+                c.close()
+        ratio = ms["p3"] / ms["p1"]
+        assert 2.4 < ratio < 3.75, ms
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_the_endpoint_answers_while_a_job_trains_on_the_same_scheduler(service, tiny_path, tmp_path):
+    import openai
+
+    info = json.loads(service.read_text())
+    client = openai.OpenAI(base_url=info["http"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+    job = subprocess.Popen(_cli("run", "--scheduler", str(service),
+                                *_job_args(tiny_path, tmp_path, "--set", "name=served", "--set", "train.steps=6")),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    answered, deadline = [], time.monotonic() + 240
+    try:
+        while job.poll() is None and len(answered) < 3 and time.monotonic() < deadline:
+            names = [m.id for m in client.models.list().data]
+            mine = [n for n in names if n.endswith("_served/main")]
+            if not mine:
+                time.sleep(0.2)
+                continue
+            chat = client.chat.completions.create(model=mine[0], messages=[{"role": "user", "content": "Bet?"}],
+                                                  max_tokens=4, seed=len(answered), logprobs=True)
+            if job.poll() is None:  # answered while the job was still training
+                answered.append(chat)
+    finally:
+        out = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, out[-3000:]
+    assert len(answered) == 3, "no chat completion from the job's adapter while it trained"
+    for chat in answered:
+        lps = [t.logprob for t in chat.choices[0].logprobs.content]
+        assert chat.usage.completion_tokens >= len(lps) >= 1 and all(math.isfinite(x) and x <= 0 for x in lps)
+    # Once the job ended its adapter is gone: an unknown model, in OpenAI's error format.
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model=mine[0], messages=[{"role": "user", "content": "Bet?"}], max_tokens=2)
+    assert e.value.code == "model_not_found"
