@@ -393,7 +393,8 @@ class JobInfo(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Compute time the scheduler spent on the job's requests so far."""
     contended_ms: int = 0
     """Of it, the time spent while another job also had work waiting or running: where the
-    jobs' priorities set their shares (alone, a job takes all it asks for)."""
+    jobs' priorities set their shares when both ask for more than they get (a job that asks
+    for less than its share gets all it asks for)."""
     opened_at: float = 0.0
     """Unix time the job was opened."""
 

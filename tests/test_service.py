@@ -247,6 +247,7 @@ def test_job_share_holds_back_the_jobs_ahead_of_their_share():
 
     share = JobShare(window_s=1e9, slack_s=0.05)
     assert share.ahead({"a": 1.0}) == set()  # alone: never held back
+    assert share.ahead({"a": 1.0, "b": 1.0}) == set()
     share.charge("a", 1.0)
     share.charge("b", 0.5)
     assert share.ahead({"a": 1.0, "b": 1.0}) == {"a"}
@@ -254,7 +255,11 @@ def test_job_share_holds_back_the_jobs_ahead_of_their_share():
     assert share.ahead({"a": 4.0, "b": 1.0}) == {"b"}  # a's 0.25 s per unit: b is ahead
     share.charge("b", 0.5)
     assert share.ahead({"a": 1.0, "b": 1.0}) == set()  # within the slack of each other
-    assert share.ahead({"a": 1.0, "c": 1.0}) == {"a"}  # a newcomer with nothing used goes first
+    # A job back from idle starts level with the least served active one: no credit, no debt.
+    assert share.ahead({"a": 1.0}) == set()
+    share.charge("a", 5.0)
+    assert share.ahead({"a": 1.0, "c": 1.0}) == set() and share.used["c"] == pytest.approx(6.0)
+    assert share.ahead({"a": 1.0, "b": 1.0}) == set() and share.used["b"] == pytest.approx(6.0)
 
 
 def test_backlogged_jobs_get_compute_in_proportion_to_their_priorities(tiny_path):

@@ -392,11 +392,10 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         for job in jobs:
             self.tenant_ms[job.tenant] += share
         worker = getattr(self, "step_worker", None)
-        if worker is not None:  # the step loop's fair sharing between jobs
+        if worker is not None and worker.contended:  # the step loop's sharing between jobs with work
             for job in jobs:
                 worker.jobs.charge(job.tenant, dt / len(jobs))
-                if worker.contended:
-                    self.contended_ms[job.tenant] += share
+                self.contended_ms[job.tenant] += share
 
     async def _submit(self, msg: Message, tenant: str = "") -> Message:
         """Queue ``msg`` for the compute thread and wait for its reply (a cancelled caller drops

@@ -103,7 +103,12 @@ class FairShare:
 @dataclass
 class JobShare:
     """Decayed compute seconds per job of a shared scheduler, and which jobs are ahead of
-    their share."""
+    their share.
+
+    Only compute while two or more jobs have work counts (a job alone takes what it asks for
+    and owes nothing for it later), and a job that comes back from idle starts level with the
+    least served active job (no credit for the time it asked for nothing), as in start-time
+    fair queuing."""
 
     window_s: float = 10.0
     slack_s: float = 0.05
@@ -111,6 +116,7 @@ class JobShare:
     one before it is held back: about one engine step, so jobs alternate at that grain."""
     used: dict[str, float] = field(default_factory=dict)
     _last: float = field(default_factory=time.perf_counter)
+    _active: frozenset[str] = frozenset()
 
     def _decay(self) -> None:
         now = time.perf_counter()
@@ -125,9 +131,15 @@ class JobShare:
 
     def ahead(self, active: dict[str, float]) -> set[str]:
         """Of the jobs with work (job -> priority), those to hold back now."""
+        self._decay()
+        stayed = [t for t in active if t in self._active]
+        if stayed:
+            level = min(self.used.get(t, 0.0) / active[t] for t in stayed)
+            for t in active.keys() - self._active:  # back from idle: level with the least served
+                self.used[t] = max(self.used.get(t, 0.0), level * active[t])
+        self._active = frozenset(active)
         if len(active) < 2:
             return set()
-        self._decay()
         norm = {t: self.used.get(t, 0.0) / w for t, w in active.items()}
         least = min(norm.values())
         return {t for t, u in norm.items() if u > least + self.slack_s}
