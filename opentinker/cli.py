@@ -76,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     serve_cli.add_serve_arguments(sub.add_parser(
         "serve", help="serve one base model to many jobs, with an OpenAI-compatible HTTP endpoint"))
     serve_cli.add_status_arguments(sub.add_parser("status", help="jobs, adapters and counters of a running service"))
+    serve_cli.add_jobs_arguments(sub.add_parser("jobs", help="the job queue of a running service: submit, list, "
+                                                "status, cancel"))
     args = parser.parse_args(argv)
 
     if args.command == "serve":
         return serve_cli.serve_main(args)
     if args.command == "status":
         return serve_cli.status_main(args)
+    if args.command == "jobs":
+        return serve_cli.jobs_main(args)
 
     if args.command == "eval":
         return cli_eval.main(args)

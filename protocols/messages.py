@@ -403,6 +403,54 @@ class JobList(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     jobs: Annotated[list[JobInfo], msgspec.Meta(max_length=MAX_LISTED)] = []
 
 
+class SubmitJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Queue a job on a service (``opentinker jobs submit``): it runs when the service's memory
+    budget has room, as a tenant of its scheduler. Replied with :class:`QueueEntry`."""
+
+    config: Annotated[str, msgspec.Meta(max_length=1 << 20)]
+    """The resolved job config as TOML (paths absolute)."""
+    priority: float = 1.0
+    memory_mb: float = 0.0
+    """What the job holds on the scheduler; 0: the service estimates it from the config."""
+
+
+class ListQueue(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Ask for a service's queued, running and ended jobs; replied with :class:`QueueList`."""
+
+
+class CancelQueued(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Cancel a submitted job: a queued one never starts, a running one is stopped and closed
+    (its adapters freed). Replied with :class:`QueueEntry`."""
+
+    id: str
+
+
+class QueueEntry(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    id: str
+    name: str
+    state: str
+    """``queued``, ``running``, ``cancelling``, ``done``, ``failed`` or ``cancelled``."""
+    priority: float
+    memory_mb: float
+    """What the queue holds room for (estimated or submitted)."""
+    job: str = ""
+    """Its tenant id on the scheduler once it runs."""
+    submitted_at: float = 0.0
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    returncode: int = -1
+    """Its process's exit status once ended (-1: none)."""
+    log: str = ""
+    """Its process's output (on the service's machine)."""
+
+
+class QueueList(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    entries: Annotated[list[QueueEntry], msgspec.Meta(max_length=MAX_LISTED)] = []
+    budget_mb: float = 0.0
+    """The service's memory budget for jobs (0: none)."""
+    used_mb: float = 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Episodes and trajectories
 
@@ -670,6 +718,11 @@ Message = Union[
     ListJobs,
     JobInfo,
     JobList,
+    SubmitJob,
+    ListQueue,
+    CancelQueued,
+    QueueEntry,
+    QueueList,
     Metrics,
     Hello,
     Welcome,

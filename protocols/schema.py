@@ -49,6 +49,9 @@ REPLIES: dict[type, type] = {
     m.OpenJob: m.JobOpened,
     m.CloseJob: m.JobInfo,
     m.ListJobs: m.JobList,
+    m.SubmitJob: m.QueueEntry,
+    m.ListQueue: m.QueueList,
+    m.CancelQueued: m.QueueEntry,
 }
 """Request -> its reply (any request may instead be answered with ``Error``)."""
 
@@ -61,7 +64,8 @@ SERVED_BY: dict[type, str] = {
     m.OptimStep: "scheduler", m.SchedulerStats: "scheduler", m.RunEpisodes: "env runner",
     m.LearnerStep: "learner", m.TrajectoryAck: "learner", m.ResendTrajectories: "env runner",
     m.ListAdapters: "scheduler", m.OpenJob: "shared scheduler (its owner)", m.CloseJob: "shared scheduler (its owner)",
-    m.ListJobs: "shared scheduler (its owner)",
+    m.ListJobs: "shared scheduler (its owner)", m.SubmitJob: "service (its owner)", m.ListQueue: "service (its owner)",
+    m.CancelQueued: "service (its owner)",
 }
 
 PARTIAL_OF: dict[type, tuple[type, str]] = {

@@ -340,3 +340,88 @@ def test_the_endpoint_answers_while_a_job_trains_on_the_same_scheduler(service, 
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model=mine[0], messages=[{"role": "user", "content": "Bet?"}], max_tokens=2)
     assert e.value.code == "model_not_found"
+
+
+# ------------------------------------------------------------------------ the job queue
+
+
+def _jobs(*args: str, service: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli("jobs", *args, "--service", str(service)), capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, check=False)
+
+
+def _queue(service: Path) -> dict:
+    r = _jobs("list", "--json", service=service)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow
+def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, tmp_path):
+    """A budget that holds one job at a time: submitted jobs run one after another; a job the
+    budget can never hold is refused with the numbers; a cancelled job and a failed one free
+    their room and their adapters, and the queue goes on."""
+    file = tmp_path / "service.json"
+    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--no-http", "--service-file", str(file),
+                                 "--budget-mb", "60"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert file.is_file(), "no service file"
+        big = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs"), "--memory-mb", "100", service=file)
+        assert big.returncode == 2 and "needs about 100.0 MB" in big.stderr and "budget is 60.0 MB" in big.stderr
+        ids = []
+        for i, extra in enumerate((["--set", "name=first"], ["--set", "name=crashes", "--set", "train.steps=400"],
+                                   ["--set", "name=cancelled"], ["--set", "name=last"])):
+            r = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs", *extra), "--memory-mb", "40", service=file)
+            assert r.returncode == 0, r.stderr
+            ids.append(r.stdout.split()[0])
+        assert ids == ["q1", "q2", "q3", "q4"]
+        states = {e["id"]: e["state"] for e in _queue(file)["jobs"]}
+        assert states["q1"] in ("running", "done") and states["q3"] == "queued"  # one at a time
+        assert _jobs("cancel", "q3", service=file).returncode == 0
+        # q2 trains for long: kill its process (a crash), once it holds an adapter on the scheduler.
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            q = {e["id"]: e for e in _queue(file)["jobs"]}
+            if q["q2"]["state"] == "running" and any(
+                    j["job"] == q["q2"]["job"] and j["adapters"] for j in _status(file)["jobs"]):
+                break
+            time.sleep(0.3)
+        pid = _pid_of_job(q["q2"]["log"])
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and {e["state"] for e in _queue(file)["jobs"]} & {"queued", "running"}:
+            time.sleep(0.5)
+        q = {e["id"]: e for e in _queue(file)["jobs"]}
+        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done"], q
+        assert q["q3"]["job"] == "" and q["q4"]["started_at"] >= q["q2"]["ended_at"]
+        assert _queue(file)["used_mb"] == 0
+        report = _status(file)
+        assert report["adapters"] == [] and all(j["state"] == "closed" for j in report["jobs"])
+        assert len(list((tmp_path / "runs").glob("kuhn_poker_v0__last__*/summary.json"))) == 1
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
+
+
+def _status(file: Path) -> dict:
+    r = subprocess.run(_cli("status", str(file), "--json"), capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       check=True)
+    return json.loads(r.stdout)
+
+
+def _pid_of_job(log: str) -> int:
+    """The pid of the ``opentinker run`` process writing ``log`` (its open file, from /proc)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) == log for fd in (proc / "fd").iterdir()) and \
+                    b"opentinker.cli\0run" in (proc / "cmdline").read_bytes():
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no process writes {log}")

@@ -250,6 +250,9 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         self.tenants = tenants
         self.tenant_ms: collections.Counter[str] = collections.Counter()
         """Compute time (ms) spent on each job's requests (a sampling step's split by rows)."""
+        self.services: dict[type, Any] = {}
+        """Further requests for the scheduler's owner only, message type -> ``async fn(msg)``
+        (a service's job queue)."""
         self.contended_ms: collections.Counter[str] = collections.Counter()
         """Of it, the time while two or more jobs had work (the step loop's sharing applied)."""
         self.max_new_tokens = int(max_new_tokens)
@@ -307,6 +310,10 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         tenant = self._tenant()
         if isinstance(msg, JOB_CONTROL):
             return await self._job_control(msg, tenant)
+        if type(msg) in self.services:
+            if tenant is not None:
+                raise ValueError(f"{type(msg).__name__} is for the service's owner, not job {tenant!r}")
+            return await self.services[type(msg)](msg)
         if isinstance(msg, SchedulerStats):
             return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
         if isinstance(msg, ListAdapters):

@@ -1,10 +1,11 @@
-"""``opentinker serve`` (a shared scheduler with an OpenAI-compatible endpoint) and
-``opentinker status`` (what a running service holds)."""
+"""``opentinker serve`` (a shared scheduler with an OpenAI-compatible endpoint),
+``opentinker status`` (what a running service holds) and ``opentinker jobs`` (its queue)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="load a saved adapter at start, served under NAME (repeatable)")
     p.add_argument("--service-file", metavar="PATH", help="where to write the service file "
                    "(default: $OPENTINKER_HOME/service.json or ~/.opentinker/service.json)")
+    p.add_argument("--budget-mb", type=float, default=0.0, help="memory the job queue may fill with running jobs "
+                   "(default: half of this machine's memory)")
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def serve_main(args: argparse.Namespace) -> int:
             return 2
     service = Service(args.model, device=args.device, http_host=args.host,
                       http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
-                      service_file=Path(args.service_file) if args.service_file else None)
+                      service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb)
     try:
         info = service.start()
     except (ValueError, OSError) as e:
@@ -109,4 +112,91 @@ def status_main(args: argparse.Namespace) -> int:
     keys = sorted(k for k in c if k.startswith(("engine/", "memory/", "kv/")) or k in ("sample_rows", "engine_steps"))
     for k in keys:
         print(f"  {k}: {c[k]}")
+    return 0
+
+
+# ------------------------------------------------------------------------------- jobs
+
+
+def add_jobs_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="jobs_command", required=True)
+    submit = sub.add_parser("submit", help="queue a job on the service (it starts when the memory budget has room)")
+    submit.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    submit.add_argument("--priority", type=float, default=1.0, help="the job's share of compute against others")
+    submit.add_argument("--memory-mb", type=float, default=0.0, help="what it holds on the scheduler (default: estimated)")
+    for name, what in (("list", "queued, running and ended jobs"), ("status", "one job"), ("cancel", "cancel a job")):
+        q = sub.add_parser(name, help=what)
+        if name != "list":
+            q.add_argument("id", help="the job's queue id (q<n>, from submit or list)")
+        if name != "cancel":
+            q.add_argument("--json", action="store_true", help="print JSON for scripts")
+    for q in sub.choices.values():
+        q.add_argument("--service", metavar="ADDRESS", help="the service's bus endpoint or service file "
+                       "(default: the service file in $OPENTINKER_HOME or ~/.opentinker)")
+
+
+def _absolute(cfg):
+    """``cfg`` with its paths absolute: the service runs the job from another folder."""
+    import msgspec
+
+    def absolute(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path)) if path and ("/" in path or os.path.exists(path)) else path
+
+    policies = [msgspec.structs.replace(p, init=absolute(p.init)) for p in cfg.policies]
+    changes = {"out_dir": os.path.abspath(os.path.expanduser(cfg.out_dir)), "policies": policies,
+               "model": msgspec.structs.replace(cfg.model, base=absolute(cfg.model.base))}
+    oc = cfg.offline_job()
+    if oc is not None:
+        changes["offline"] = msgspec.structs.replace(oc, data=absolute(oc.data))
+    return msgspec.structs.replace(cfg, **changes)
+
+
+def jobs_main(args: argparse.Namespace) -> int:
+    from opentinker.bus.common import RemoteError
+    from opentinker.bus.sync import SyncClient
+    from opentinker.serve.service import SERVICE_FILE, find_service, home
+    from protocols.messages import CancelQueued, ListQueue, SubmitJob
+
+    try:
+        msg: object = None
+        if args.jobs_command == "submit":
+            from opentinker.cli import _parse_set
+            from opentinker.config import load_config, to_toml
+
+            cfg = _absolute(load_config(args.config, _parse_set(args.set)))
+            msg = SubmitJob(config=to_toml(cfg).decode(), priority=args.priority, memory_mb=args.memory_mb)
+        elif args.jobs_command == "cancel":
+            msg = CancelQueued(id=args.id)
+        else:
+            msg = ListQueue()
+        info = find_service(args.service or str(home() / SERVICE_FILE))
+        with SyncClient(info.endpoint, "jobs", credentials=info.credentials(), connect_timeout=30) as c:
+            reply = c.request(msg, 600)
+    except (ValueError, OSError, TimeoutError, RemoteError) as e:
+        text = str(e.error.message) if isinstance(e, RemoteError) else str(e)
+        print(f"opentinker jobs {args.jobs_command}: {escape_controls(text)}", file=sys.stderr)
+        return 2
+    import msgspec
+
+    if args.jobs_command in ("submit", "cancel"):
+        print(f"{reply.id} {reply.state} ({escape_controls(reply.name)}, ~{reply.memory_mb:.0f} MB)")
+        return 0
+    entries = [e for e in reply.entries if args.jobs_command == "list" or e.id == args.id]
+    if args.jobs_command == "status" and not entries:
+        print(f"opentinker jobs status: no job {escape_controls(args.id)!r} in the queue", file=sys.stderr)
+        return 2
+    if args.json:
+        out = msgspec.to_builtins(entries if args.jobs_command == "list" else entries[0])
+        print(json.dumps({"budget_mb": reply.budget_mb, "used_mb": reply.used_mb, "jobs": out}
+                         if args.jobs_command == "list" else out, indent=1))
+        return 0
+    print(f"budget {reply.budget_mb:.0f} MB, {reply.used_mb:.0f} MB held by running jobs")
+    print(f"{'id':<6} {'state':<10} {'name':<24} {'job':<20} {'MB':>8} {'priority':>8}  exit")
+    for e in entries:
+        code = "" if e.returncode < 0 else str(e.returncode)
+        print(f"{e.id:<6} {e.state:<10} {escape_controls(e.name):<24} {e.job or '-':<20} {e.memory_mb:>8.0f} "
+              f"{e.priority:>8g}  {code}")
+    if args.jobs_command == "status":
+        print(f"log: {entries[0].log}")
     return 0

@@ -98,12 +98,13 @@ class Attachment:
     endpoint: str
     job: str
     credentials: Credentials
-    owner: Credentials
+    owner: Credentials | None
+    """Who closes the job (None: the service's queue, which opened it)."""
     closed: bool = False
 
     def close(self, timeout: float = 30.0) -> None:
         """Close the job on the service (its adapters are dropped); once."""
-        if self.closed:
+        if self.closed or self.owner is None:
             return
         self.closed = True
         from opentinker.bus.sync import SyncClient
@@ -122,9 +123,13 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
     ``ValueError`` when the service serves another model or refuses the job."""
     from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
+    from opentinker.serve.queue import job_credentials
     from protocols.messages import OpenJob
 
     info = find_service(address)
+    given = job_credentials()
+    if given is not None:  # started by the service's queue, which opened the job and will close it
+        return Attachment(info.endpoint, given[0], Credentials(*given), None, closed=True)
     if os.path.realpath(info.model_path) != os.path.realpath(model_path):
         raise ValueError(f"--scheduler {address}: the service serves {info.model_path}, this job's model is "
                          f"{model_path}")
@@ -146,18 +151,22 @@ class Service:
         http_host: where it binds; anything but loopback needs ``api_key``.
         adapters: saved adapters to load at start, name -> folder (served as model names).
         service_file: where to write the service file (default :func:`home`).
+        budget_mb: the memory the job queue may fill with running jobs (estimated per job,
+            :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this machine's memory.
         scheduler: further :class:`~opentinker.engine.service.Scheduler` arguments.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
                  http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
-                 service_file: Path | None = None, **scheduler: Any) -> None:
+                 service_file: Path | None = None, budget_mb: float = 0.0, **scheduler: Any) -> None:
         self.model = model
         self.device = device
         self.http_host, self.http_port, self.api_key = http_host, http_port, api_key
         self.adapters = dict(adapters or {})
         self.service_file = service_file or home() / SERVICE_FILE
         self.scheduler_args = scheduler
+        self.budget_mb = budget_mb
+        self.queue: Any = None
         self.scheduler: Any = None
         self.http: Any = None
         self.info: ServiceInfo | None = None
@@ -182,10 +191,48 @@ class Service:
             self.info = ServiceInfo(endpoint=endpoint, model_path=model_path, user=run_user(),
                                     secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device)
             self.info.write(self.service_file)
+            self._start_queue(model_path)
         except BaseException:
             self.stop()
             raise
         return self.info
+
+    def _start_queue(self, model_path: str) -> None:
+        import asyncio
+
+        from opentinker.serve.queue import JobQueue, read_model_config
+        from protocols.messages import (
+            CancelQueued,
+            CloseJob,
+            ListQueue,
+            OpenJob,
+            QueueList,
+            SubmitJob,
+        )
+
+        s = self.scheduler
+
+        def open_job(name: str, roots: list[str], read_roots: list[str], priority: float) -> tuple[str, str]:
+            opened = s.loop.run(s._job_control(OpenJob(name=name, roots=roots, read_roots=read_roots,
+                                                       priority=priority), None), 60)
+            return opened.job, opened.secret
+
+        def close_job(job: str) -> None:
+            s.loop.run(s._job_control(CloseJob(job=job), None), 300)
+
+        budget = self.budget_mb * 2**20 if self.budget_mb > 0 else _half_the_memory()
+        q = self.queue = JobQueue(self.service_file.parent / f"jobs-{os.getpid()}", self.service_file,
+                                  read_model_config(model_path), int(budget), open_job, close_job)
+
+        def listing() -> QueueList:
+            return QueueList(entries=q.listing(), budget_mb=q.budget / 2**20, used_mb=q.used() / 2**20)
+
+        # The queue opens and closes tenants on the scheduler's loop: its calls run in threads.
+        s.services = {
+            SubmitJob: lambda m: asyncio.to_thread(q.submit, m.config, m.priority, m.memory_mb),
+            CancelQueued: lambda m: asyncio.to_thread(q.cancel, m.id),
+            ListQueue: lambda _m: asyncio.to_thread(listing),
+        }
 
     def _load_adapters(self, endpoint: str) -> None:
         from opentinker.bus.sync import SyncClient
@@ -198,6 +245,9 @@ class Service:
                 c.request(LoadAdapter(path=os.path.abspath(path), name=name, trainable=False), 600)
 
     def stop(self) -> None:
+        if self.queue is not None:
+            self.queue.stop()
+            self.queue = None
         if self.http is not None:
             self.http.stop()
             self.http = None
@@ -220,3 +270,7 @@ class Service:
         while not done.wait(1.0):
             pass
 
+
+def _half_the_memory() -> int:
+    """Half of this machine's physical memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2

@@ -1,0 +1,246 @@
+"""The job queue of a service: jobs submitted to ``opentinker serve``, run in turn within its
+memory budget.
+
+``opentinker jobs submit CONFIG`` sends the resolved job config (``SubmitJob``); the service
+checks it as ``opentinker run`` would, estimates what the job holds on the scheduler
+(:func:`estimate_bytes`), and refuses a job that could never fit the budget with the numbers.
+Otherwise the job waits in the queue (first come, first served) until the jobs running leave
+room, then runs as ``opentinker run CONFIG --scheduler SERVICE_FILE`` in its own process, a
+tenant of the scheduler opened for it (its credentials handed over in the environment). A job
+that ends, fails or is cancelled is closed on the scheduler (its adapters freed) and the next
+one starts: nothing a job does blocks the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocols.messages import QueueEntry
+
+log = logging.getLogger(__name__)
+
+JOB_ENV = "OPENTINKER_JOB"
+"""``<job id>:<secret>`` of the tenant a queued job runs as (set by the queue for its process)."""
+FLOAT_BYTES = 4
+ADAM_COPIES = 4
+"""A trained fp32 tensor's bytes, times: the weights, the gradient and AdamW's two moments."""
+
+
+def estimate_bytes(cfg: Any, model_config: dict) -> dict[str, int]:
+    """What a job holds on the scheduler, from its config and the model's ``config.json``:
+    each policy's trained tensors with their gradients and AdamW moments (LoRA: rank x (in +
+    out) per adapted module and layer; ``full``: every weight), its league snapshots (weights
+    only), and the KV cache of one step's rows (``groups_per_step x group_size`` rows of at
+    most ``sampling.max_tokens`` plus a prompt of ``prompt_tokens``). An estimate: the
+    scheduler's own counters say what a running job really holds."""
+    h = int(model_config["hidden_size"])
+    layers = int(model_config["num_hidden_layers"])
+    heads = int(model_config["num_attention_heads"])
+    kv = int(model_config.get("num_key_value_heads") or heads) * int(model_config.get("head_dim") or h // heads)
+    inter = int(model_config.get("intermediate_size") or 4 * h)
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    total = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + int(model_config.get("vocab_size", 0)) * h
+    out: dict[str, int] = {}
+    snapshots = cfg.league.keep if cfg.league.snapshot_every else 0
+    for p in cfg.policies:
+        if p.kind == "full":
+            params = total
+        else:
+            params = layers * sum(p.lora_rank * sum(shapes.get(m, (h, h))) for m in p.target_modules)
+        trained = 0 if p.frozen else ADAM_COPIES - 1
+        out[f"policy {p.name}"] = params * FLOAT_BYTES * (1 + trained + snapshots)
+    prompt_tokens = 512
+    rows = cfg.train.groups_per_step * cfg.train.group_size * max(1, len(cfg.policies))
+    out["kv cache"] = rows * (prompt_tokens + cfg.sampling.max_tokens) * layers * 2 * kv * FLOAT_BYTES
+    return out
+
+
+@dataclass
+class _Entry:
+    id: str
+    name: str
+    config: Path
+    priority: float
+    need: int
+    """Bytes the job is estimated to hold (:func:`estimate_bytes`, or as submitted)."""
+    roots: list[str] = field(default_factory=list)
+    """Where its adapters may be written (its ``out_dir``) and read (its warm starts too)."""
+    read_roots: list[str] = field(default_factory=list)
+    state: str = "queued"
+    job: str = ""
+    """Its tenant id once it runs."""
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    returncode: int | None = None
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def info(self) -> QueueEntry:
+        return QueueEntry(id=self.id, name=self.name, state=self.state, priority=self.priority,
+                          memory_mb=self.need / 2**20, job=self.job, submitted_at=self.submitted_at,
+                          started_at=self.started_at, ended_at=self.ended_at,
+                          returncode=-1 if self.returncode is None else self.returncode,
+                          log=str(self.log or ""))
+
+
+class JobQueue:
+    """Jobs submitted to a service, run within ``budget_bytes`` (None: one at a time is not
+    enforced, every job starts at once).
+
+    ``open_job(name, roots, read_roots, priority) -> (job, secret)`` and ``close_job(job)`` open and close
+    tenants on the scheduler; ``service_file`` is what the jobs attach to."""
+
+    def __init__(self, folder: Path, service_file: Path, model_config: dict, budget_bytes: int | None,
+                 open_job: Any, close_job: Any, poll_s: float = 0.5) -> None:
+        self.folder, self.service_file = folder, service_file
+        self.model_config, self.budget = model_config, budget_bytes
+        self._open, self._close = open_job, close_job
+        self.entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self._n = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="job-queue", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------- requests
+
+    def submit(self, config_toml: str, priority: float, memory_mb: float = 0.0) -> QueueEntry:
+        """Queue a job (``ValueError`` naming the field for a bad config, or the numbers for a
+        job the budget can never hold)."""
+        from opentinker.config import ConfigError, load_config
+        from opentinker.config_checks import check_config
+
+        if not (0 < priority <= 1e6):
+            raise ValueError(f"SubmitJob.priority must be in (0, 1e6], got {priority}")
+        import tempfile
+
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = Path(tempfile.mkdtemp(prefix=".submitted-", dir=self.folder))
+        (folder / "config.toml").write_text(config_toml)
+        try:
+            cfg = load_config(folder / "config.toml")
+            check_config(cfg)
+        except (ConfigError, OSError, ValueError) as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ValueError(f"bad config: {e}") from None
+        parts = estimate_bytes(cfg, self.model_config)
+        need = int(memory_mb * 2**20) if memory_mb > 0 else sum(parts.values())
+        if self.budget is not None and need > self.budget:
+            detail = ", ".join(f"{k} {v / 2**20:.1f} MB" for k, v in parts.items())
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ValueError(f"job {cfg.name!r} needs about {need / 2**20:.1f} MB on the scheduler ({detail}); the "
+                             f"service's budget is {self.budget / 2**20:.1f} MB: it can never run here")
+        with self._lock:
+            self._n += 1
+            qid = f"q{self._n}"
+        folder = folder.rename(self.folder / qid)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        entry = _Entry(qid, cfg.name, folder / "config.toml", priority, need, log=folder / "job.log",
+                       roots=[os.path.abspath(cfg.out_dir)], read_roots=[p.init for p in cfg.policies if p.init])
+        with self._lock:
+            self.entries[qid] = entry
+        self._pump()
+        return entry.info()
+
+    def cancel(self, qid: str) -> QueueEntry:
+        with self._lock:
+            entry = self.entries.get(qid)
+            if entry is None:
+                raise KeyError(f"no job {qid!r} in the queue")
+            if entry.state == "queued":
+                entry.state, entry.ended_at = "cancelled", time.time()
+                return entry.info()
+            proc = entry.proc
+        if entry.state == "running" and proc is not None:
+            entry.state = "cancelling"
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+            self._ended(entry, "cancelled")
+        return entry.info()
+
+    def listing(self) -> list[QueueEntry]:
+        with self._lock:
+            return [e.info() for e in self.entries.values()]
+
+    def used(self) -> int:
+        """Bytes held for the jobs starting or running."""
+        return sum(e.need for e in list(self.entries.values()) if e.state in ("starting", "running", "cancelling"))
+
+    # ------------------------------------------------------------------------------- running
+
+    def _pump(self) -> None:
+        """Start queued jobs in order while the budget holds them (the lock is not held while a
+        job is opened on the scheduler: the scheduler's loop may be reading the listing)."""
+        while True:
+            with self._lock:
+                entry = next((e for e in self.entries.values() if e.state == "queued"), None)
+                # First come, first served: a small job does not overtake a large one.
+                if entry is None or (self.budget is not None and self.used() + entry.need > self.budget):
+                    return
+                entry.state = "starting"  # counted in used(); no other pump starts it
+            self._start(entry)
+
+    def _start(self, entry: _Entry) -> None:
+        try:
+            job, secret = self._open(entry.name, entry.roots, entry.read_roots, entry.priority)
+        except Exception as e:  # noqa: BLE001 - the entry fails, the queue goes on
+            log.warning("job %s could not be opened on the scheduler: %s", entry.id, e)
+            entry.state, entry.ended_at = "failed", time.time()
+            return
+        env = dict(os.environ, **{JOB_ENV: f"{job}:{secret}"})
+        with open(entry.log, "ab") as out:  # type: ignore[arg-type]
+            entry.proc = subprocess.Popen(
+                [sys.executable, "-m", "opentinker.cli", "run", str(entry.config), "--scheduler",
+                 str(self.service_file)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=entry.config.parent,
+                start_new_session=True)
+        entry.job, entry.state, entry.started_at = job, "running", time.time()
+        log.info("queue: started %s (%s) as job %s, pid %d", entry.id, entry.name, job, entry.proc.pid)
+
+    def _ended(self, entry: _Entry, state: str) -> None:
+        entry.returncode = entry.proc.returncode if entry.proc is not None else None
+        entry.state, entry.ended_at = state, time.time()
+        try:
+            self._close(entry.job)  # its adapters freed, if the job did not close itself
+        except Exception as e:  # noqa: BLE001 - already closed
+            log.debug("close %s: %s", entry.job, e)
+        self._pump()
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            for entry in list(self.entries.values()):
+                if entry.state == "running" and entry.proc is not None and entry.proc.poll() is not None:
+                    self._ended(entry, "done" if entry.proc.returncode == 0 else "failed")
+
+    def stop(self) -> None:
+        """Stop watching; cancel every running job (their processes are stopped)."""
+        self._stop.set()
+        for entry in list(self.entries.values()):
+            if entry.state == "running":
+                self.cancel(entry.id)
+
+
+def job_credentials() -> tuple[str, str] | None:
+    """The tenant a queued job's process runs as (``$OPENTINKER_JOB``), if the queue started it."""
+    raw = os.environ.get(JOB_ENV, "")
+    job, sep, secret = raw.partition(":")
+    return (job, secret) if sep and job and secret else None
+
+
+def read_model_config(model_path: str) -> dict:
+    return json.loads((Path(model_path) / "config.json").read_text())
