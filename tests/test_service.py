@@ -226,7 +226,7 @@ def test_two_rl_jobs_and_an_sft_job_share_one_scheduler(service, tiny_path, tmp_
     names = {j["name"]: j for j in report["jobs"]}
     assert {"rl_grpo", "rl_rloo", "sft"} <= set(names)
     assert all(names[n]["state"] == "closed" and names[n]["compute_s"] > 0 for n in ("rl_grpo", "rl_rloo", "sft"))
-    assert report["adapters"] == []
+    assert report["adapters"] == [] and report["memory_mb"]["weights"] > 0 and report["tokens_per_s"]["over_s"] > 0
 
 
 def test_a_bad_scheduler_address_is_a_config_error(tiny_path, tmp_path):

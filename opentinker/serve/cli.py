@@ -70,23 +70,41 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def status(address: str | None, timeout: float = 30.0) -> dict:
-    """What the service at ``address`` holds: jobs, adapters, queue and compute counters."""
+def status(address: str | None, timeout: float = 30.0, rate_s: float = 1.0) -> dict:
+    """What the service at ``address`` holds: jobs, adapters (resident and spilled), the
+    engine's queue, tokens per second (over ``rate_s``), memory, and every counter."""
     from opentinker.bus.sync import SyncClient
     from opentinker.serve.service import SERVICE_FILE, find_service, home
     from protocols.messages import ListAdapters, ListJobs, SchedulerStats
 
     info = find_service(address or str(home() / SERVICE_FILE))
     with SyncClient(info.endpoint, "status", credentials=info.credentials(), connect_timeout=timeout) as c:
+        before, t0 = c.request(SchedulerStats(), timeout).counters, time.perf_counter()
         jobs = c.request(ListJobs(), timeout)
         adapters = c.request(ListAdapters(), timeout)
+        time.sleep(max(0.0, rate_s - (time.perf_counter() - t0)))
         counters = c.request(SchedulerStats(), timeout).counters
+        dt = time.perf_counter() - t0
+
+    def rate(*keys: str) -> float:
+        return sum(counters.get(k, 0) - before.get(k, 0) for k in keys) / dt
+
+    mb = 2.0**20
     return {
         "endpoint": info.endpoint, "http": info.http, "model": info.model_path, "device": info.device,
         "pid": info.pid, "up_s": round(time.time() - info.started_at, 1),
         "jobs": [{"job": j.job, "name": j.name, "state": j.state, "priority": j.priority, "adapters": j.adapters,
                   "compute_s": j.compute_ms / 1000, "contended_s": j.contended_ms / 1000} for j in jobs.jobs],
         "adapters": [{"name": a.name, "version": a.version} for a in adapters.adapters],
+        "adapters_resident": counters.get("engine/adapters_resident", len(adapters.adapters)),
+        "adapters_spilled": counters.get("engine/adapters_spilled", 0),
+        "queue_depth": counters.get("engine/queue_depth", 0),
+        "tokens_per_s": {"decode": rate("engine/decode_tokens"), "prefill": rate("engine/prefill_tokens"),
+                         "over_s": dt},
+        "memory_mb": {"weights": counters.get("engine/weights_bytes", 0) / mb,
+                      "kv_in_use": counters.get("engine/kv_bytes_in_use", 0) / mb,
+                      "kv_total": counters.get("engine/kv_bytes_total", 0) / mb,
+                      "adapters_resident": counters.get("engine/adapter_bytes_resident", 0) / mb},
         "counters": counters,
     }
 
@@ -100,7 +118,6 @@ def status_main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    c = report["counters"]
     print(f"service {report['endpoint']}  http {report['http'] or '-'}  pid {report['pid']}  up {report['up_s']:.0f} s")
     print(f"model {report['model']} on {report['device']}")
     print(f"\n{'job':<24} {'state':<8} {'priority':>8} {'compute s':>10}  adapters")
@@ -108,10 +125,13 @@ def status_main(args: argparse.Namespace) -> int:
         print(f"{j['job']:<24} {j['state']:<8} {j['priority']:>8g} {j['compute_s']:>10.1f}  {', '.join(j['adapters'])}")
     if not report["jobs"]:
         print("(no jobs)")
-    print(f"\nadapters resident: {', '.join(a['name'] for a in report['adapters']) or '(none)'}")
-    keys = sorted(k for k in c if k.startswith(("engine/", "memory/", "kv/")) or k in ("sample_rows", "engine_steps"))
-    for k in keys:
-        print(f"  {k}: {c[k]}")
+    print(f"\nadapters: {', '.join(a['name'] for a in report['adapters']) or '(none)'} "
+          f"({report['adapters_resident']} resident, {report['adapters_spilled']} spilled)")
+    t, m = report["tokens_per_s"], report["memory_mb"]
+    print(f"rows waiting: {report['queue_depth']}   tokens/s: {t['decode']:.0f} decoded, {t['prefill']:.0f} prefilled "
+          f"(over {t['over_s']:.1f} s)")
+    print(f"memory ({report['device']}): weights {m['weights']:.0f} MB, KV {m['kv_in_use']:.0f} of {m['kv_total']:.0f} MB, "
+          f"adapters {m['adapters_resident']:.1f} MB   (every counter: --json)")
     return 0
 
 
