@@ -149,11 +149,11 @@ def _cli(*args: str, env: dict | None = None) -> list[str]:
 
 @pytest.fixture(scope="module")
 def service(tiny_path, tmp_path_factory):
-    """``opentinker serve`` in its own process (with its HTTP endpoint on a free port), until the
-    module's tests end."""
+    """``opentinker serve --ray`` in its own process (the scheduler in a Ray actor, the HTTP
+    endpoint on a free port), until the module's tests end."""
     folder = tmp_path_factory.mktemp("service")
     file = folder / "service.json"
-    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--port", "0", "--service-file", str(file)),
+    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--port", "0", "--service-file", str(file), "--ray"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     deadline = time.monotonic() + 120
     while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:

@@ -33,6 +33,7 @@ _KINDS = {
     "env_runner": "opentinker.rollout.env_runner:EnvRunner",
     "learner": "opentinker.training.learner:Learner",
     "coordinator": "opentinker.control.coordinator:Coordinator",
+    "service": "opentinker.serve.service:ServiceCore",
 }
 
 

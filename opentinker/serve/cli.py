@@ -24,6 +24,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="load a saved adapter at start, served under NAME (repeatable)")
     p.add_argument("--service-file", metavar="PATH", help="where to write the service file "
                    "(default: $OPENTINKER_HOME/service.json or ~/.opentinker/service.json)")
+    p.add_argument("--ray", nargs="?", const="local", default="", metavar="ADDRESS",
+                   help="run the scheduler and the job queue in a Ray actor: alone, a Ray instance started here; "
+                   "with an ADDRESS (auto, host:port), on that cluster")
     p.add_argument("--budget-mb", type=float, default=0.0, help="memory the job queue may fill with running jobs "
                    "(default: half of this machine's memory)")
 
@@ -53,7 +56,8 @@ def serve_main(args: argparse.Namespace) -> int:
             return 2
     service = Service(args.model, device=args.device, http_host=args.host,
                       http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
-                      service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb)
+                      service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
+                      ray=args.ray)
     try:
         info = service.start()
     except (ValueError, OSError) as e:

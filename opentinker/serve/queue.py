@@ -203,7 +203,11 @@ class JobQueue:
             log.warning("job %s could not be opened on the scheduler: %s", entry.id, e)
             entry.state, entry.ended_at = "failed", time.time()
             return
-        env = dict(os.environ, **{JOB_ENV: f"{job}:{secret}"})
+        from opentinker.bus.auth import SECRET_ENV, USER_ENV
+
+        # The job's own components get a run secret of their own, never the service owner's.
+        env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, USER_ENV)}
+        env[JOB_ENV] = f"{job}:{secret}"
         with open(entry.log, "ab") as out:  # type: ignore[arg-type]
             entry.proc = subprocess.Popen(
                 [sys.executable, "-m", "opentinker.cli", "run", str(entry.config), "--scheduler",

@@ -142,62 +142,37 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
     return Attachment(info.endpoint, opened.job, Credentials(opened.job, opened.secret), owner)
 
 
-class Service:
-    """A shared scheduler with its HTTP endpoint and service file.
+class ServiceCore:
+    """What a service keeps where its model is: the scheduler with tenants, the saved adapters
+    it serves, and the job queue. Made in the serve process, or in a Ray actor (``serve
+    --ray``: :class:`~opentinker.control.runtime.Component` kind ``service``), whose start
+    returns the scheduler's endpoint."""
 
-    Args:
-        model: a model spec (``smollm2-135m``, ``tiny-random``, a folder, a hub id).
-        http_port: the OpenAI-compatible endpoint's port (0: the OS picks; ``None``: no HTTP).
-        http_host: where it binds; anything but loopback needs ``api_key``.
-        adapters: saved adapters to load at start, name -> folder (served as model names).
-        service_file: where to write the service file (default :func:`home`).
-        budget_mb: the memory the job queue may fill with running jobs (estimated per job,
-            :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this machine's memory.
-        scheduler: further :class:`~opentinker.engine.service.Scheduler` arguments.
-    """
-
-    def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
-                 http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
-                 service_file: Path | None = None, budget_mb: float = 0.0, **scheduler: Any) -> None:
-        self.model = model
-        self.device = device
-        self.http_host, self.http_port, self.api_key = http_host, http_port, api_key
-        self.adapters = dict(adapters or {})
-        self.service_file = service_file or home() / SERVICE_FILE
-        self.scheduler_args = scheduler
+    def __init__(self, model_path: str, device: str = "cpu", service_file: str = "", budget_mb: float = 0.0,
+                 adapters: dict[str, str] | None = None, **scheduler: Any) -> None:
+        self.model_path, self.device = model_path, device
+        self.service_file = Path(service_file or home() / SERVICE_FILE)
         self.budget_mb = budget_mb
-        self.queue: Any = None
+        self.adapters = dict(adapters or {})
+        self.scheduler_args = scheduler
         self.scheduler: Any = None
-        self.http: Any = None
-        self.info: ServiceInfo | None = None
+        self.queue: Any = None
 
-    def start(self) -> ServiceInfo:
-        from opentinker.engine.model_specs import resolve_model
+    def start(self) -> str:
         from opentinker.engine.service import Scheduler
         from opentinker.engine.tenants import Tenants
 
-        model_path = resolve_model(self.model)
-        self.scheduler = Scheduler(model_path, device=self.device, tenants=Tenants(), **self.scheduler_args)
+        self.scheduler = Scheduler(self.model_path, device=self.device, tenants=Tenants(), **self.scheduler_args)
         endpoint = self.scheduler.start()
         try:
             self._load_adapters(endpoint)
-            url = ""
-            if self.http_port is not None:
-                from opentinker.serve.openai_api import make_app, start_http
-
-                app = make_app(endpoint, model_path, api_key=self.api_key)
-                self.http = start_http(app, host=self.http_host, port=self.http_port)
-                url = self.http.url
-            self.info = ServiceInfo(endpoint=endpoint, model_path=model_path, user=run_user(),
-                                    secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device)
-            self.info.write(self.service_file)
-            self._start_queue(model_path)
+            self._start_queue()
         except BaseException:
             self.stop()
             raise
-        return self.info
+        return endpoint
 
-    def _start_queue(self, model_path: str) -> None:
+    def _start_queue(self) -> None:
         import asyncio
 
         from opentinker.serve.queue import JobQueue, read_model_config
@@ -222,7 +197,7 @@ class Service:
 
         budget = self.budget_mb * 2**20 if self.budget_mb > 0 else _half_the_memory()
         q = self.queue = JobQueue(self.service_file.parent / f"jobs-{os.getpid()}", self.service_file,
-                                  read_model_config(model_path), int(budget), open_job, close_job)
+                                  read_model_config(self.model_path), int(budget), open_job, close_job)
 
         def listing() -> QueueList:
             return QueueList(entries=q.listing(), budget_mb=q.budget / 2**20, used_mb=q.used() / 2**20)
@@ -248,12 +223,107 @@ class Service:
         if self.queue is not None:
             self.queue.stop()
             self.queue = None
-        if self.http is not None:
-            self.http.stop()
-            self.http = None
         if self.scheduler is not None:
             self.scheduler.stop()
             self.scheduler = None
+
+
+class Service:
+    """A shared scheduler with its HTTP endpoint and service file.
+
+    Args:
+        model: a model spec (``smollm2-135m``, ``tiny-random``, a folder, a hub id).
+        http_port: the OpenAI-compatible endpoint's port (0: the OS picks; ``None``: no HTTP).
+        http_host: where it binds; anything but loopback needs ``api_key``.
+        adapters: saved adapters to load at start, name -> folder (served as model names).
+        service_file: where to write the service file (default :func:`home`).
+        budget_mb: the memory the job queue may fill with running jobs (estimated per job,
+            :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this machine's memory.
+        ray: run the scheduler and the queue in a Ray actor (``"local"``: a Ray instance
+            started here on 127.0.0.1; else the address of a running cluster, ``auto`` or
+            ``host:port``), placed on a GPU when ``device`` is CUDA; ``""``: in this process.
+        scheduler: further :class:`~opentinker.engine.service.Scheduler` arguments.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
+                 http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
+                 service_file: Path | None = None, budget_mb: float = 0.0, ray: str = "", **scheduler: Any) -> None:
+        self.model = model
+        self.device = device
+        self.http_host, self.http_port, self.api_key = http_host, http_port, api_key
+        self.service_file = service_file or home() / SERVICE_FILE
+        self.core_args = dict(device=device, service_file=str(self.service_file), budget_mb=budget_mb,
+                              adapters=dict(adapters or {}), **scheduler)
+        self.ray = ray
+        self.core: Any = None
+        self.actor: Any = None
+        self._started_ray = False
+        self.http: Any = None
+        self.info: ServiceInfo | None = None
+
+    def start(self) -> ServiceInfo:
+        from opentinker.engine.model_specs import resolve_model
+
+        model_path = resolve_model(self.model)
+        try:
+            endpoint = self._start_ray(model_path) if self.ray else self._start_here(model_path)
+            url = ""
+            if self.http_port is not None:
+                from opentinker.serve.openai_api import make_app, start_http
+
+                app = make_app(endpoint, model_path, api_key=self.api_key)
+                self.http = start_http(app, host=self.http_host, port=self.http_port)
+                url = self.http.url
+            self.info = ServiceInfo(endpoint=endpoint, model_path=model_path, user=run_user(),
+                                    secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device)
+            self.info.write(self.service_file)
+        except BaseException:
+            self.stop()
+            raise
+        return self.info
+
+    def _start_here(self, model_path: str) -> str:
+        self.core = ServiceCore(model_path, **self.core_args)
+        return self.core.start()
+
+    def _start_ray(self, model_path: str) -> str:
+        import ray
+
+        from opentinker.control.runtime import Component
+
+        if not ray.is_initialized():
+            if self.ray == "local":
+                ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+            else:
+                ray.init(address=self.ray, log_to_driver=False, configure_logging=False)
+            self._started_ray = True
+        gpus = 1 if self.device.startswith("cuda") else 0
+        actor_cls = ray.remote(num_cpus=0, num_gpus=gpus)(Component)
+        self.actor = actor_cls.remote("service", {"model_path": model_path, **self.core_args}, run_secret().decode())
+        return ray.get(self.actor.start.remote(), timeout=600)
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
+        if self.core is not None:
+            self.core.stop()
+            self.core = None
+        if self.actor is not None:
+            import ray
+
+            try:
+                ray.get(self.actor.stop.remote(), timeout=120)
+            except Exception as e:  # noqa: BLE001 - stopping regardless
+                log.warning("stopping the service actor: %s", e)
+            ray.kill(self.actor)
+            self.actor = None
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
         if self.info is not None:
             try:  # only our own file: another service may have replaced it since
                 if ServiceInfo.read(self.service_file).pid == os.getpid():
