@@ -220,12 +220,19 @@ def test_two_rl_jobs_and_an_sft_job_share_one_scheduler(service, tiny_path, tmp_
     alone_sft, shared_sft = _summary(tmp_path / "alone_sft"), _summary(tmp_path / "shared_sft")
     for key, v in alone_sft["last_eval"].items():
         assert math.isclose(shared_sft["last_eval"][key], v, rel_tol=1e-3, abs_tol=1e-5), key
+    # An evaluation is a job too: a run's adapters evaluated on the service.
+    (run,) = (tmp_path / "shared_grpo").iterdir()
+    r = subprocess.run(_cli("eval", str(run), "--vs", "random", "--games-per-stratum", "1", "--scheduler", str(service),
+                            "--json", str(tmp_path / "eval.json")), capture_output=True, text=True, cwd=ROOT,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["metrics"]["eval/main/vs_random/hands"] > 0
     # Every job was opened, ran as its own tenant, and was closed: its adapters freed.
     report = json.loads(subprocess.run(_cli("status", str(service), "--json"), capture_output=True, text=True,
                                        cwd=ROOT, check=True, timeout=120).stdout)
     names = {j["name"]: j for j in report["jobs"]}
-    assert {"rl_grpo", "rl_rloo", "sft"} <= set(names)
-    assert all(names[n]["state"] == "closed" and names[n]["compute_s"] > 0 for n in ("rl_grpo", "rl_rloo", "sft"))
+    assert {"rl_grpo", "rl_rloo", "sft", "eval"} <= set(names)
+    assert all(names[n]["state"] == "closed" and names[n]["compute_s"] > 0 for n in ("rl_grpo", "rl_rloo", "sft", "eval"))
     assert report["adapters"] == [] and report["memory_mb"]["weights"] > 0 and report["tokens_per_s"]["over_s"] > 0
 
 

@@ -129,10 +129,12 @@ def check_game(game: str) -> games.GameEval:
 
 
 def job_config(source: Source | None, game: str, model: str, seed: int | None, threads: int | None,
-               device: str | None, out_dir: str, backend: str = "local", **tables: Any) -> JobConfig:
+               device: str | None, out_dir: str, backend: str = "local", scheduler: str = "",
+               **tables: Any) -> JobConfig:
     """A job on ``game`` with the run's game kwargs, system prompt, model and sampling settings
     when ``source`` is a run of that game, the defaults otherwise; ``tables`` replace
-    top-level fields (``policies``, ``eval``...). Checked whole (``check_config``)."""
+    top-level fields (``policies``, ``eval``...); ``scheduler``: a shared scheduler to run on
+    (never the one the run used, which may be gone). Checked whole (``check_config``)."""
     import msgspec
 
     from opentinker.config import ConfigError
@@ -147,7 +149,7 @@ def job_config(source: Source | None, game: str, model: str, seed: int | None, t
             raw.update(game_kwargs=dict(run.game_kwargs), system_prompt=run.system_prompt)
     raw.setdefault("model", {})["base"] = model
     raw["model"].update({k: v for k, v in (("threads", threads), ("device", device)) if v is not None})
-    raw.setdefault("runtime", {})["backend"] = backend
+    raw.setdefault("runtime", {}).update(backend=backend, scheduler=scheduler)
     raw["train"] = {"steps": 0, "record_trajectories": False}
     raw.update({k: v for k, v in (("seed", seed),) if v is not None}, **tables)
     try:
@@ -201,7 +203,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     policies += [{"name": p} for p in opp_adapters if p not in source.adapters]
     model = base_model(source, args.model)
     with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
-        cfg = job_config(source, game, model, args.seed, args.threads, args.device, tmp, args.backend, policies=policies,
+        cfg = job_config(source, game, model, args.seed, args.threads, args.device, tmp, args.backend,
+                         args.scheduler, policies=policies,
                          eval={"hands_per_stratum": n, "head_to_head_per_stratum": n if "base" in opponents else 0,
                                "cross_play_per_stratum": n if opp_adapters else 0})
         try:
@@ -288,6 +291,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the metrics and their provenance as JSON")
     parser.add_argument("--backend", choices=["local", "ray"], default="local",
                         help="local (default): every component in this process; ray: one actor each")
+    parser.add_argument("--scheduler", metavar="ADDRESS", default="",
+                        help="evaluate on a shared scheduler (opentinker serve): its bus endpoint or service file")
 
 
 def main(args: argparse.Namespace) -> int:
