@@ -261,6 +261,39 @@ def test_sync_client_notices_a_dead_server():
     run(main())
 
 
+def test_a_sync_client_waiting_on_many_replies_stays_alive_on_the_server():
+    """Replies keep arriving (one every 0.05 s) while the client sends nothing: it must still
+    send a frame every heartbeat, or the server counts it lost and cancels the rest."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+
+        async def slow(msg):
+            await asyncio.sleep(0.05 * int(msg.adapter))
+            return Ack()
+
+        server = Server(slow, heartbeat_s=None)
+        ep = await server.start(ctx)
+        c = await asyncio.to_thread(SyncClient, ep, heartbeat_s=0.1)
+        rids = [c.submit(OptimStep(adapter=str(i), params=AdamParams())) for i in range(1, 41)]
+
+        def wait_all() -> list:
+            return [c.result(r, 30) for r in rids]
+
+        waiting = asyncio.ensure_future(asyncio.to_thread(wait_all))
+        for _ in range(40):  # the server's heartbeat clock: 3 ticks without a frame lose a peer
+            if waiting.done():
+                break
+            await asyncio.sleep(0.1)
+            assert server.tick() == [], "the waiting client was counted lost"
+        assert all(isinstance(r, Ack) for r in await waiting)
+        assert c.counters["sent/Heartbeat"] >= 5
+        c.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())
+
+
 def test_bounded_work_on_both_sides():
     async def main():
         ctx = zmq.asyncio.Context()

@@ -118,6 +118,9 @@ class SyncClient:
         self._waiting_since = 0.0
         """When the current :meth:`_wait` began: a reply's wait counts from its send or from
         then, whichever is later (a caller that takes its result late did not wait for it)."""
+        self._last_send = time.perf_counter()
+        """When this client last sent a frame: the server hears from it at least every
+        ``heartbeat_s`` while it waits, even while replies keep arriving."""
         self.welcome: Welcome | None = None
         try:
             self.connect(connect_timeout)
@@ -183,7 +186,7 @@ class SyncClient:
         self._outstanding[rid] = msg
         self.counters[f"sent/{type(msg).__name__}"] += 1
         send_frames(self._sock, encode(msg, rid))
-        self._sent_at[rid] = time.perf_counter()
+        self._sent_at[rid] = self._last_send = time.perf_counter()
         return rid
 
     def _wait(self, rid: int, timeout: float) -> Message | PartialCallbackFailed:
@@ -214,6 +217,10 @@ class SyncClient:
                     raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats") from None
                 continue
             self._take(read)
+            if time.perf_counter() - self._last_send >= self.heartbeat_s:
+                # Replies keep coming but this side sends nothing (it waits on many requests):
+                # without a frame from it the server would count it lost and cancel them.
+                self._beat()
         return self._replies.pop(rid)
 
     def _poll(self, rid: int, until: float) -> None:
@@ -271,9 +278,13 @@ class SyncClient:
             self.beats.heard()
             self.welcome = None
             return True
+        self._beat()
+        return False
+
+    def _beat(self) -> None:
         self.counters["sent/Heartbeat"] += 1
         self._sock.send_multipart(encode(Heartbeat(seq=self.beats.missed), next_request_id()))
-        return False
+        self._last_send = time.perf_counter()
 
     def _cancel_remote(self, rid: int) -> None:
         self.counters["sent/Cancel"] += 1
