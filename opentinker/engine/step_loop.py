@@ -141,6 +141,9 @@ class Engine:
         self.hold: Callable[[Sequence], bool] | None = None
         """Also not admitted while this says so (a shared scheduler holds back the rows of a
         job over its share of compute while another job waits)."""
+        self.kv_full = False
+        """An admission stopped for lack of KV blocks since the waiting queue was last empty:
+        the rows running are what fits."""
         self.on_admit: Callable[[Sequence], None] | None = None
         """Called with each row the engine admits (to running, or as a running row's twin)."""
         self.stats = EngineStats()
@@ -256,6 +259,7 @@ class Engine:
                 self.stats.deferred += 1
                 continue
             if not self.blocks.can_allocate(ns, seq.tokens, seq.params.max_tokens):
+                self.kv_full = True
                 keep.append(seq)
                 keep.extend(self.waiting)  # first come, first served: nobody jumps the queue
                 self.waiting.clear()
@@ -265,6 +269,8 @@ class Engine:
                 self.on_admit(seq)
             prefilling[(ns, seq.prompt.tobytes())] = seq
         self.waiting = keep
+        if not keep:
+            self.kv_full = False
         return gone
 
     def _start(self, seq: Sequence, ns: tuple[Hashable, str | None, int]) -> None:

@@ -13,7 +13,8 @@ replaces nothing but must not race a drop) waits until that adapter has no runni
 holding back its new rows meanwhile: a reply is drawn by one version from first token to last.
 
 On a shared scheduler, jobs share compute by their priorities (:class:`JobShare`): while two
-or more jobs have work, each may hold at most its priority's share of the engine's row slots,
+or more jobs have work, each may hold at most its priority's share of the rows that fit (the
+engine's row slots, or the rows running once the KV blocks ran out),
 and a job whose decayed compute time per unit of priority is ahead of the least served one's
 gets no new rows admitted and no operation run until that one catches up (its running rows go
 on decoding), so backlogged jobs get compute in proportion to their priorities.
@@ -231,8 +232,9 @@ class StepWorker:
         self.behind = self.jobs.ahead(active)
         self.rows = collections.Counter(getattr(q.owner, "tenant", "") for q in self.engine.running)
         total = sum(active.values())
-        self.slots = {t: max(1, int(self.engine.max_rows * w / total)) for t, w in active.items()} \
-            if len(active) > 1 else {}
+        # The rows that fit: the engine's row slots, or what is running when the KV blocks ran out.
+        capacity = max(1, len(self.engine.running)) if self.engine.kv_full else self.engine.max_rows
+        self.slots = {t: max(1, int(capacity * w / total)) for t, w in active.items()} if len(active) > 1 else {}
 
     def _hold(self, seq: Sequence) -> bool:
         """Whether the engine keeps ``seq`` waiting: its job is ahead of its share of compute,
