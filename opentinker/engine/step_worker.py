@@ -243,11 +243,12 @@ class StepWorker:
         return tenant in self.behind or self.rows[tenant] >= self.slots.get(tenant, self.engine.max_rows)
 
     def _active_jobs(self) -> dict[str, float]:
-        """Jobs with work waiting or running -> their priorities (the owner's: 1)."""
+        """Jobs with work waiting or running -> their priorities (the owner's: ``owner_priority``)."""
         tenants = {getattr(q.owner, "tenant", "") for q in (*self.engine.running, *self.engine.waiting)}
         tenants.update(q[0].tenant for q in self.ops.values())
         jobs = self.s.tenants.jobs  # type: ignore[union-attr]
-        return {t: jobs[t].priority if t in jobs else 1.0 for t in tenants}
+        owner = self.s.tenants.owner_priority  # type: ignore[union-attr]
+        return {t: jobs[t].priority if t in jobs else owner for t in tenants}
 
     def _next_op(self) -> tuple[str, _Job] | None:
         """The next operation in round-robin order whose adapter has no running rows if it

@@ -88,7 +88,9 @@ class Tenants:
     ``accounts`` (user -> secret of every running job) is what the scheduler's bus server
     accepts besides its own user; it changes as jobs open and close."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner_priority: float = 1.0) -> None:
+        self.owner_priority = owner_priority
+        """The weight of the scheduler's own user (a service's HTTP endpoint) against the jobs."""
         self.jobs: dict[str, Tenant] = {}
         """Every job opened so far, by id (closed ones stay, for listings)."""
         self.accounts: dict[str, bytes] = {}

@@ -27,6 +27,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", nargs="?", const="local", default="", metavar="ADDRESS",
                    help="run the scheduler and the job queue in a Ray actor: alone, a Ray instance started here; "
                    "with an ADDRESS (auto, host:port), on that cluster")
+    p.add_argument("--max-rows", type=int, default=256, help="rows the engine runs at once (default 256); fewer "
+                   "rows make jobs take turns at a finer grain on a CPU")
+    p.add_argument("--kv-budget-mb", type=int, default=256, help="memory of the KV cache blocks (default 256)")
+    p.add_argument("--fair-window-s", type=float, default=10.0, help="how long compute is remembered when sharing "
+                   "it between jobs and between sampling and training (default 10)")
+    p.add_argument("--http-priority", type=float, default=1.0, help="the HTTP endpoint's share of compute against "
+                   "jobs' runtime.priority (default 1)")
     p.add_argument("--budget-mb", type=float, default=0.0, help="memory the job queue may fill with running jobs "
                    "(default: half of this machine's memory)")
 
@@ -57,7 +64,8 @@ def serve_main(args: argparse.Namespace) -> int:
     service = Service(args.model, device=args.device, http_host=args.host,
                       http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
                       service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
-                      ray=args.ray)
+                      ray=args.ray, fair_window_s=args.fair_window_s, owner_priority=args.http_priority,
+                      engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20})
     try:
         info = service.start()
     except (ValueError, OSError) as e:
@@ -124,9 +132,10 @@ def status_main(args: argparse.Namespace) -> int:
         return 0
     print(f"service {report['endpoint']}  http {report['http'] or '-'}  pid {report['pid']}  up {report['up_s']:.0f} s")
     print(f"model {report['model']} on {report['device']}")
-    print(f"\n{'job':<24} {'state':<8} {'priority':>8} {'compute s':>10}  adapters")
+    print(f"\n{'job':<24} {'state':<8} {'priority':>8} {'compute s':>10} {'contended s':>12}  adapters")
     for j in report["jobs"]:
-        print(f"{j['job']:<24} {j['state']:<8} {j['priority']:>8g} {j['compute_s']:>10.1f}  {', '.join(j['adapters'])}")
+        print(f"{j['job']:<24} {j['state']:<8} {j['priority']:>8g} {j['compute_s']:>10.1f} {j['contended_s']:>12.1f}  "
+              f"{', '.join(j['adapters'])}")
     if not report["jobs"]:
         print("(no jobs)")
     print(f"\nadapters: {', '.join(a['name'] for a in report['adapters']) or '(none)'} "

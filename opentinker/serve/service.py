@@ -149,12 +149,13 @@ class ServiceCore:
     returns the scheduler's endpoint."""
 
     def __init__(self, model_path: str, device: str = "cpu", service_file: str = "", budget_mb: float = 0.0,
-                 adapters: dict[str, str] | None = None, **scheduler: Any) -> None:
+                 adapters: dict[str, str] | None = None, owner_priority: float = 1.0, **scheduler: Any) -> None:
         self.model_path, self.device = model_path, device
         self.service_file = Path(service_file or home() / SERVICE_FILE)
         self.budget_mb = budget_mb
         self.adapters = dict(adapters or {})
         self.scheduler_args = scheduler
+        self.owner_priority = owner_priority
         self.scheduler: Any = None
         self.queue: Any = None
 
@@ -162,7 +163,8 @@ class ServiceCore:
         from opentinker.engine.service import Scheduler
         from opentinker.engine.tenants import Tenants
 
-        self.scheduler = Scheduler(self.model_path, device=self.device, tenants=Tenants(), **self.scheduler_args)
+        self.scheduler = Scheduler(self.model_path, device=self.device, tenants=Tenants(self.owner_priority),
+                                   **self.scheduler_args)
         endpoint = self.scheduler.start()
         try:
             self._load_adapters(endpoint)
