@@ -390,19 +390,21 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         return JobList(jobs=[self.tenants.info(t, internals, self.tenant_ms[t.job], self.contended_ms[t.job])
                              for t in self.tenants.jobs.values()])
 
-    def charge(self, jobs: Sequence[_Job], dt: float) -> None:
-        """Charge ``dt`` seconds of compute to the jobs' tenants, an equal share per entry (a
-        sampling step lists the job of each running row)."""
+    def charge(self, jobs: Sequence[_Job], dt: float, weights: Sequence[float] | None = None) -> None:
+        """Charge ``dt`` seconds of compute to the jobs' tenants, split by ``weights`` (a
+        sampling step lists the job of each running row, weighed by the tokens it computed),
+        else equally per entry."""
         if self.tenants is None or not jobs:
             return
-        share = 1000.0 * dt / len(jobs)
-        for job in jobs:
-            self.tenant_ms[job.tenant] += share
+        total = float(sum(weights)) if weights is not None else 0.0
+        shares = [dt * w / total for w in weights] if weights is not None and total > 0 else [dt / len(jobs)] * len(jobs)
         worker = getattr(self, "step_worker", None)
-        if worker is not None and worker.contended:  # the step loop's sharing between jobs with work
-            for job in jobs:
-                worker.jobs.charge(job.tenant, dt / len(jobs))
-                self.contended_ms[job.tenant] += share
+        contended = worker is not None and worker.contended  # the step loop's sharing between jobs with work
+        for job, seconds in zip(jobs, shares):
+            self.tenant_ms[job.tenant] += 1000.0 * seconds
+            if contended:
+                worker.jobs.charge(job.tenant, seconds)
+                self.contended_ms[job.tenant] += 1000.0 * seconds
 
     async def _submit(self, msg: Message, tenant: str = "") -> Message:
         """Queue ``msg`` for the compute thread and wait for its reply (a cancelled caller drops

@@ -164,11 +164,13 @@ class StepWorker:
         """Row slots each job with work may fill this turn (none: no limit)."""
         self.rows: collections.Counter[str] = collections.Counter()
         """Running rows per job, counted up as the engine admits."""
+        self._new_rows: list[tuple[Sequence, int]] = []
+        """Rows admitted during the current step, with the tokens they had computed then."""
         self.contended = False
         """Two or more jobs have work this turn (their priorities set their shares)."""
         if scheduler.tenants is not None:
             self.engine.hold = self._hold
-            self.engine.on_admit = lambda seq: self.rows.update((getattr(seq.owner, "tenant", ""),))
+            self.engine.on_admit = self._admitted
 
     # ----------------------------------------------------------------------------- intake
 
@@ -236,6 +238,10 @@ class StepWorker:
         capacity = max(1, len(self.engine.running)) if self.engine.kv_full else self.engine.max_rows
         self.slots = {t: max(1, int(capacity * w / total)) for t, w in active.items()} if len(active) > 1 else {}
 
+    def _admitted(self, seq: Sequence) -> None:
+        self.rows.update((getattr(seq.owner, "tenant", ""),))
+        self._new_rows.append((seq, seq.num_computed))
+
     def _hold(self, seq: Sequence) -> bool:
         """Whether the engine keeps ``seq`` waiting: its job is ahead of its share of compute,
         or fills its share of row slots."""
@@ -294,15 +300,18 @@ class StepWorker:
         t0 = time.perf_counter()
         try:
             plan_clients = [getattr(q.owner.msg, "client", "") for q in self.engine.running]
-            row_jobs = [q.owner for q in self.engine.running]
+            rows = [(q, q.num_computed) for q in self.engine.running]
+            self._new_rows = []
             progressed, finished = self.engine.step()
+            rows += self._new_rows
         except Exception as e:
             self._fail_running(e)
             return
         dt = time.perf_counter() - t0
         self.fair.charge("sample", dt)
         self.s.compute_counters["compute_ms/SampleRequest"] += int(1000 * dt)
-        self.s.charge(row_jobs, dt)
+        # Each row's share of the step: the tokens it computed (a prompt chunk costs its length, a decode 1).
+        self.s.charge([q.owner for q, _ in rows], dt, [max(0, q.num_computed - n) for q, n in rows])
         self.s.compute_counters["engine_steps"] += 1
         if plan_clients:
             self.s.batches.append(plan_clients)
