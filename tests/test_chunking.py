@@ -262,7 +262,10 @@ def test_an_offline_job_on_a_scheduler_of_small_limits_learns_the_same(case, tmp
             close_dicts(got[key], want[key])
     assert len(got_rows) == len(want_rows) == 2 + steps
     for g, w in zip(got_rows, want_rows):
-        close_dicts(g, w)
+        # A preference loss's reward accuracy counts margins > 0: at the first step the policy is
+        # the reference, every margin is 0 up to float rounding, and slicing the batch rounds
+        # differently; the margins themselves are compared.
+        close_dicts(g, w, skip=("reward_accuracy",) if g.get("step") == 1 else ())
     assert set(got_w) == set(want_w)
     for k in want_w:
         if exact:
