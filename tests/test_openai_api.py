@@ -195,6 +195,8 @@ def test_api_key_is_required_when_set_and_public_hosts_need_one(sched, tiny_path
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
         assert httpx2.get(server.url + "/v1/models", timeout=WAIT_S).status_code == 401  # no header at all
+        assert all(httpx2.get(server.url + page, timeout=WAIT_S).status_code in (401, 404)
+                   for page in ("/docs", "/redoc", "/openapi.json"))  # FastAPI's own pages are not open
         right = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0, timeout=WAIT_S)
         assert right.chat.completions.create(model="base", messages=MESSAGES, max_tokens=3).choices[0].message
     finally:

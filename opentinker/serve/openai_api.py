@@ -338,7 +338,9 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
                            code="invalid_api_key")
 
-    app = fastapi.FastAPI(title="OpenTinker", lifespan=lifespan, dependencies=[fastapi.Depends(authorize)])
+    # FastAPI's own pages answer without the route dependencies: with a key, they are not served.
+    pages = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = fastapi.FastAPI(title="OpenTinker", lifespan=lifespan, dependencies=[fastapi.Depends(authorize)], **pages)
     app.state.api_key = api_key
 
     async def on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
