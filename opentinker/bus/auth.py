@@ -103,20 +103,14 @@ def run_user() -> str:
         return _user
 
 
-def set_run_secret(value: str, user: str = "") -> None:
-    """Use ``value`` as this process's bus secret, and ``user`` (when given) as its bus user (an
-    actor, given the driver's; a job attached to a shared scheduler, given its job's): sockets
-    made from now on present and accept them."""
-    global _secret, _user
+def set_run_secret(value: str) -> None:
+    """Use ``value`` as this process's bus secret (an actor, given the driver's): sockets made
+    from now on present and accept it."""
+    global _secret
     checked = _checked(value, "bus secret")
-    if user:
-        check_user(user)
     with _lock:
         _secret = checked
         os.environ[SECRET_ENV] = value
-        if user:
-            _user = user
-            os.environ[USER_ENV] = user
 
 
 def new_secret() -> str:
