@@ -254,7 +254,8 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         """Further requests for the scheduler's owner only, message type -> ``async fn(msg)``
         (a service's job queue)."""
         self.contended_ms: collections.Counter[str] = collections.Counter()
-        """Of it, the time while two or more jobs had work (the step loop's sharing applied)."""
+        """Of it, the time while two or more jobs had work (the step loop's sharing applied;
+        counted by :class:`~opentinker.engine.step_worker.StepWorker`)."""
         self.max_new_tokens = int(max_new_tokens)
         self._owner: dict[str, str] = {}
         """Adapter name -> the peer that made it (created, loaded or snapshotted): only that peer
@@ -294,8 +295,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         if self.host.engine is not None:
             from opentinker.engine.step_worker import StepWorker
 
-            self.step_worker = StepWorker(self, self.train_share, self.fair_window_s)
-            target = self.step_worker.run
+            target = StepWorker(self, self.train_share, self.fair_window_s).run
         self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
         self._worker.start()
         self.loop = LoopThread("scheduler-bus")
@@ -390,21 +390,21 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         return JobList(jobs=[self.tenants.info(t, internals, self.tenant_ms[t.job], self.contended_ms[t.job])
                              for t in self.tenants.jobs.values()])
 
-    def charge(self, jobs: Sequence[_Job], dt: float, weights: Sequence[float] | None = None) -> None:
+    def charge(self, jobs: Sequence[_Job], dt: float, weights: Sequence[float] | None = None) -> dict[str, float]:
         """Charge ``dt`` seconds of compute to the jobs' tenants, split by ``weights`` (a
         sampling step lists the job of each running row, weighed by the tokens it computed),
-        else equally per entry."""
+        else equally per entry; returns the seconds charged to each tenant (none on a
+        scheduler of one job)."""
         if self.tenants is None or not jobs:
-            return
+            return {}
         total = float(sum(weights)) if weights is not None else 0.0
         shares = [dt * w / total for w in weights] if weights is not None and total > 0 else [dt / len(jobs)] * len(jobs)
-        worker = getattr(self, "step_worker", None)
-        contended = worker is not None and worker.contended  # the step loop's sharing between jobs with work
+        charged: collections.Counter[str] = collections.Counter()
         for job, seconds in zip(jobs, shares):
-            self.tenant_ms[job.tenant] += 1000.0 * seconds
-            if contended:
-                worker.jobs.charge(job.tenant, seconds)
-                self.contended_ms[job.tenant] += 1000.0 * seconds
+            charged[job.tenant] += seconds
+        for tenant, seconds in charged.items():
+            self.tenant_ms[tenant] += 1000.0 * seconds
+        return charged
 
     async def _submit(self, msg: Message, tenant: str = "") -> Message:
         """Queue ``msg`` for the compute thread and wait for its reply (a cancelled caller drops

@@ -238,6 +238,13 @@ class StepWorker:
         capacity = max(1, len(self.engine.running)) if self.engine.kv_full else self.engine.max_rows
         self.slots = {t: max(1, int(capacity * w / total)) for t, w in active.items()} if len(active) > 1 else {}
 
+    def _charge(self, jobs: list[_Job], dt: float, weights: list[float] | None = None) -> None:
+        """The scheduler's per-job compute counters; while jobs contend, also their shares."""
+        for tenant, seconds in self.s.charge(jobs, dt, weights).items():
+            if self.contended:
+                self.jobs.charge(tenant, seconds)
+                self.s.contended_ms[tenant] += 1000.0 * seconds
+
     def _admitted(self, seq: Sequence) -> None:
         self.rows.update((getattr(seq.owner, "tenant", ""),))
         self._new_rows.append((seq, seq.num_computed))
@@ -293,7 +300,7 @@ class StepWorker:
         dt = time.perf_counter() - t0
         self.fair.charge("ops", dt)
         self.s.compute_counters[f"compute_ms/{type(job.msg).__name__}"] += int(1000 * dt)
-        self.s.charge([job], dt)
+        self._charge([job], dt)
         self.s._reply(job, reply)
 
     def _step(self) -> None:
@@ -311,7 +318,7 @@ class StepWorker:
         self.fair.charge("sample", dt)
         self.s.compute_counters["compute_ms/SampleRequest"] += int(1000 * dt)
         # Each row's share of the step: the tokens it computed (a prompt chunk costs its length, a decode 1).
-        self.s.charge([q.owner for q, _ in rows], dt, [max(0, q.num_computed - n) for q, n in rows])
+        self._charge([q.owner for q, _ in rows], dt, [max(0, q.num_computed - n) for q, n in rows])
         self.s.compute_counters["engine_steps"] += 1
         if plan_clients:
             self.s.batches.append(plan_clients)
