@@ -116,6 +116,22 @@ class Component:
         self.obj.stop()
 
 
+def init_ray(address: str = "") -> bool:
+    """Start Ray here on 127.0.0.1 (no dashboard, a small object store: data goes over the
+    bus), or join the cluster at ``address``, unless this process already did; True when this
+    call did."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count(),
+                 object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False)
+    return True
+
+
 def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str,
                     scheduler_auth: tuple[str, str] | None = None) -> dict[str, Any]:
     tc = cfg.train_for(policy)
@@ -249,11 +265,7 @@ class Job:
         import ray
 
         cfg = self.cfg
-        if not ray.is_initialized():
-            ray.init(
-                _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count(),
-                object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False,
-            )
+        init_ray()
         actor_cls = ray.remote(num_cpus=0)(Component)
         secret = run_secret().decode()  # every actor's sockets present and accept the driver's
         timeout = cfg.runtime.startup_timeout_s

@@ -291,15 +291,9 @@ class Service:
     def _start_ray(self, model_path: str) -> str:
         import ray
 
-        from opentinker.control.runtime import Component
+        from opentinker.control.runtime import Component, init_ray
 
-        if not ray.is_initialized():
-            if self.ray == "local":
-                ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
-            else:
-                ray.init(address=self.ray, log_to_driver=False, configure_logging=False)
-            self._started_ray = True
+        self._started_ray = init_ray("" if self.ray == "local" else self.ray)
         gpus = 1 if self.device.startswith("cuda") else 0
         actor_cls = ray.remote(num_cpus=0, num_gpus=gpus)(Component)
         self.actor = actor_cls.remote("service", {"model_path": model_path, **self.core_args}, run_secret().decode())
