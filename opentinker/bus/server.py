@@ -364,7 +364,7 @@ class Server:
                 task.cancel()
                 self._send(identity, Ack(), rid)
         elif isinstance(msg, Shutdown):
-            if peer.name not in self.owners or peer.principal != run_user():  # a job of a shared server never
+            if peer.name not in self.owners or peer.principal != run_user():  # a shared scheduler's jobs never may
                 self.counters["error/not_owner"] += 1
                 self._log.warning("not_owner", "%s: refused a shutdown from %s (not an owner)", self.name, peer.name)
                 self._send(identity, Error(code=ErrorCode.INVALID, message=(

@@ -105,8 +105,13 @@ def check_job_name(name: str) -> None:
         raise ValueError(f"OpenJob.{e}") from None
 
 
+def _absolute(path: object) -> bool:
+    """Whether ``path`` is an absolute path that can name a file (no NUL)."""
+    return isinstance(path, str) and bool(path) and "\0" not in path and os.path.isabs(path)
+
+
 def _absolute_root(path: str, where: str) -> str:
-    if not isinstance(path, str) or not path or "\0" in path or not os.path.isabs(path):
+    if not _absolute(path):
         raise ValueError(f"{where}: {path!r} is not an absolute path")
     return os.path.realpath(path)
 
@@ -137,7 +142,7 @@ def confined(path: str, roots: Sequence[str] | None) -> str:
     not the path exists, and nothing outside the roots is opened."""
     if roots is None:
         return path
-    if not isinstance(path, str) or not path or "\0" in path or not os.path.isabs(path):
+    if not _absolute(path):
         raise PathNotAllowed(f"adapter path {path!r}: must be an absolute path inside the run's folder")
     real = os.path.realpath(path)
     if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
