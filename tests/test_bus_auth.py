@@ -157,3 +157,62 @@ def test_zap_handlers_stop_with_their_last_socket():
         ctx.destroy(0)
 
     run(main())
+
+
+@pytest.fixture
+def run_on_curve():
+    """This process's sockets on a fresh run CURVE pair (servers bound to 127.0.0.1), PLAIN again after."""
+    pair = auth.new_curve()
+    auth.set_run_curve(pair, host="127.0.0.1")
+    try:
+        yield pair
+    finally:
+        auth.set_run_curve(None)
+
+
+def test_a_run_on_curve_takes_only_its_own_key(run_on_curve):
+    """With the run's CURVE pair set (a job with ``runtime.curve`` or on a cluster), servers and
+    pullers made without keys are CURVE servers that accept only the run's key: a client and a
+    pusher made without keys talk to them; a PLAIN peer with the run's secret and a CURVE peer
+    with another key get nothing decoded (the other key is refused by ZAP, counted)."""
+    from opentinker.bus.common import run_keys
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server = Server(_echo, heartbeat_s=None, name="curved")
+        ep = await server.start(ctx)
+        assert server.keys == run_keys() and server.keys.public == run_on_curve[0].encode()
+        assert ep.startswith("tcp://127.0.0.1:")
+        plain = ctx.socket(zmq.DEALER)  # the run's secret, but PLAIN
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.plain_username, plain.plain_password = USERNAME.encode(), run_secret()
+        plain.connect(ep)
+        other = ctx.socket(zmq.DEALER)  # knows the server's public key, has a key pair of its own
+        other.setsockopt(zmq.LINGER, 0)
+        other.curve_publickey, other.curve_secretkey = zmq.curve_keypair()
+        other.curve_serverkey = run_on_curve[0].encode()
+        other.connect(ep)
+        for s in (plain, other):
+            await s.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="stranger"), 1))
+        good = Client(ctx, ep, name="good", heartbeat_s=None)
+        assert isinstance(await good.request(OptimStep(adapter="b", params=AdamParams()), 10), Ack)
+        await until(lambda: server.counters["auth_denied"] >= 1, "the other key refused")
+        for s in (plain, other):
+            assert await s.poll(300, zmq.POLLIN) == 0
+            s.close(0)
+        assert server.counters["handshakes"] == 1
+        puller = Puller(ctx)
+        pusher = Pusher(ctx, puller.endpoint)
+        await pusher.send(_trajectory(3))
+        assert (await asyncio.wait_for(puller.recv(), 10)).episode_id == 3
+        for c in (good, pusher, puller):
+            c.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())
+    auth.set_run_curve(None)
+    with pytest.raises(ValueError, match="run CURVE secret key: 40 Z85 characters"):
+        auth.set_run_curve((run_on_curve[0], "short"))
+    with pytest.raises(ValueError, match="bind host"):
+        auth.set_run_curve(run_on_curve, host="0.0.0.0/8")

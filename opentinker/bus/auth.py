@@ -9,6 +9,12 @@
   secret in clear text, which is why it is for loopback (and ``ipc://``) only.
 * **CURVE** (``keys=CurveKeys``, required to bind a non-loopback address): authentication and
   encryption; a server with ``allowed_clients`` accepts only those public keys.
+* **The run's CURVE pair** (:func:`set_run_curve`, a job that spans machines or forces CURVE
+  with ``runtime.curve``): every socket of the process made from then on without keys or
+  credentials of its own uses it, a server as a CURVE server that accepts only the run's
+  public key, a client presenting the pair, and servers bind the given host (the node's
+  address) instead of 127.0.0.1. The runtime makes one pair per run and hands it to every
+  actor with its other arguments; it is never written to a file, a log or the environment.
 
 The run's secret is made once per process (``secrets.token_urlsafe(32)``) unless the
 environment names one in ``OPENTINKER_BUS_SECRET``; it is put in this process's environment,
@@ -58,6 +64,8 @@ MAX_SECRET_CHARS = 255
 
 _secret: bytes | None = None
 _user: str | None = None
+_curve: tuple[bytes, bytes, str] | None = None
+"""The run's CURVE public key, secret key (Z85) and the host its servers bind, once set."""
 _lock = threading.Lock()
 _USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 """A bus user name: what a job id is made of (:func:`check_user`)."""
@@ -111,6 +119,42 @@ def set_run_secret(value: str) -> None:
     with _lock:
         _secret = checked
         os.environ[SECRET_ENV] = value
+
+
+def set_run_curve(pair: tuple[str, str] | None, host: str = "127.0.0.1") -> None:
+    """Use the CURVE key pair ``(public, secret)`` (Z85, 40 characters each) for every socket
+    of this process made from now on without keys or credentials of its own, servers binding
+    ``host``; ``None``: back to PLAIN with the run's secret on loopback."""
+    global _curve
+    if pair is None:
+        with _lock:
+            _curve = None
+        return
+    public, secret = (k.encode() if isinstance(k, str) else bytes(k) for k in pair)
+    for what, key in (("public", public), ("secret", secret)):
+        try:
+            ok = len(key) == 40 and len(z85.decode(key)) == 32
+        except (ValueError, KeyError, IndexError):  # not Z85
+            ok = False
+        if not ok:
+            raise ValueError(f"run CURVE {what} key: 40 Z85 characters expected (got {len(key)} bytes)")
+    if not isinstance(host, str) or not host or any(c in host for c in "/*[] \t\n"):
+        raise ValueError(f"run CURVE bind host: an IP address or host name expected (got {host!r:.80})")
+    with _lock:
+        _curve = (public, secret, host)
+
+
+def run_curve() -> tuple[bytes, bytes, str] | None:
+    """The run's CURVE ``(public, secret, bind host)`` when :func:`set_run_curve` set one."""
+    return _curve
+
+
+def new_curve() -> tuple[str, str]:
+    """A fresh CURVE key pair ``(public, secret)`` (Z85) for a run."""
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CURVE support")
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
 
 
 def new_secret() -> str:

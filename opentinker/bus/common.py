@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 import zmq
 
-from opentinker.bus.auth import Credentials, Guard, guard_server, secure_client
+from opentinker.bus.auth import (
+    Credentials,
+    Guard,
+    guard_server,
+    run_curve,
+    secure_client,
+)
 from opentinker.bus.loop import Bounds, Cut
 from protocols.codec import (
     DEFAULT_LIMITS,
@@ -118,6 +124,32 @@ class CurveKeys:
                          allowed_clients=tuple(c.public for c in clients))
 
 
+def run_keys() -> CurveKeys | None:
+    """The run's CURVE pair (:func:`~opentinker.bus.auth.set_run_curve`) as both sides use it: a
+    server with it accepts only it, a client presents it to a server that has it; None when
+    the run is on PLAIN."""
+    curve = run_curve()
+    if curve is None:
+        return None
+    public, secret, _host = curve
+    return CurveKeys(public=public, secret=secret, server_public=public, allowed_clients=(public,))
+
+
+def server_side(endpoint: str, keys: CurveKeys | None,
+                accounts: Mapping[str, bytes] | None = None) -> tuple[str, CurveKeys | None]:
+    """Where a server binds and the keys it uses: those given; else, on a run with a CURVE
+    pair, the pair and the run's host for the default ``LOOPBACK`` (a server with PLAIN
+    ``accounts``, a shared scheduler's, stays as it is); checked by :func:`check_bind`."""
+    curve = run_curve()
+    if keys is None and accounts is None and curve is not None:
+        keys = run_keys()
+        if endpoint == LOOPBACK:
+            host = curve[2]
+            endpoint = f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
+    check_bind(endpoint, keys)
+    return endpoint, keys
+
+
 def is_loopback(endpoint: str) -> bool:
     """True for ``ipc://``, ``inproc://`` and TCP on a loopback address (127.0.0.0/8, ::1,
     ``localhost``); ValueError for another scheme."""
@@ -163,13 +195,16 @@ def configure(
     """Options every bus socket gets: ``LINGER=0``, bounded queues (``hwm`` messages each
     way), a hard cap of :func:`frame_cap` bytes per frame (libzmq drops a peer that sends more; a
     message between ``max_bytes`` and that gets a ``too_large`` reply), and its credentials:
-    CURVE when ``keys`` are given, else a connecting socket presents the run's secret (PLAIN,
-    :mod:`opentinker.bus.auth`; or ``credentials``); a binding socket is made a PLAIN or CURVE server by
+    CURVE when ``keys`` are given (a connecting socket with neither ``keys`` nor ``credentials``
+    uses the run's CURVE pair when it has one, :func:`run_keys`), else a connecting socket
+    presents the run's secret (PLAIN, :mod:`opentinker.bus.auth`; or ``credentials``); a binding socket is made a PLAIN or CURVE server by
     :func:`~opentinker.bus.auth.guard_server`."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, frame_cap(max_bytes))
+    if keys is None and credentials is None and not server:
+        keys = run_keys()  # a run on CURVE: its servers have the run's pair
     if keys is not None:
         sock.curve_publickey = keys.public
         sock.curve_secretkey = keys.secret

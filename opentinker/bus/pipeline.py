@@ -17,10 +17,10 @@ from opentinker.bus.common import (
     CurveKeys,
     LogEvery,
     bind_guarded,
-    check_bind,
     configure,
     cut_error,
     read_bounds,
+    server_side,
 )
 from opentinker.bus.loop import NOBLOCK, recv_bounded, send_frames
 from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
@@ -70,7 +70,7 @@ class Puller:
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str = LOOPBACK, max_bytes: int | None = None,
                  *, keys: CurveKeys | None = None, hwm: int = DEFAULT_HWM, limits: Limits | None = None) -> None:
-        check_bind(endpoint, keys)
+        endpoint, keys = server_side(endpoint, keys)
         self.limits = (limits or DEFAULT_LIMITS).with_max_bytes(max_bytes)
         self.max_bytes = self.limits.max_bytes
         self.counters = Counters()

@@ -61,11 +61,11 @@ from opentinker.bus.common import (
     CurveKeys,
     LogEvery,
     bind_guarded,
-    check_bind,
     configure,
     cut_error,
     plain_context,
     read_bounds,
+    server_side,
 )
 from opentinker.bus.loop import Cut, SocketReader, run_eager
 from opentinker.bus.stream import DEFAULT_BACKLOG, Emitter, Outbox, Parked, wants_stream
@@ -125,7 +125,9 @@ class Server:
             reply, ``LookupError`` such as ``KeyError`` (an unknown name) ``Error(not_found)``, anything else
             ``Error(internal)``; the server keeps serving.
         endpoint: where to bind (``tcp://``, ``ipc://``, ``inproc://``); a non-loopback TCP
-            address needs ``keys``.
+            address needs ``keys``. On a run with a CURVE pair, a server without ``keys`` or
+            ``accounts`` uses the pair, and ``LOOPBACK`` is the run's host
+            (:func:`~opentinker.bus.common.server_side`).
         max_bytes: shorthand for ``limits.max_bytes``.
         limits: what one request may cost (frames, bytes, body, array rank), each checked
             before the work it bounds; a request over them gets ``Error(too_large)`` (or
@@ -167,7 +169,7 @@ class Server:
         owners: Collection[str] = (),
         accounts: Mapping[str, bytes] | None = None,
     ) -> None:
-        check_bind(endpoint, keys)
+        endpoint, keys = server_side(endpoint, keys, accounts)
         self.accounts = accounts
         self.handler = handler
         self.name = name
