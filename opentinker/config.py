@@ -396,6 +396,14 @@ class RuntimeConfig(_Config):
     file; ``""``: the job starts its own. ``opentinker run --scheduler ADDRESS`` sets it."""
     priority: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
     """The job's weight on a shared scheduler."""
+    address: Annotated[str, Meta(max_length=1024)] = ""
+    """A Ray cluster to run on (``auto``, ``HOST:PORT`` or ``ray://HOST:PORT``; Ray backend):
+    env runners and learners are dealt to its nodes in turn, and the bus between them is CURVE
+    (as with ``curve``), each server bound to its node's address. ``""``: a private Ray
+    instance on this machine, on 127.0.0.1."""
+    curve: bool = False
+    """The job's bus on CURVE (authentication and encryption, keys made for the run) instead of
+    PLAIN with the run's secret, on one machine too; always on with ``address``."""
 
 
 class OfflineConfig(_Config):
@@ -629,6 +637,12 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError("config", f"{str(path)!r} is not valid TOML: {e}") from None
     if overrides:
         _merge(raw, overrides)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """A job config from its decoded TOML tables (older field names accepted), or
+    :class:`ConfigError` naming the first field that does not decode (``<field>: <reason>``)."""
     _renamed(raw)
     try:
         return msgspec.convert(raw, JobConfig)

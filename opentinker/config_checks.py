@@ -10,7 +10,6 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -65,6 +64,31 @@ def _check_scheduler(address: str) -> None:
         raise ConfigError("runtime.scheduler", str(e).removeprefix(f"--scheduler {address}: ")) from None
 
 
+_RAY_ADDRESS = re.compile(r"auto|(?:ray://)?(?P<host>[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>\d{1,5})")
+
+
+def _check_cluster(cfg: JobConfig) -> None:
+    """``runtime.address`` is a Ray address (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``) a
+    Ray job can join, and ``runtime.curve`` has a libzmq that speaks CURVE."""
+    rt = cfg.runtime
+    if rt.address:
+        m = _RAY_ADDRESS.fullmatch(rt.address)
+        if m is None or (m["port"] is not None and not 0 < int(m["port"]) < 65536):
+            raise ConfigError("runtime.address", f"{rt.address!r:.80} is not a Ray address (auto, HOST:PORT or "
+                                                 "ray://HOST:PORT)")
+        if rt.backend != "ray":
+            raise ConfigError("runtime.address", 'a cluster needs runtime.backend = "ray"')
+        if rt.scheduler:
+            raise ConfigError("runtime.address", "a shared scheduler (runtime.scheduler) is reachable from its own "
+                                                 "machine only: leave one of the two empty")
+    if rt.address or rt.curve:
+        import zmq
+
+        if not zmq.has("curve"):
+            raise ConfigError("runtime.address" if rt.address else "runtime.curve",
+                              "this machine's libzmq was built without CURVE")
+
+
 def check_config(cfg: JobConfig) -> None:
     """Every check that needs no model loaded and no component started, in the order of their
     cost; raises :class:`ConfigError` (``<field>: <reason>``) for the first field that cannot
@@ -77,6 +101,7 @@ def check_config(cfg: JobConfig) -> None:
     if oc is not None and not Path(oc.data).exists():
         raise ConfigError("offline.data", f"{oc.data!r}: no such file or folder")
     info = check_model(cfg.model.base)
+    _check_cluster(cfg)
     if cfg.runtime.scheduler:
         _check_scheduler(cfg.runtime.scheduler)
     else:  # on a shared scheduler the service chose its device

@@ -8,6 +8,7 @@ the adapter paths, the wall time)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from opentinker.machine import git_commit, machine
 from opentinker.progress import EpisodeFeed
 from opentinker.training import trajectory_log
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RunResult:
@@ -88,9 +91,14 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
 
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None,
-            resume: Path | None = None, checkpoint: Checkpoint | None = None) -> RunResult:
+            resume: Path | None = None, checkpoint: Checkpoint | None = None, *, restarts: int = 0) -> RunResult:
     """Run a job into ``run_dir`` (default ``<out_dir>/<run name>``); with ``resume``, continue
     the run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``).
+
+    A dead env runner is restarted in place (:meth:`Job.supervised`); any other component that
+    dies (a learner, the scheduler, the coordinator) stops the job, which then restores its
+    newest checkpoint by itself and goes on, saying so (:func:`_recover`). Both count against
+    ``runtime.max_restarts`` (``restarts``: those used before this call).
 
     The config is checked whole (:func:`~opentinker.config_checks.check_config`, a
     :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
@@ -126,6 +134,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         return _run_offline(cfg, console, run_dir, model_path, log)
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
         job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
+    job.restarts = restarts
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")
     start = 1
     if ckpt is not None:
@@ -150,6 +159,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         return status
 
     feed: EpisodeFeed | None = None
+    died: ComponentDied | None = None
+    now = "the first evaluation"
+    """What the job was doing, for the message of a component that dies."""
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -174,6 +186,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                 first, last = ckpt.first_eval, ckpt.last_eval
             progress.update(task, description="train", status=_status(last, policies, "eval", game_eval))
             for step in range(start, cfg.train.steps + 1):
+                now = f"step {step}"
                 m = job.supervised("train_step", step, feed.endpoint)
                 m["runtime/restarts"] = float(job.restarts)
                 log.write(step, "train", m)
@@ -196,12 +209,14 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         info = job.info()
     except ComponentDied as e:
         e.run_dir = str(run_dir)  # where --resume continues
-        raise
+        died = e
     finally:
         if feed is not None:
             feed.close()
         job.shutdown()
         log.close()
+    if died is not None:
+        return _recover(cfg, console, run_dir, died, now, job.restarts)
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)
     plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png",
                     game_eval)
@@ -219,6 +234,26 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                                                      indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
     return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=log.rows, info=info)
+
+
+def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDied, now: str,
+             restarts: int) -> RunResult:
+    """After ``died`` stopped the job during ``now`` (its components shut down): restore the
+    newest checkpoint and go on, as ``--resume`` would, when ``runtime.max_restarts`` allows one
+    more restart (``restarts`` used so far) and a checkpoint exists; else raise ``died``, which
+    names the component (:class:`~opentinker.control.runtime.ComponentDied`)."""
+    if restarts + 1 > cfg.runtime.max_restarts:
+        raise died
+    try:
+        ckpt = latest_checkpoint(run_dir, cfg)
+    except (ValueError, OSError) as e:  # none written yet, or none that checks out
+        logger.warning("no checkpoint to restore after %s: %s", died, e)
+        raise died from None
+    text = (f"{died} during {now}: restoring the checkpoint of step {ckpt.step} and going on (restart "
+            f"{restarts + 1} of at most {cfg.runtime.max_restarts})")
+    logger.warning("%s", text)
+    console.print(f"[yellow]{escape(text)}[/]")
+    return run_job(cfg, console, resume=run_dir, checkpoint=ckpt, restarts=restarts + 1)
 
 
 def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog) -> RunResult:

@@ -6,9 +6,14 @@ metrics and the trajectories, so no record is written twice (local backend, tiny
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import os
+import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -39,6 +44,35 @@ def _cfg(tmp_path: Path, steps: int, checkpoint_every: int = 1) -> JobConfig:
         "eval": {"every": 0, "hands_per_stratum": 1, "head_to_head_per_stratum": 0, "exact": False},
         "policies": [{"name": "main", "opponents": {"referential_heuristic": 1}}],
     }, JobConfig)
+
+
+@contextlib.contextmanager
+def killed_during(step: int, component: str):
+    """While open, the first Ray job to reach training step ``step`` has ``component``
+    (``learner_main``, ``scheduler``, ...) killed with SIGKILL just before the step (once: the
+    step played again after a restart goes undisturbed); yields the pids killed."""
+    from opentinker.control.runtime import Job
+
+    real, pids = Job.supervised, []
+
+    def supervised(self, method, *args):
+        if method == "train_step" and args[0] == step and not pids:
+            pid = self.info()[component]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+            for _ in range(200):  # gone within 10 s, so the step surely meets a dead component
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+        return real(self, method, *args)
+
+    Job.supervised = supervised
+    try:
+        yield pids
+    finally:
+        Job.supervised = real
 
 
 @pytest.fixture(scope="module")
@@ -314,10 +348,6 @@ def test_a_dead_component_is_named(tiny_path, tmp_path, ray_session) -> None:
     """SIGKILL one component of a Ray job: the next step fails with ComponentDied naming it
     (role, pid, node), not a bus endpoint; and the command line says so in one line, with the
     resume command."""
-    import os
-    import re
-    import signal
-
     from opentinker.control.runtime import ComponentDied, Job
 
     cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 2)),
@@ -360,9 +390,6 @@ def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
     runner again in a new process, reconnects and plays the step again; every episode of the
     step is trained on exactly once (its trajectories counted and unique), and a later step
     and an evaluation go on as before."""
-    import os
-    import signal
-
     from opentinker.control.runtime import Job
     from opentinker.rollout.episodes import train_episodes
 
@@ -410,3 +437,69 @@ def test_a_line_torn_by_a_crash_is_dropped_on_resume(finished, tmp_path) -> None
     dropped = trajectory_log.truncate(traj, 2)
     assert dropped >= 1 and {r.step for r in trajectory_log.read(traj)} == {1, 2}
     assert metrics.read_bytes().endswith(b"\n") and traj.read_bytes().endswith(b"\n")
+
+
+def _accounting(run: Path, cfg: JobConfig) -> tuple[list, dict]:
+    """A run's metrics rows ``(step, kind)`` and, per step, its trajectories (count, unique,
+    the episodes the step should play) and the datums trained on."""
+    from opentinker.rollout.episodes import train_episodes
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = trajectory_log.read(run / "trajectories" / "main.jsonl")
+    steps = {}
+    for step in range(1, cfg.train.steps + 1):
+        keys = [(r.episode_id, r.seat) for r in records if r.step == step]
+        steps[step] = (len(keys), len(set(keys)), {e for e, _ in keys} == {s.episode_id for s in train_episodes(cfg, step)},
+                       next(r["train/main/n_datums"] for r in rows if r["step"] == step and r["kind"] == "train"))
+    return [(r["step"], r["kind"]) for r in rows], steps
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_scheduler(tiny_path, tmp_path, ray_session) -> None:
+    """SIGKILL the scheduler of a Ray job just before step 3: the job says what happened,
+    restores its checkpoint of step 2 by itself and goes on; its files account for every step
+    once, as an undisturbed run's do (the same metrics rows; every episode of each step
+    trained on once), and step 3 logs the restart."""
+    import io
+
+    from rich.console import Console
+
+    cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 3)),
+                           "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60}}, JobConfig)
+    said = io.StringIO()
+    with killed_during(3, "scheduler") as pids:
+        result = run_job(cfg, Console(file=said, width=400), run_dir=tmp_path / "run")
+    rows, steps = _accounting(result.run_dir, cfg)
+    assert len(pids) == 1
+    assert rows == [(0, "eval"), (1, "train"), (2, "train"), (3, "train"), (3, "eval")]
+    assert all(n == unique == 4 and configured and datums == 4 for n, unique, configured, datums in steps.values())
+    assert re.search(rf"the scheduler \(pid {pids[0]}, node [^)]+\) stopped", said.getvalue())
+    assert "during step 3: restoring the checkpoint of step 2 and going on (restart 1 of at most 3)" in said.getvalue()
+    assert result.rows[-2]["kind"] == "train" and result.rows[-2]["runtime/restarts"] == 1.0
+    assert result.last_eval["eval/main/vs_random/hands"] > 0
+
+
+@pytest.mark.slow
+def test_cluster_curve(tmp_path) -> None:
+    """A simulated cluster of two Ray nodes on this machine (its own process,
+    ``tests/cluster_job.py``): a job joined to it with ``runtime.address`` puts components on
+    both nodes, every one on CURVE; killed (its learner, SIGKILL, before step 3) it restores
+    its checkpoint there and ends with the same accounting as the undisturbed run."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # 127.0.0.1 stays 127.0.0.1 when joining
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "cluster_job.py"), str(tmp_path)],
+                          check=False, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    whole, resumed = out["whole"], out["resumed"]
+    assert out["nodes"] == 2 and len(out["killed"]) == 1
+    for run in (whole, resumed):
+        assert {c["bus"] for c in run["components"].values()} == {"curve"}
+        assert len({c["node_id"] for c in run["components"].values()}) == 2  # actors on both nodes
+        assert all(s["trajectories"] == s["unique"] == s["n_datums"] == 4 and s["episodes_as_configured"]
+                   for s in run["steps"].values())
+    assert resumed["rows"] == whole["rows"] and resumed["steps"] == whole["steps"]
+    assert "during step 3: restoring the checkpoint of step 2 and going on" in out["said"]

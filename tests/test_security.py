@@ -97,6 +97,21 @@ def test_a_toml_file_with_inf_is_refused_by_the_real_command(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_cluster_addresses_are_checked(tmp_path, capsys):
+    """``runtime.address``: a Ray address, on the Ray backend, not with a shared scheduler (which
+    binds loopback), all before anything starts."""
+    runs = tmp_path / "runs"
+    assert _refused(capsys, runs, 'runtime.address="10.0.0.1"') == (
+        "runtime.address: '10.0.0.1' is not a Ray address (auto, HOST:PORT or ray://HOST:PORT)")
+    assert _refused(capsys, runs, 'runtime.address="head:99999"').startswith("runtime.address: 'head:99999' is not")
+    assert _refused(capsys, runs, 'runtime.address="auto"', "runtime.backend=local") == (
+        'runtime.address: a cluster needs runtime.backend = "ray"')
+    assert _refused(capsys, runs, 'runtime.address="ray://10.0.0.1:10001"', "runtime.backend=ray",
+                    f'runtime.scheduler="{tmp_path}"') == (
+        "runtime.address: a shared scheduler (runtime.scheduler) is reachable from its own machine only: leave "
+        "one of the two empty")
+
+
 # --------------------------------------------------------------------------- games, models, devices
 
 def test_games_and_their_kwargs_are_checked(tmp_path, capsys):

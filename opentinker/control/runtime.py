@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from opentinker.bus.auth import Credentials, run_secret, set_run_secret
+from opentinker.bus.auth import (
+    Credentials,
+    new_curve,
+    run_curve,
+    run_secret,
+    set_run_curve,
+    set_run_secret,
+)
 from opentinker.config import JobConfig
 from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
@@ -48,17 +55,18 @@ class ComponentDied(RuntimeError):
         """The run's folder (set by :func:`opentinker.run.run_job`)."""
 
 
-def _node() -> str:
-    """The node a component runs on: its Ray node's IP address, else this host's name."""
+def _node() -> tuple[str, str]:
+    """The node a component runs on: its Ray node's IP address and id, else this host's name
+    and ``""``."""
     try:
         import ray
 
         if ray.is_initialized():  # the address the node was started with (127.0.0.1 locally)
             node_id = ray.get_runtime_context().get_node_id()
-            return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), node_id)
+            return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), node_id), node_id
     except Exception as e:  # noqa: BLE001  (no Ray, or one shutting down: the host name will do)
         log.debug("no Ray node address (%s): using the host name", e)
-    return socket.gethostname()
+    return socket.gethostname(), ""
 
 
 def describe(name: str, where: dict[str, Any] | None = None) -> str:
@@ -88,16 +96,22 @@ class Component:
     """Holds one component; the Ray actor class and the local backend both use it.
 
     ``bus_secret``: the driver's bus secret (:mod:`opentinker.bus.auth`), which an actor's
-    sockets then present and accept; ``""`` in the driver's own process."""
+    sockets then present and accept; ``""`` in the driver's own process. ``bus_curve``: the
+    run's CURVE pair ``(public, secret)`` on a job with ``runtime.curve`` or a cluster: the
+    actor's sockets use it, its servers bound to its node's address."""
 
-    def __init__(self, kind: str, kwargs: dict[str, Any], bus_secret: str = "") -> None:
+    def __init__(self, kind: str, kwargs: dict[str, Any], bus_secret: str = "",
+                 bus_curve: tuple[str, str] | None = None) -> None:
         if bus_secret:
             set_run_secret(bus_secret)
+        self.pid = os.getpid()
+        self.node, self.node_id = _node()
+        if bus_curve:
+            public, secret, host = bus_curve
+            set_run_curve((public, secret), host=host or (self.node if self.node_id else "127.0.0.1"))
         self.kind = kind
         self.obj = _build(kind, kwargs)
         self.calls = 0
-        self.pid = os.getpid()
-        self.node = _node()
 
     def start(self) -> Any:
         self.calls += 1
@@ -108,9 +122,11 @@ class Component:
         return getattr(self.obj, method)(*args)
 
     def info(self) -> dict[str, Any]:
-        """Ray calls served so far (this one not counted), process id, bus counters."""
+        """Ray calls served so far (this one not counted), process id, node (address and Ray
+        id), the bus's mechanism (``curve`` or ``plain``), bus counters."""
         counters = self.obj.counters() if hasattr(self.obj, "counters") and callable(self.obj.counters) else {}
-        return {"calls": self.calls, "pid": self.pid, "node": self.node, "counters": counters}
+        return {"calls": self.calls, "pid": self.pid, "node": self.node, "node_id": self.node_id,
+                "bus": "curve" if run_curve() is not None else "plain", "counters": counters}
 
     def stop(self) -> None:
         self.obj.stop()
@@ -124,12 +140,29 @@ def init_ray(address: str = "") -> bool:
 
     if ray.is_initialized():
         return False
-    if address:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    if address:  # a cluster on this machine (a test's) is joined on 127.0.0.1, not a guessed interface
+        host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+        loopback = host in ("127.0.0.1", "localhost", "::1")
+        ray.init(address=address, log_to_driver=False, configure_logging=False,
+                 **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
     else:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count(),
                  object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False)
     return True
+
+
+def _dealt(actor_cls: Any) -> Any:
+    """A function ``i -> actor class`` that deals the ``i``-th CPU component (env runners, then
+    learners) to the cluster's live nodes in turn (Ray's node affinity, soft: another node when
+    that one is gone); on one node, ``actor_cls`` as it is."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    if len(nodes) < 2:
+        return lambda i: actor_cls
+    return lambda i: actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i % len(nodes)],
+                                                                                         soft=True))
 
 
 def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str,
@@ -192,6 +225,13 @@ class Job:
         """Components that can be restarted (env runners) -> (kind, constructor arguments)."""
         self.restarts = 0
         """Components restarted so far (:meth:`supervised`)."""
+        self._curve: tuple[str, str, str] | None = None
+        """The run's CURVE pair and where servers bind (``""``: each node's address; 127.0.0.1 on
+        this machine's own Ray), handed to every component; None: PLAIN with the run's secret."""
+        if cfg.runtime.curve or cfg.runtime.address:
+            self._curve = (*new_curve(), "" if cfg.runtime.address else "127.0.0.1")
+        self._driver_curve = run_curve()
+        """This process's CURVE setting before the job, restored by :meth:`shutdown`."""
         threads = cfg.model.threads or os.cpu_count() or 1
         m = cfg.model
         # The scheduler reads and writes adapters only inside the run's folder (none without one)
@@ -211,13 +251,23 @@ class Job:
             self.scheduler_credentials = self.attachment.credentials
         try:
             if self.backend == "ray":
+                init_ray(cfg.runtime.address)
+            if self._curve is not None:  # the driver's own clients (and a local job's components)
+                set_run_curve(self._curve[:2], host=self._curve[2] or _node()[0])
+            if self.backend == "ray":
                 self._start_ray(sched_kwargs)
             else:
                 self._start_local(sched_kwargs)
         except BaseException:
             if self.attachment is not None:
                 self.attachment.close()
+            self._restore_curve()
             raise
+
+    def _restore_curve(self) -> None:
+        if self._curve is not None:
+            prev = self._driver_curve
+            set_run_curve(prev[:2] if prev else None, prev[2] if prev else "127.0.0.1")
 
     @property
     def _auth(self) -> tuple[str, str] | None:
@@ -265,11 +315,15 @@ class Job:
         import ray
 
         cfg = self.cfg
-        init_ray()
         actor_cls = ray.remote(num_cpus=0)(Component)
         secret = run_secret().decode()  # every actor's sockets present and accept the driver's
         timeout = cfg.runtime.startup_timeout_s
-        self._actor_cls, self._secret = actor_cls, secret
+        # On a cluster, env runners and learners (CPU work) are dealt to the nodes in turn.
+        dealt = _dealt(actor_cls)
+        self._secret = secret
+        self._placed = {**{f"env_runner{i}": dealt(i) for i in range(cfg.runtime.env_runners)},
+                        **{f"learner_{p.name}": dealt(cfg.runtime.env_runners + j) for j, p in enumerate(cfg.policies)}}
+        """The actor class (with its node) of each env runner and learner, for a restart too."""
 
         def start_all(named: dict[str, Any]) -> dict[str, Any]:
             refs = {name: h.start.remote() for name, h in named.items()}
@@ -280,7 +334,8 @@ class Job:
             return {name: ray.get(ref) for name, ref in refs.items()}
 
         if self.attachment is None:
-            sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs, secret))
+            sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs, secret,
+                                                                               self._curve))
             self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
         ep = self.scheduler_endpoint
         if self.scheduler_only:
@@ -288,16 +343,18 @@ class Job:
         group = {}
         for i in range(cfg.runtime.env_runners):
             spec = self._kwargs[f"env_runner{i}"] = ("env_runner", self._runner_kwargs(i, ep))  # for restart
-            group[f"env_runner{i}"] = self._add(f"env_runner{i}", actor_cls.remote(*spec, secret))
+            group[f"env_runner{i}"] = self._add(f"env_runner{i}", self._placed[f"env_runner{i}"].remote(
+                *spec, secret, self._curve))
         for p in cfg.policies:
-            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", actor_cls.remote(
-                "learner", _learner_kwargs(cfg, ep, p.name, self.run_dir, self._auth), secret))
+            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", self._placed[f"learner_{p.name}"].remote(
+                "learner", _learner_kwargs(cfg, ep, p.name, self.run_dir, self._auth), secret, self._curve))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
         coord = self._add("coordinator", actor_cls.remote("coordinator", {
             "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
-            "runner_endpoints": runners, "learner_endpoints": learners, "scheduler_auth": self._auth}, secret))
+            "runner_endpoints": runners, "learner_endpoints": learners, "scheduler_auth": self._auth}, secret,
+            self._curve))
         start_all({"coordinator": coord})
         # Where each one runs, to name a component that dies (ComponentDied).
         self._where = {name: ray.get(h.info.remote()) for name, h in self._handles.items()}
@@ -356,7 +413,7 @@ class Job:
             ray.kill(self._handles[name])
         except Exception as e:  # noqa: BLE001  (already dead)
             log.debug("kill %s: %s", name, e)
-        h = self._handles[name] = self._actor_cls.remote(kind, kwargs, self._secret)
+        h = self._handles[name] = self._placed[name].remote(kind, kwargs, self._secret, self._curve)
         endpoint = ray.get(h.start.remote(), timeout=self.cfg.runtime.startup_timeout_s)
         self._where[name] = ray.get(h.info.remote())
         return endpoint
@@ -413,4 +470,5 @@ class Job:
         self._handles.clear()
         if self.attachment is not None:
             self.attachment.close()
+        self._restore_curve()
 

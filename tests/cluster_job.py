@@ -1,0 +1,67 @@
+"""Run by ``test_cluster_curve`` in a process of its own: a simulated Ray cluster of two nodes on
+this machine (``ray.cluster_utils.Cluster``, every node on 127.0.0.1), a job joined to it with
+``runtime.address`` (so its bus is CURVE, servers bound to their node's address), run
+undisturbed for 3 steps, and the same job with its learner killed (SIGKILL) just before step
+3, which the job survives by restoring its checkpoint of step 2 there. Prints one JSON object:
+each run's accounting (metrics rows, trajectories per step), where its components ran, and
+what the disturbed run said.
+
+Usage: ``python tests/cluster_job.py OUT_DIR`` (with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in
+the environment, so Ray resolves 127.0.0.1 to itself rather than to a guessed interface)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_reliability import _accounting, _cfg, killed_during
+
+from opentinker.config import JobConfig
+from opentinker.run import run_job
+
+NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+
+
+def accounting(run: Path, cfg: JobConfig, info: dict) -> dict:
+    """What a run did (:func:`test_reliability._accounting`) and where each component ran, with
+    which bus."""
+    rows, steps = _accounting(run, cfg)
+    return {"rows": rows, "components": {name: {"node_id": i["node_id"], "bus": i["bus"]} for name, i in info.items()},
+            "steps": {step: dict(zip(("trajectories", "unique", "episodes_as_configured", "n_datums"), s, strict=True))
+                      for step, s in steps.items()}}
+
+
+def main(out: Path) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    try:
+        def cfg(steps: int) -> JobConfig:
+            return msgspec.convert({**msgspec.to_builtins(_cfg(out, steps)), "runtime": {
+                "backend": "ray", "address": cluster.address, "env_runners": 2, "timeout_s": 120}}, JobConfig)
+
+        whole = run_job(cfg(3), run_dir=out / "whole")
+        said = io.StringIO()
+        with killed_during(3, "learner_main") as pids:
+            resumed = run_job(cfg(3), Console(file=said, width=400), run_dir=out / "resumed")
+        print(json.dumps({"whole": accounting(whole.run_dir, cfg(3), whole.info),
+                          "resumed": accounting(resumed.run_dir, cfg(3), resumed.info),
+                          "killed": pids, "said": said.getvalue(),
+                          "nodes": len([n for n in ray.nodes() if n["Alive"]])}))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
