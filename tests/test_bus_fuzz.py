@@ -1,12 +1,15 @@
 """Fuzz the server with 10,000 frames (seeded): random bytes and mutations of valid messages,
 including one of each hostile class of issue #14 (huge array ranks, a buffer named twice, deep
-nesting, too many frames, an oversized body) and an outsider without the run's secret, with a
-valid request every 200 frames that must succeed. Every error counter ends above zero, the
-outsider never gets a session or a reply, and the server is still serving."""
+nesting, too many frames, an oversized body), an outsider without the run's secret, and a
+flood of sessions (one name, and a new name each time) into a table of 16, with a valid
+request every 200 frames that must succeed. Every error counter ends above zero, the outsider
+never gets a session or a reply, the flood only ever evicts idle sessions (never the busy
+ones, never a ``busy`` refusal), and the server is still serving."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import msgspec
 import numpy as np
@@ -37,6 +40,9 @@ MAX_BYTES = 64 * 1024
 LIMITS = Limits(max_bytes=MAX_BYTES, max_buffers=16, max_body_bytes=16 * 1024)
 ERRORS = ("bad_frame", "bad_version", "bad_message", "unknown_type", "too_large", "invalid", "no_handshake")
 N_KINDS = 13
+MAX_PEERS = 16
+FLOOD_EVERY = 125
+"""A flooding session says Hello every this many frames (80 over the run, 5 times the table)."""
 
 
 def valid_messages() -> list:
@@ -123,7 +129,7 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
                 raise ValueError("no model here")
             return msg if isinstance(msg, LogprobsResult) else Ack()
 
-        server = Server(handler, name="fuzzed", limits=LIMITS, heartbeat_s=None)
+        server = Server(handler, name="fuzzed", limits=LIMITS, heartbeat_s=None, max_peers=MAX_PEERS)
         ep = await server.start(ctx)
         good = Client(ctx, ep, name="good", heartbeat_s=None)
         # One fuzzing socket that said Hello (its decodable frames reach the handler), and one
@@ -151,8 +157,18 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
         await asyncio.wait_for(greeted.recv_multipart(), 10)
         rng = np.random.default_rng(1234)
         templates = [encode(m, i + 2) for i, m in enumerate(valid_messages())]
-        successes = 0
+        successes, flood = 0, []
         for n in range(N_FRAMES):
+            if n % FLOOD_EVERY == 0:  # one source filling the session table: one name, or a new one each time
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                secure_client(s)
+                s.connect(ep)
+                flood.append(s)
+                name = "flood" if n % (2 * FLOOD_EVERY) == 0 else f"flood{n}"
+                await s.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer=name), 1))
+                await asyncio.wait_for(s.recv_multipart(), 10)
+                await greeted.send_multipart(encode(OptimStep(adapter="a", params=AdamParams()), 10**6 + n))
             frames = templates[int(rng.integers(len(templates)))]
             sock = stranger if n % 10 == 0 else greeted
             await sock.send_multipart(frames if n % 10 == 0 else mutate(rng, frames))
@@ -172,9 +188,12 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
         assert server.counters["error/internal"] == 0
         assert server.counters["dropped/too_many_frames"] > 0  # read frame by frame, answered too_large
         assert server.counters["auth_denied"] >= 1 and outsider.poll(100) == 0
-        assert set(server.peers) == {"good", "fuzzer"}  # the outsider never had a session
+        names = collections.Counter(p.name for p in server._peers.values())
+        assert names["good"] == 1 and names["fuzzer"] == 1 and "outsider" not in names  # the busy ones kept theirs
+        assert len(server._peers) == MAX_PEERS and server.counters["peer_evicted"] == N_FRAMES // FLOOD_EVERY + 2 - MAX_PEERS
+        assert server.counters["error/busy"] == 0
         print({k: v for k, v in sorted(server.counters.items()) if k.startswith(("error/", "recv/"))})
-        for s in (greeted, stranger, outsider):
+        for s in (greeted, stranger, outsider, *flood):
             s.close(0)
         good.close()
         await server.stop()
