@@ -54,8 +54,11 @@ def main(out: Path) -> None:
         said = io.StringIO()
         with killed_during(3, "learner_main") as pids:
             resumed = run_job(cfg(3), Console(file=said, width=400), run_dir=out / "resumed")
-        print(json.dumps({"whole": accounting(whole.run_dir, cfg(3), whole.info),
-                          "resumed": accounting(resumed.run_dir, cfg(3), resumed.info),
+        final = {r: {k: v for k, v in x.last_eval.items() if k.endswith(("/success", "/hands", "/invalid_rate"))}
+                 for r, x in (("whole", whole), ("resumed", resumed))}
+        print(json.dumps({"whole": {**accounting(whole.run_dir, cfg(3), whole.info), "final_eval": final["whole"]},
+                          "resumed": {**accounting(resumed.run_dir, cfg(3), resumed.info),
+                                      "final_eval": final["resumed"]},
                           "killed": pids, "said": said.getvalue(),
                           "nodes": len([n for n in ray.nodes() if n["Alive"]])}))
     finally:

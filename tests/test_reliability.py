@@ -454,10 +454,8 @@ def _accounting(run: Path, cfg: JobConfig) -> tuple[list, dict]:
     return [(r["step"], r["kind"]) for r in rows], steps
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_kill_scheduler(tiny_path, tmp_path, ray_session) -> None:
-    """SIGKILL the scheduler of a Ray job just before step 3: the job says what happened,
+def _killed_and_restored(component: str, tmp_path: Path) -> None:
+    """SIGKILL ``component`` of a Ray job just before step 3: the job says what happened,
     restores its checkpoint of step 2 by itself and goes on; its files account for every step
     once, as an undisturbed run's do (the same metrics rows; every episode of each step
     trained on once), and step 3 logs the restart."""
@@ -465,19 +463,37 @@ def test_kill_scheduler(tiny_path, tmp_path, ray_session) -> None:
 
     from rich.console import Console
 
+    from opentinker.control.runtime import describe
+
     cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 3)),
                            "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60}}, JobConfig)
     said = io.StringIO()
-    with killed_during(3, "scheduler") as pids:
+    with killed_during(3, component) as pids:
         result = run_job(cfg, Console(file=said, width=400), run_dir=tmp_path / "run")
     rows, steps = _accounting(result.run_dir, cfg)
     assert len(pids) == 1
     assert rows == [(0, "eval"), (1, "train"), (2, "train"), (3, "train"), (3, "eval")]
     assert all(n == unique == 4 and configured and datums == 4 for n, unique, configured, datums in steps.values())
-    assert re.search(rf"the scheduler \(pid {pids[0]}, node [^)]+\) stopped", said.getvalue())
+    assert re.search(rf"{re.escape(describe(component))} \(pid {pids[0]}, node [^)]+\) stopped", said.getvalue())
     assert "during step 3: restoring the checkpoint of step 2 and going on (restart 1 of at most 3)" in said.getvalue()
     assert result.rows[-2]["kind"] == "train" and result.rows[-2]["runtime/restarts"] == 1.0
     assert result.last_eval["eval/main/vs_random/hands"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_scheduler(tiny_path, tmp_path, ray_session) -> None:
+    """The scheduler dies: the job restores its newest checkpoint and goes on (the adapters,
+    their optimizer states and the learners' states as checkpointed)."""
+    _killed_and_restored("scheduler", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_learner(tiny_path, tmp_path, ray_session) -> None:
+    """The learner dies: the same (its state as checkpointed, the unfinished step's gradients
+    gone with the scheduler that is started again, the step played again)."""
+    _killed_and_restored("learner_main", tmp_path)
 
 
 @pytest.mark.slow
@@ -502,4 +518,6 @@ def test_cluster_curve(tmp_path) -> None:
         assert all(s["trajectories"] == s["unique"] == s["n_datums"] == 4 and s["episodes_as_configured"]
                    for s in run["steps"].values())
     assert resumed["rows"] == whole["rows"] and resumed["steps"] == whole["steps"]
+    assert whole["final_eval"]["eval/main/vs_random/hands"] > 0
+    assert resumed["final_eval"] == whole["final_eval"]  # the tiny model's replies: equal, not just close
     assert "during step 3: restoring the checkpoint of step 2 and going on" in out["said"]
