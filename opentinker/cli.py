@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(its config.toml, with any --set, e.g. train.steps=100 to train on)")
     run.add_argument("--scheduler", metavar="ADDRESS", help="run on a shared scheduler (opentinker serve): its bus "
                      "endpoint or service file, instead of starting one")
+    run.add_argument("--run-dir", metavar="DIR", help="the run's folder, a new folder directly inside out_dir "
+                     "(default: out_dir/<game>__<name>__<seed>__<time>)")
     sub.add_parser("games", help="list the registered games")
     from opentinker import play as play_cmd
     from opentinker.eval import cli_eval
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume and args.config:
             raise ConfigError("--resume", "continues a run with its own config.toml: give no CONFIG")
+        if args.resume and args.run_dir:
+            raise ConfigError("--run-dir", "a resumed run stays in its folder: give no --run-dir")
         config = f"{args.resume}/config.toml" if args.resume else args.config
         overrides = _parse_set(args.set)
         if args.scheduler:
@@ -118,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             from opentinker.training.offline import training_units
 
             training_units(cfg)
+        if args.run_dir:
+            from pathlib import Path
+
+            if Path(args.run_dir).resolve().parent != Path(cfg.out_dir).resolve():
+                raise ConfigError("--run-dir", f"{args.run_dir!r} is not a folder directly inside out_dir "
+                                               f"{cfg.out_dir!r}")
+            if Path(args.run_dir).exists():
+                raise ConfigError("--run-dir", f"{args.run_dir!r} exists (continue a run with --resume)")
         if args.resume:
             from opentinker.control.checkpoints import (
                 check_run_files,
@@ -140,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     from opentinker.run import run_job
 
     try:
-        run_job(cfg, resume=Path(args.resume) if args.resume else None, checkpoint=checkpoint)
+        run_job(cfg, run_dir=Path(args.run_dir) if args.run_dir else None,
+                resume=Path(args.resume) if args.resume else None, checkpoint=checkpoint)
     except ComponentDied as e:
         # Every other component was stopped on the way out (run_job's finally); one line.
         where = getattr(e, "run_dir", "RUN_DIR")

@@ -403,12 +403,28 @@ class JobList(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     jobs: Annotated[list[JobInfo], msgspec.Meta(max_length=MAX_LISTED)] = []
 
 
+class EvalJob(msgspec.Struct, frozen=True, kw_only=True):
+    """An evaluation to queue (``opentinker jobs submit --eval PATH``): ``opentinker eval`` of
+    saved adapters on the service's scheduler, its report written as JSON."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    """A run folder or a saved adapter folder, on the service's machine (absolute)."""
+    vs: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    """Opponents, comma-separated (``opentinker eval --vs``); ``""``: random and the scripted seats."""
+    games_per_stratum: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    """0: ``opentinker eval``'s default."""
+    game: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """Required for an adapter folder; ``""``: the run's."""
+
+
 class SubmitJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Queue a job on a service (``opentinker jobs submit``): it runs when the service's memory
-    budget has room, as a tenant of its scheduler. Replied with :class:`QueueEntry`."""
+    budget has room, as a tenant of its scheduler. Exactly one of ``config`` (a run: RL, SFT,
+    DPO) and ``eval`` (an evaluation). Replied with :class:`QueueEntry`."""
 
-    config: Annotated[str, msgspec.Meta(max_length=1 << 20)]
+    config: Annotated[str, msgspec.Meta(max_length=1 << 20)] = ""
     """The resolved job config as TOML (paths absolute)."""
+    eval: EvalJob | None = None
     priority: float = 1.0
     memory_mb: float = 0.0
     """What the job holds on the scheduler; 0: the service estimates it from the config."""
@@ -442,6 +458,10 @@ class QueueEntry(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Its process's exit status once ended (-1: none)."""
     log: str = ""
     """Its process's output (on the service's machine)."""
+    kind: str = "run"
+    """``run`` or ``eval``."""
+    output: str = ""
+    """What it writes (on the service's machine): a run's folder, an evaluation's JSON report."""
 
 
 class QueueList(msgspec.Struct, frozen=True, kw_only=True, tag=True):

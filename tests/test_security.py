@@ -97,6 +97,21 @@ def test_a_toml_file_with_inf_is_refused_by_the_real_command(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_run_folder_given_must_be_new_and_directly_inside_out_dir(tmp_path, capsys):
+    """``opentinker run --run-dir DIR`` (what the job queue uses to know a run's folder): DIR
+    directly inside ``out_dir`` and not there yet, else one bad-config line and no folder."""
+    runs = tmp_path / "runs"
+    base = ["run", "--set", f"out_dir={runs}", "--set", "runtime.backend=local"]
+    for where, reason in ((tmp_path / "elsewhere", "is not a folder directly inside out_dir"),
+                          (runs / "a" / "b", "is not a folder directly inside out_dir")):
+        assert main([*base, "--run-dir", str(where)]) == 2
+        assert capsys.readouterr().err.startswith(f"{PREFIX}--run-dir: '{where}' {reason}")
+    (runs / "taken").mkdir(parents=True)
+    assert main([*base, "--run-dir", str(runs / "taken")]) == 2
+    assert "exists (continue a run with --resume)" in capsys.readouterr().err
+    assert [p.name for p in runs.iterdir()] == ["taken"] and not (tmp_path / "elsewhere").exists()
+
+
 def test_cluster_addresses_are_checked(tmp_path, capsys):
     """``runtime.address``: a Ray address, on the Ray backend, not with a shared scheduler (which
     binds loopback), all before anything starts."""

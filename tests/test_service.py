@@ -397,13 +397,23 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
                     j["job"] == q["q2"]["job"] and j["adapters"] for j in _status(file)["jobs"]):
                 break
             time.sleep(0.3)
+        # An evaluation of the first run, queued behind the rest (it may write only in its own folder).
+        assert q["q1"]["state"] == "done" and q["q1"]["kind"] == "run" and Path(q["q1"]["output"]).is_dir()
+        bad = _jobs("submit", "--eval", str(tmp_path / "nowhere"), service=file)
+        assert bad.returncode == 2 and "nowhere: no such file or folder" in bad.stderr
+        r = _jobs("submit", "--eval", q["q1"]["output"], "--games-per-stratum", "1", "--memory-mb", "40", service=file)
+        assert r.returncode == 0 and r.stdout.startswith("q5 queued (eval_kuhn_poker_v0__first__"), r.stderr
+        ids.append("q5")
         pid = _pid_of_job(q["q2"]["log"])
         os.kill(pid, 9)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and {e["state"] for e in _queue(file)["jobs"]} & {"queued", "running"}:
             time.sleep(0.5)
         q = {e["id"]: e for e in _queue(file)["jobs"]}
-        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done"], q
+        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done", "done"], q
+        report = json.loads(Path(q["q5"]["output"]).read_text())
+        assert q["q5"]["kind"] == "eval" and report["path"] == q["q1"]["output"]
+        assert report["metrics"]["eval/main/vs_random/hands"] > 0 and q["q5"]["started_at"] >= q["q4"]["ended_at"]
         assert q["q3"]["job"] == "" and q["q4"]["started_at"] >= q["q2"]["ended_at"]
         assert _queue(file)["used_mb"] == 0
         report = _status(file)

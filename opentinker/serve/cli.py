@@ -155,6 +155,12 @@ def add_jobs_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="jobs_command", required=True)
     submit = sub.add_parser("submit", help="queue a job on the service (it starts when the memory budget has room)")
     submit.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job")
+    submit.add_argument("--eval", metavar="PATH", help="queue an evaluation (opentinker eval) of a run folder or a "
+                        "saved adapter on the service's machine, instead of a run")
+    submit.add_argument("--vs", help="with --eval: opponents, comma-separated (default: random and the scripted seats)")
+    submit.add_argument("--game", default="", help="with --eval of a saved adapter: its game")
+    submit.add_argument("--games-per-stratum", type=int, default=0, metavar="N",
+                        help="with --eval: games per (start, seat) for each opponent (default: opentinker eval's)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     submit.add_argument("--priority", type=float, default=1.0, help="the job's share of compute against others")
     submit.add_argument("--memory-mb", type=float, default=0.0, help="what it holds on the scheduler (default: estimated)")
@@ -189,7 +195,7 @@ def jobs_main(args: argparse.Namespace) -> int:
     from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
     from opentinker.serve.service import SERVICE_FILE, find_service, home
-    from protocols.messages import CancelQueued, ListQueue, SubmitJob
+    from protocols.messages import CancelQueued, EvalJob, ListQueue, SubmitJob
 
     try:
         msg: object = None
@@ -197,8 +203,15 @@ def jobs_main(args: argparse.Namespace) -> int:
             from opentinker.cli import _parse_set
             from opentinker.config import load_config, to_toml
 
-            cfg = _absolute(load_config(args.config, _parse_set(args.set)))
-            msg = SubmitJob(config=to_toml(cfg).decode(), priority=args.priority, memory_mb=args.memory_mb)
+            if args.eval:
+                if args.config or args.set:
+                    raise ValueError("--eval PATH queues an evaluation: give no config and no --set")
+                msg = SubmitJob(eval=EvalJob(path=os.path.abspath(args.eval), vs=args.vs or "", game=args.game,
+                                             games_per_stratum=args.games_per_stratum),
+                                priority=args.priority, memory_mb=args.memory_mb)
+            else:
+                cfg = _absolute(load_config(args.config, _parse_set(args.set)))
+                msg = SubmitJob(config=to_toml(cfg).decode(), priority=args.priority, memory_mb=args.memory_mb)
         elif args.jobs_command == "cancel":
             msg = CancelQueued(id=args.id)
         else:
@@ -231,5 +244,5 @@ def jobs_main(args: argparse.Namespace) -> int:
         print(f"{e.id:<6} {e.state:<10} {escape_controls(e.name):<24} {e.job or '-':<20} {e.memory_mb:>8.0f} "
               f"{e.priority:>8g}  {code}")
     if args.jobs_command == "status":
-        print(f"log: {entries[0].log}")
+        print(f"log: {entries[0].log}\n{'report' if entries[0].kind == 'eval' else 'run'}: {entries[0].output}")
     return 0

@@ -9,6 +9,11 @@ room, then runs as ``opentinker run CONFIG --scheduler SERVICE_FILE`` in its own
 tenant of the scheduler opened for it (its credentials handed over in the environment). A job
 that ends, fails or is cancelled is closed on the scheduler (its adapters freed) and the next
 one starts: nothing a job does blocks the queue.
+
+An evaluation (``opentinker jobs submit --eval PATH``, an :class:`~protocols.messages.EvalJob`)
+queues the same way and runs as ``opentinker eval PATH --scheduler SERVICE_FILE --json
+REPORT``; its memory is estimated from the job its evaluation plays (:func:`eval_config`), and
+it may write only in its own folder of the queue (where it stages the adapters it loads).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocols.messages import QueueEntry
+from protocols.messages import EvalJob, QueueEntry
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +92,36 @@ class _Entry:
     returncode: int | None = None
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    command: list[str] = field(default_factory=list)
+    """The ``opentinker`` command line it runs (less ``--scheduler SERVICE_FILE``)."""
+    kind: str = "run"
+    output: str = ""
+    """Its run folder, or its evaluation's JSON report."""
 
     def info(self) -> QueueEntry:
         return QueueEntry(id=self.id, name=self.name, state=self.state, priority=self.priority,
                           memory_mb=self.need / 2**20, job=self.job, submitted_at=self.submitted_at,
                           started_at=self.started_at, ended_at=self.ended_at,
                           returncode=-1 if self.returncode is None else self.returncode,
-                          log=str(self.log or ""))
+                          log=str(self.log or ""), kind=self.kind, output=self.output)
+
+
+def eval_config(spec: EvalJob, model_path: str, out_dir: str) -> Any:
+    """The job an evaluation of ``spec.path`` plays (``opentinker eval``'s own, its policies
+    frozen), for its memory estimate; ``ValueError`` saying what is wrong with the path or
+    the game."""
+    from opentinker.eval import cli_eval
+
+    try:
+        source = cli_eval.read_source(spec.path)
+        game = spec.game or (source.config.game if source.config is not None else "")
+        if not game:
+            raise ValueError(f"--eval {spec.path}: a saved adapter needs its game (--game)")
+        cli_eval.check_game(game)
+        return cli_eval.job_config(source, game, model_path, None, 1, None, out_dir,
+                                   policies=[{"name": p, "frozen": True} for p in source.adapters])
+    except cli_eval.CliError as e:
+        raise ValueError(f"--eval {spec.path}: {e}") from None
 
 
 class JobQueue:
@@ -116,25 +145,34 @@ class JobQueue:
 
     # ------------------------------------------------------------------------------- requests
 
-    def submit(self, config_toml: str, priority: float, memory_mb: float = 0.0) -> QueueEntry:
-        """Queue a job (``ValueError`` naming the field for a bad config, or the numbers for a
-        job the budget can never hold)."""
+    def submit(self, config_toml: str, priority: float, memory_mb: float = 0.0,
+               evaluation: EvalJob | None = None, model_path: str = "") -> QueueEntry:
+        """Queue a run (``config_toml``) or an evaluation (``evaluation``, of adapters made for
+        ``model_path``): ``ValueError`` naming the field for a bad config or path, or the
+        numbers for a job the budget can never hold."""
         from opentinker.config import ConfigError, load_config
         from opentinker.config_checks import check_config
 
         if not (0 < priority <= 1e6):
             raise ValueError(f"SubmitJob.priority must be in (0, 1e6], got {priority}")
+        if bool(config_toml) == (evaluation is not None):
+            raise ValueError("SubmitJob: give exactly one of config (a run) and eval (an evaluation)")
         import tempfile
 
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         folder = Path(tempfile.mkdtemp(prefix=".submitted-", dir=self.folder))
-        (folder / "config.toml").write_text(config_toml)
         try:
-            cfg = load_config(folder / "config.toml")
-            check_config(cfg)
+            if evaluation is not None:
+                if not os.path.isabs(evaluation.path):
+                    raise ValueError(f"--eval {evaluation.path}: give an absolute path (on the service's machine)")
+                cfg = eval_config(evaluation, model_path, str(folder))
+            else:
+                (folder / "config.toml").write_text(config_toml)
+                cfg = load_config(folder / "config.toml")
+                check_config(cfg)
         except (ConfigError, OSError, ValueError) as e:
             shutil.rmtree(folder, ignore_errors=True)
-            raise ValueError(f"bad config: {e}") from None
+            raise ValueError(str(e) if evaluation is not None else f"bad config: {e}") from None
         parts = estimate_bytes(cfg, self.model_config)
         need = int(memory_mb * 2**20) if memory_mb > 0 else sum(parts.values())
         if self.budget is not None and need > self.budget:
@@ -146,9 +184,22 @@ class JobQueue:
             self._n += 1
             qid = f"q{self._n}"
         folder = folder.rename(self.folder / qid)
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        entry = _Entry(qid, cfg.name, folder / "config.toml", priority, need, log=folder / "job.log",
-                       roots=[os.path.abspath(cfg.out_dir)], read_roots=[p.init for p in cfg.policies if p.init])
+        if evaluation is not None:  # it stages what it loads in its own folder, the one it may write
+            report = folder / "eval.json"
+            command = ["eval", evaluation.path, "--json", str(report), *(["--vs", evaluation.vs] if evaluation.vs else []),
+                       *(["--game", evaluation.game] if evaluation.game else []),
+                       *(["--games-per-stratum", str(evaluation.games_per_stratum)]
+                         if evaluation.games_per_stratum else [])]
+            name = "eval_" + re.sub(r"[^\w.+-]", "_", Path(evaluation.path).name)[:100]  # a safe job name
+            entry = _Entry(qid, name, folder / "config.toml", priority, need,
+                           log=folder / "job.log", roots=[str(folder)], command=command, kind="eval",
+                           output=str(report))
+        else:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            entry = _Entry(qid, cfg.name, folder / "config.toml", priority, need, log=folder / "job.log",
+                           roots=[os.path.abspath(cfg.out_dir)], read_roots=[p.init for p in cfg.policies if p.init],
+                           command=["run", str(folder / "config.toml"), "--run-dir", str(cfg.run_dir())],
+                           output=str(cfg.run_dir()))
         with self._lock:
             self.entries[qid] = entry
         self._pump()
@@ -208,11 +259,11 @@ class JobQueue:
         # The job's own components get a run secret of their own, never the service owner's.
         env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, USER_ENV)}
         env[JOB_ENV] = f"{job}:{secret}"
+        env["TMPDIR"] = str(entry.config.parent)  # an evaluation's staged adapters: inside its roots
         with open(entry.log, "ab") as out:  # type: ignore[arg-type]
             entry.proc = subprocess.Popen(
-                [sys.executable, "-m", "opentinker.cli", "run", str(entry.config), "--scheduler",
-                 str(self.service_file)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=entry.config.parent,
-                start_new_session=True)
+                [sys.executable, "-m", "opentinker.cli", *entry.command, "--scheduler", str(self.service_file)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=entry.config.parent, start_new_session=True)
         entry.job, entry.state, entry.started_at = job, "running", time.time()
         log.info("queue: started %s (%s) as job %s, pid %d", entry.id, entry.name, job, entry.proc.pid)
 
