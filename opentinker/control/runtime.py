@@ -96,12 +96,13 @@ class Component:
     """Holds one component; the Ray actor class and the local backend both use it.
 
     ``bus_secret``: the driver's bus secret (:mod:`opentinker.bus.auth`), which an actor's
-    sockets then present and accept; ``""`` in the driver's own process. ``bus_curve``: the
-    run's CURVE pair ``(public, secret)`` on a job with ``runtime.curve`` or a cluster: the
-    actor's sockets use it, its servers bound to its node's address."""
+    sockets then present and accept; ``""`` in the driver's own process. ``bus_curve``: on a
+    job with ``runtime.curve`` or a cluster, the run's CURVE pair and the host its servers
+    bind, ``(public, secret, host)``: the actor's sockets use the pair (``host`` ``""``: its
+    node's address)."""
 
     def __init__(self, kind: str, kwargs: dict[str, Any], bus_secret: str = "",
-                 bus_curve: tuple[str, str] | None = None) -> None:
+                 bus_curve: tuple[str, str, str] | None = None) -> None:
         if bus_secret:
             set_run_secret(bus_secret)
         self.pid = os.getpid()
