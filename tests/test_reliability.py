@@ -369,7 +369,7 @@ def test_the_command_line_names_a_dead_component_in_one_line(monkeypatch, capsys
     import opentinker.run
     from opentinker.control.runtime import ComponentDied, describe
 
-    def dies(cfg, resume=None, checkpoint=None):
+    def dies(cfg, **kwargs):
         e = ComponentDied(["learner_main"], describe("learner_main", {"pid": 7, "node": "127.0.0.1"}), EOFError())
         e.run_dir = str(tmp_path / "run")
         raise e
