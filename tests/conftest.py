@@ -137,3 +137,19 @@ def check_provenance(report: dict, script: str) -> None:
     assert prov["command"].split()[0] == script and prov["cores"] >= 1 and prov["versions"]["torch"]
     assert prov["commit"] == "unknown" or len(prov["commit"]) == 40
     assert isinstance(prov["config"], dict) and prov["capability"]
+
+
+@pytest.fixture
+def one_request_per_batch(monkeypatch):
+    """The PEFT path batches the sample requests that arrive together, and a row's numbers
+    depend, at float rounding, on its batch-mates, so which requests met depended on timing
+    (about one run in three replayed a step with other tokens). One request per batch makes
+    sampling independent of arrival times: what differs then is only what a resume restores."""
+    from opentinker.engine import service
+
+    init = service.Scheduler.__init__
+
+    def alone(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "max_batch_rows": 1, "batch_window_s": 0.0})
+
+    monkeypatch.setattr(service.Scheduler, "__init__", alone)

@@ -70,7 +70,8 @@ def _tensors(folder):
 
 
 @pytest.mark.slow
-def test_a_league_run_snapshots_evaluates_and_resumes_bit_for_bit(tmp_path, tiny_path, monkeypatch):
+def test_a_league_run_snapshots_evaluates_and_resumes_bit_for_bit(tmp_path, tiny_path, monkeypatch,
+                                                                 one_request_per_batch):
     straight = run_job(_cfg(tmp_path / "a", 3, matchmaking="hard"), run_dir=tmp_path / "a" / "run")
     adapters = straight.run_dir / "adapters"
     assert sorted(p.name for p in (adapters / "league").iterdir()) == ["main__s2", "main__s3"]  # keep = 2: s1 dropped

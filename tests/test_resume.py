@@ -35,22 +35,6 @@ def _tensors(folder):
     return {f.name: load_file(str(f)) for f in sorted(folder.glob("*.safetensors"))}
 
 
-@pytest.fixture
-def one_request_per_batch(monkeypatch):
-    """The PEFT path batches the sample requests that arrive together, and a row's numbers
-    depend, at float rounding, on its batch-mates, so which requests met depended on timing
-    (about one run in three replayed a step with other tokens). One request per batch makes
-    sampling independent of arrival times: what differs then is only what a resume restores."""
-    from opentinker.engine import service
-
-    init = service.Scheduler.__init__
-
-    def alone(self, *args, **kwargs):
-        init(self, *args, **{**kwargs, "max_batch_rows": 1, "batch_window_s": 0.0})
-
-    monkeypatch.setattr(service.Scheduler, "__init__", alone)
-
-
 @pytest.mark.slow
 def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypatch, one_request_per_batch):
     straight = run_job(_cfg(tmp_path / "a", 2), run_dir=tmp_path / "a" / "run")
