@@ -15,8 +15,7 @@ import zmq
 import zmq.asyncio
 from conftest import run, until
 
-from opentinker.bus import Client, Puller, Pusher, Server
-from opentinker.bus import auth
+from opentinker.bus import Client, CurveKeys, Puller, Pusher, Server, auth
 from opentinker.bus.auth import SECRET_ENV, USERNAME, run_secret
 from protocols.codec import encode
 from protocols.messages import PROTOCOL_VERSION, Ack, AdamParams, Hello, OptimStep, Trajectory
@@ -162,7 +161,8 @@ def test_zap_handlers_stop_with_their_last_socket():
 @pytest.fixture
 def run_on_curve():
     """This process's sockets on a fresh run CURVE pair (servers bound to 127.0.0.1), PLAIN again after."""
-    pair = auth.new_curve()
+    keys = CurveKeys.generate()
+    pair = (keys.public.decode(), keys.secret.decode())
     auth.set_run_curve(pair, host="127.0.0.1")
     try:
         yield pair

@@ -149,14 +149,6 @@ def run_curve() -> tuple[bytes, bytes, str] | None:
     return _curve
 
 
-def new_curve() -> tuple[str, str]:
-    """A fresh CURVE key pair ``(public, secret)`` (Z85) for a run."""
-    if not zmq.has("curve"):
-        raise RuntimeError("this libzmq was built without CURVE support")
-    public, secret = zmq.curve_keypair()
-    return public.decode(), secret.decode()
-
-
 def new_secret() -> str:
     """A fresh secret for an account (a job on a shared scheduler)."""
     return secrets.token_urlsafe(32)

@@ -20,12 +20,12 @@ import msgspec
 
 from opentinker.bus.auth import (
     Credentials,
-    new_curve,
     run_curve,
     run_secret,
     set_run_curve,
     set_run_secret,
 )
+from opentinker.bus.common import CurveKeys, is_loopback
 from opentinker.config import JobConfig
 from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
@@ -142,8 +142,7 @@ def init_ray(address: str = "") -> bool:
     if ray.is_initialized():
         return False
     if address:  # a cluster on this machine (a test's) is joined on 127.0.0.1, not a guessed interface
-        host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
-        loopback = host in ("127.0.0.1", "localhost", "::1")
+        loopback = address != "auto" and is_loopback("tcp://" + address.removeprefix("ray://"))
         ray.init(address=address, log_to_driver=False, configure_logging=False,
                  **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
     else:
@@ -230,7 +229,8 @@ class Job:
         """The run's CURVE pair and where servers bind (``""``: each node's address; 127.0.0.1 on
         this machine's own Ray), handed to every component; None: PLAIN with the run's secret."""
         if cfg.runtime.curve or cfg.runtime.address:
-            self._curve = (*new_curve(), "" if cfg.runtime.address else "127.0.0.1")
+            keys = CurveKeys.generate()
+            self._curve = (keys.public.decode(), keys.secret.decode(), "" if cfg.runtime.address else "127.0.0.1")
         self._driver_curve = run_curve()
         """This process's CURVE setting before the job, restored by :meth:`shutdown`."""
         threads = cfg.model.threads or os.cpu_count() or 1
