@@ -76,7 +76,8 @@ def estimate_bytes(cfg: Any, model_config: dict) -> dict[str, int]:
 class _Entry:
     id: str
     name: str
-    config: Path
+    folder: Path
+    """Its own folder in the queue's: its config (a run), its log, its report (an evaluation)."""
     priority: float
     need: int
     """Bytes the job is estimated to hold (:func:`estimate_bytes`, or as submitted)."""
@@ -91,19 +92,23 @@ class _Entry:
     ended_at: float = 0.0
     returncode: int | None = None
     proc: subprocess.Popen | None = None
-    log: Path | None = None
     command: list[str] = field(default_factory=list)
     """The ``opentinker`` command line it runs (less ``--scheduler SERVICE_FILE``)."""
     kind: str = "run"
     output: str = ""
     """Its run folder, or its evaluation's JSON report."""
 
+    @property
+    def log(self) -> Path:
+        """Its process's output."""
+        return self.folder / "job.log"
+
     def info(self) -> QueueEntry:
         return QueueEntry(id=self.id, name=self.name, state=self.state, priority=self.priority,
                           memory_mb=self.need / 2**20, job=self.job, submitted_at=self.submitted_at,
                           started_at=self.started_at, ended_at=self.ended_at,
                           returncode=-1 if self.returncode is None else self.returncode,
-                          log=str(self.log or ""), kind=self.kind, output=self.output)
+                          log=str(self.log), kind=self.kind, output=self.output)
 
 
 def eval_config(spec: EvalJob, model_path: str, out_dir: str) -> Any:
@@ -114,10 +119,7 @@ def eval_config(spec: EvalJob, model_path: str, out_dir: str) -> Any:
 
     try:
         source = cli_eval.read_source(spec.path)
-        game = spec.game or (source.config.game if source.config is not None else "")
-        if not game:
-            raise ValueError(f"--eval {spec.path}: a saved adapter needs its game (--game)")
-        cli_eval.check_game(game)
+        game, _ = cli_eval.source_game(source, spec.game, spec.path)
         return cli_eval.job_config(source, game, model_path, None, 1, None, out_dir,
                                    policies=[{"name": p, "frozen": True} for p in source.adapters])
     except cli_eval.CliError as e:
@@ -191,15 +193,14 @@ class JobQueue:
                        *(["--games-per-stratum", str(evaluation.games_per_stratum)]
                          if evaluation.games_per_stratum else [])]
             name = "eval_" + re.sub(r"[^\w.+-]", "_", Path(evaluation.path).name)[:100]  # a safe job name
-            entry = _Entry(qid, name, folder / "config.toml", priority, need,
-                           log=folder / "job.log", roots=[str(folder)], command=command, kind="eval",
+            entry = _Entry(qid, name, folder, priority, need, roots=[str(folder)], command=command, kind="eval",
                            output=str(report))
         else:
             os.makedirs(cfg.out_dir, exist_ok=True)
-            entry = _Entry(qid, cfg.name, folder / "config.toml", priority, need, log=folder / "job.log",
-                           roots=[os.path.abspath(cfg.out_dir)], read_roots=[p.init for p in cfg.policies if p.init],
-                           command=["run", str(folder / "config.toml"), "--run-dir", str(cfg.run_dir())],
-                           output=str(cfg.run_dir()))
+            run_dir = str(cfg.run_dir())  # once: its name holds the time
+            entry = _Entry(qid, cfg.name, folder, priority, need, roots=[os.path.abspath(cfg.out_dir)],
+                           read_roots=[p.init for p in cfg.policies if p.init],
+                           command=["run", str(folder / "config.toml"), "--run-dir", run_dir], output=run_dir)
         with self._lock:
             self.entries[qid] = entry
         self._pump()
@@ -259,11 +260,11 @@ class JobQueue:
         # The job's own components get a run secret of their own, never the service owner's.
         env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, USER_ENV)}
         env[JOB_ENV] = f"{job}:{secret}"
-        env["TMPDIR"] = str(entry.config.parent)  # an evaluation's staged adapters: inside its roots
-        with open(entry.log, "ab") as out:  # type: ignore[arg-type]
+        env["TMPDIR"] = str(entry.folder)  # an evaluation's staged adapters: inside its roots
+        with open(entry.log, "ab") as out:
             entry.proc = subprocess.Popen(
                 [sys.executable, "-m", "opentinker.cli", *entry.command, "--scheduler", str(self.service_file)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=entry.config.parent, start_new_session=True)
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=entry.folder, start_new_session=True)
         entry.job, entry.state, entry.started_at = job, "running", time.time()
         log.info("queue: started %s (%s) as job %s, pid %d", entry.id, entry.name, job, entry.proc.pid)
 
