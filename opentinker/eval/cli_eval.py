@@ -128,6 +128,15 @@ def check_game(game: str) -> games.GameEval:
         raise CliError(f"unknown game: {e}") from None
 
 
+def source_game(source: Source, game: str | None, path: str) -> tuple[str, games.GameEval]:
+    """The game an evaluation of ``path`` plays, ``game`` or else its run's, and its evaluation
+    hook; :class:`CliError` for a saved adapter without ``game``, or a game not registered."""
+    if source.kind == "adapter" and not game:
+        raise CliError(f"{path} is a saved adapter: name its game with --game")
+    game = game or source.config.game  # type: ignore[union-attr]
+    return game, check_game(game)
+
+
 def job_config(source: Source | None, game: str, model: str, seed: int | None, threads: int | None,
                device: str | None, out_dir: str, backend: str = "local", scheduler: str = "",
                **tables: Any) -> JobConfig:
@@ -192,10 +201,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     taken: set[str] = set()
     source = read_source(args.path, taken)
-    if source.kind == "adapter" and not args.game:
-        raise CliError(f"{args.path} is a saved adapter: name its game with --game")
-    game = args.game or source.config.game  # type: ignore[union-attr]
-    ev = check_game(game)
+    game, ev = source_game(source, args.game, args.path)
     opponents, opp_adapters = parse_opponents(args.vs, game, ev, taken)
     n = args.games_per_stratum
     scripted = {o: 1.0 for o in opponents if o in ev.scripted}
