@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir:
             from pathlib import Path
 
-            if Path(args.run_dir).resolve().parent != Path(cfg.out_dir).resolve():
+            if not cfg.directly_in_out_dir(args.run_dir):
                 raise ConfigError("--run-dir", f"{args.run_dir!r} is not a folder directly inside out_dir "
                                                f"{cfg.out_dir!r}")
             if Path(args.run_dir).exists():

@@ -567,11 +567,15 @@ class JobConfig(_Config):
     def run_dir(self) -> Path:
         """``<out_dir>/<run name>``, checked (with both paths resolved, symbolic links followed)
         to be a folder directly inside ``out_dir``; :class:`ConfigError` otherwise."""
-        out = Path(self.out_dir)
-        run_dir = out / self.run_name()
-        if run_dir.resolve().parent != out.resolve():
+        run_dir = Path(self.out_dir) / self.run_name()
+        if not self.directly_in_out_dir(run_dir):
             raise ConfigError("name", f"the run folder {str(run_dir)!r} would not lie inside out_dir {self.out_dir!r}")
         return run_dir
+
+    def directly_in_out_dir(self, path: str | Path) -> bool:
+        """Whether ``path`` is a folder directly inside ``out_dir`` (both resolved, symbolic
+        links followed): where a run's folder may be."""
+        return Path(path).resolve().parent == Path(self.out_dir).resolve()
 
 
 _NAME = re.compile(r"\w[\w.+-]*")

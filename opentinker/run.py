@@ -160,8 +160,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
 
     feed: EpisodeFeed | None = None
     died: ComponentDied | None = None
-    now = "the first evaluation"
-    """What the job was doing, for the message of a component that dies."""
+    now = "the first evaluation"  # what the job was doing, for the message of a component that dies
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
