@@ -135,6 +135,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
         job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
     job.restarts = restarts
+    job.said = lambda text: console.print(f"[yellow]{escape(text)}[/]")
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")
     start = 1
     if ckpt is not None:

@@ -287,6 +287,15 @@ class OptimStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     grad_norm: float
 
 
+class DiscardGradients(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Zero the gradients ``adapter`` accumulated since its last :class:`OptimStep` (what a
+    learner that died between its ``ForwardBackward`` and its ``OptimStep`` left), so the step
+    can be made again from the same weights; replied with :class:`AdapterInfo` (the adapter's
+    version, unchanged). Learners send it before every update."""
+
+    adapter: str
+
+
 class DropAdapter(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Free an adapter (weights and optimizer state); replied with :class:`AdapterInfo`
     (``version`` -1). Unknown names are a ``not_found`` error."""
@@ -724,6 +733,7 @@ Message = Union[
     ForwardBackwardResult,
     OptimStep,
     OptimStepResult,
+    DiscardGradients,
     DropAdapter,
     SnapshotAdapter,
     SaveAdapter,
@@ -764,7 +774,7 @@ Message = Union[
 """Every message that may stand as a body on the bus."""
 
 STATE_CHANGING: tuple[type, ...] = (
-    CreateAdapter, DropAdapter, SnapshotAdapter, LoadAdapter, ForwardBackward, OptimStep,
+    CreateAdapter, DropAdapter, SnapshotAdapter, LoadAdapter, ForwardBackward, OptimStep, DiscardGradients,
 )
 """Requests whose replies are remembered by request id, so a retry is never applied twice."""
 

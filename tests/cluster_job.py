@@ -2,7 +2,7 @@
 this machine (``ray.cluster_utils.Cluster``, every node on 127.0.0.1), a job joined to it with
 ``runtime.address`` (so its bus is CURVE, servers bound to their node's address), run
 undisturbed for 3 steps, and the same job with its learner killed (SIGKILL) just before step
-3, which the job survives by restoring its checkpoint of step 2 there. Prints one JSON object:
+3, which the job survives by starting the learner again (on a live node) in its step. Prints one JSON object:
 each run's accounting (metrics rows, trajectories per step), where its components ran, and
 what the disturbed run said.
 

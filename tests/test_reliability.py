@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, run
 from safetensors.numpy import load_file, save_file
 
 from opentinker.cli import main
@@ -454,54 +454,192 @@ def _accounting(run: Path, cfg: JobConfig) -> tuple[list, dict]:
     return [(r["step"], r["kind"]) for r in rows], steps
 
 
-def _killed_and_restored(component: str, tmp_path: Path) -> None:
-    """SIGKILL ``component`` of a Ray job just before step 3: the job says what happened,
-    restores its checkpoint of step 2 by itself and goes on; its files account for every step
-    once, as an undisturbed run's do (the same metrics rows; every episode of each step
-    trained on once), and step 3 logs the restart."""
+def test_a_learner_started_again_takes_over_its_step(scheduler, tmp_path) -> None:
+    """A learner that died in step 2 (it left an unapplied gradient on its adapter and its step's
+    trajectories in its log) is started again with ``restore=True``: it takes over its state as
+    step 1 ended, discards the gradient, cuts the log back and trains step 2 exactly as an
+    undisturbed twin does (same loss, gradient norm, version, baselines); once the adapter has
+    moved past that state, a successor refuses to start and says why."""
+    import zmq.asyncio
+
+    from opentinker.bus import Client, Pusher
+    from opentinker.training.learner import Learner
+    from protocols.messages import (
+        AdamParams, CreateAdapter, Datum, ForwardBackward, LearnerStep, LoraSpec, OptimStep, ParseOutcome, PolicyKind,
+        PolicyRef, StopReason, Trajectory, Turn,
+    )
+
+    live, record = tmp_path / "learners" / "main.live.json", tmp_path / "main.jsonl"
+
+    def trajectories(policy: str, step: int) -> list[Trajectory]:
+        rng = np.random.default_rng(step)  # both policies see the same episodes
+        out = []
+        for e in range(3):
+            turn = Turn(obs_tokens=rng.integers(10, 2000, 5).astype(np.int32),
+                        sampled_tokens=rng.integers(10, 2000, 3).astype(np.int32),
+                        sampler_logprobs=np.full(3, -7.0, np.float32),
+                        policy=PolicyRef(kind=PolicyKind.ADAPTER, name=policy, version=0),
+                        stop_reason=StopReason.STOP, parse=ParseOutcome.OK, reward=0.0)
+            out.append(Trajectory(episode_id=step * 10 + e, group_id=0, seat="player_0", seed=e, policy=policy,
+                                  turns=[turn], total_reward=float(e) - step, step=step))
+        return out
+
+    def learner(policy: str, **kw) -> Learner:
+        return Learner(policy, scheduler.endpoint, "reinforce_ema", "importance_sampling", {}, AdamParams(lr=0.05),
+                       game="g", **kw)
+
+    ctx = zmq.asyncio.Context()
+
+    def admin(*msgs) -> None:
+        async def body():
+            client = Client(ctx, scheduler.endpoint, name="test-admin")
+            try:
+                for msg in msgs:
+                    await client.request(msg)
+            finally:
+                client.close()
+        run(body())
+
+    def train(lrn: Learner, step: int):
+        async def body():
+            pusher, client = Pusher(ctx, lrn.pull_endpoint), Client(ctx, lrn.endpoint, name="test-step")
+            try:
+                for t in trajectories(lrn.policy, step):
+                    await pusher.send(t)
+                return await client.request(LearnerStep(step=step, expected=3, timeout_s=60), 120)
+            finally:
+                pusher.close()
+                client.close()
+        return run(body())
+
+    def stray_update(optim: bool) -> None:
+        """What a learner dying mid-step leaves: a gradient (and, past OptimStep, new weights)."""
+        tokens = np.arange(10, 30, dtype=np.int32)
+        mask = np.r_[np.zeros(10), np.ones(10)].astype(np.float32)
+        admin(ForwardBackward(adapter="main", datums=[Datum(tokens=tokens, loss_inputs={"mask": mask})], loss="sft",
+                              normalizer=10.0),
+              *([OptimStep(adapter="main", params=AdamParams(lr=0.5))] if optim else []))
+
+    admin(CreateAdapter(name="main", spec=LoraSpec(rank=4, seed=3)), CreateAdapter(name="twin", spec=LoraSpec(rank=4, seed=3)))
+    started: list[Learner] = []
+    try:
+        twin = learner("twin")
+        dying = learner("main", state_path=str(live), record_path=str(record))
+        started += [twin, dying]
+        twin.start()
+        dying.start()
+        t1, a1 = train(twin, 1), train(dying, 1)
+        assert (a1.version, a1.metrics["loss"]) == (t1.version, t1.metrics["loss"]) == (1, t1.metrics["loss"])
+        dying.stop()
+        started.remove(dying)
+        stray_update(optim=False)  # it died in step 2 after its ForwardBackward...
+        trajectory_log.append(record, trajectories("main", 2), "g")  # ...and after logging the step
+        successor = learner("main", state_path=str(live), record_path=str(record), restore=True)
+        started.append(successor)
+        successor.start()
+        assert successor.last_step == 1 and successor.state_dict() == {**twin.state_dict(), "policy": "main"}
+        t2, b2 = train(twin, 2), train(successor, 2)
+        assert b2.version == t2.version == 2
+        assert b2.metrics["loss"] == t2.metrics["loss"]
+        assert b2.metrics["grad_norm"] == pytest.approx(t2.metrics["grad_norm"], rel=1e-6)  # the stray gradient gone
+        assert successor.state_dict() == {**twin.state_dict(), "policy": "main"}
+        assert [r.step for r in trajectory_log.read(record)] == [1, 1, 1, 2, 2, 2]  # step 2 once
+        successor.stop()
+        started.remove(successor)
+        stray_update(optim=True)  # one that died after its OptimStep: the step cannot be made again
+        with pytest.raises(RuntimeError, match=r"learner main: adapter at version 3, its state after step 2 goes "
+                                               r"with version 2: the step it died in had updated it"):
+            started.append(learner("main", state_path=str(live), record_path=str(record), restore=True))
+            started[-1].start()
+    finally:
+        for lrn in started:
+            with contextlib.suppress(Exception):
+                lrn.stop()
+        ctx.destroy(0)
+
+
+def _ray_cfg(tmp_path: Path) -> JobConfig:
+    """:func:`_cfg`'s 3 steps as a Ray job with two env runners, its final evaluation 4 hands
+    per stratum (a 95% interval needs more than one)."""
+    base = msgspec.to_builtins(_cfg(tmp_path, 3))
+    return msgspec.convert({**base, "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60},
+                            "eval": {**base["eval"], "final_hands_per_stratum": 4}}, JobConfig)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory, tiny_path, ray_session):
+    """The Ray job of the kill tests, never disturbed: its result and accounting."""
+    import io
+
+    from rich.console import Console
+
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    result = run_job(_ray_cfg(tmp), Console(file=io.StringIO()), run_dir=tmp / "run")
+    return result, _accounting(result.run_dir, _ray_cfg(tmp))
+
+
+def _killed_and_restored(component: str, tmp_path: Path, said: str, undisturbed) -> str:
+    """SIGKILL ``component`` of a Ray job just before step 3: the job says what happened and
+    goes on by itself (``said``: what it says after naming the component); its files account
+    for every step once, as the ``undisturbed`` run's do (the same metrics rows; every episode
+    of each step trained on once), step 3 logs the restart, and the final evaluation (the
+    game's unit, ``success``) is within the undisturbed run's 95% interval."""
     import io
 
     from rich.console import Console
 
     from opentinker.control.runtime import describe
 
-    cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 3)),
-                           "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60}}, JobConfig)
-    said = io.StringIO()
+    cfg = _ray_cfg(tmp_path)
+    out = io.StringIO()
     with killed_during(3, component) as pids:
-        result = run_job(cfg, Console(file=said, width=400), run_dir=tmp_path / "run")
+        result = run_job(cfg, Console(file=out, width=400), run_dir=tmp_path / "run")
     rows, steps = _accounting(result.run_dir, cfg)
     assert len(pids) == 1
     assert rows == [(0, "eval"), (1, "train"), (2, "train"), (3, "train"), (3, "eval")]
     assert all(n == unique == 4 and configured and datums == 4 for n, unique, configured, datums in steps.values())
-    assert re.search(rf"{re.escape(describe(component))} \(pid {pids[0]}, node [^)]+\) stopped", said.getvalue())
-    assert "during step 3: restoring the checkpoint of step 2 and going on (restart 1 of at most 3)" in said.getvalue()
+    assert re.search(rf"{re.escape(describe(component))} \(pid {pids[0]}, node [^)]+\) stopped \(.*\) "
+                     rf"during step 3: {said}", out.getvalue()), out.getvalue()
     assert result.rows[-2]["kind"] == "train" and result.rows[-2]["runtime/restarts"] == 1.0
-    assert result.last_eval["eval/main/vs_random/hands"] > 0
+    whole, (whole_rows, whole_steps) = undisturbed
+    assert (rows, steps) == (whole_rows, whole_steps)
+    # The final evaluation within the undisturbed run's 95% interval, against every opponent.
+    finals = {k.removesuffix("/ci95") for k in whole.last_eval if k.endswith("/ci95")}
+    assert finals and all(result.last_eval[f"{k}/hands"] == whole.last_eval[f"{k}/hands"] > 0 for k in finals)
+    for k in finals:
+        unit = f"{k}/success"
+        assert abs(result.last_eval[unit] - whole.last_eval[unit]) <= whole.last_eval[f"{k}/ci95"] + 1e-9, k
+    return out.getvalue()
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_kill_scheduler(tiny_path, tmp_path, ray_session) -> None:
+def test_kill_scheduler(tiny_path, tmp_path, ray_session, undisturbed) -> None:
     """The scheduler dies: the job restores its newest checkpoint and goes on (the adapters,
     their optimizer states and the learners' states as checkpointed)."""
-    _killed_and_restored("scheduler", tmp_path)
+    _killed_and_restored("scheduler", tmp_path,
+                         re.escape("restoring the checkpoint of step 2 and going on (restart 1 of at most 3)"), undisturbed)
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_kill_learner(tiny_path, tmp_path, ray_session) -> None:
-    """The learner dies: the same (its state as checkpointed, the unfinished step's gradients
-    gone with the scheduler that is started again, the step played again)."""
-    _killed_and_restored("learner_main", tmp_path)
+def test_kill_learner(tiny_path, tmp_path, ray_session, undisturbed) -> None:
+    """The learner dies: it is started again in its step, takes over its predecessor's state
+    (written as step 2 ended), and step 3 is played again, with no checkpoint restored
+    (:func:`test_a_learner_started_again_takes_over_its_step` shows the pending gradients of a
+    learner that died mid-update discarded, and the step trained as if nothing happened)."""
+    said = _killed_and_restored("learner_main", tmp_path, r"started again as the learner of policy main \(pid \d+, "
+                                r"node [^)]+\) and step 3 made again \(restart 1 of at most 3\)", undisturbed)
+    assert "restoring the checkpoint" not in said
 
 
 @pytest.mark.slow
 def test_cluster_curve(tmp_path) -> None:
     """A simulated cluster of two Ray nodes on this machine (its own process,
     ``tests/cluster_job.py``): a job joined to it with ``runtime.address`` puts components on
-    both nodes, every one on CURVE; killed (its learner, SIGKILL, before step 3) it restores
-    its checkpoint there and ends with the same accounting as the undisturbed run."""
+    both nodes, every one on CURVE; killed (its learner, SIGKILL, before step 3) it starts the
+    learner again in its step and ends with the same accounting and final evaluation as the
+    undisturbed run."""
     import subprocess
     import sys
 
@@ -512,12 +650,13 @@ def test_cluster_curve(tmp_path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     whole, resumed = out["whole"], out["resumed"]
     assert out["nodes"] == 2 and len(out["killed"]) == 1
-    for run in (whole, resumed):
-        assert {c["bus"] for c in run["components"].values()} == {"curve"}
-        assert len({c["node_id"] for c in run["components"].values()}) == 2  # actors on both nodes
+    for which, r in (("whole", whole), ("resumed", resumed)):
+        assert {c["bus"] for c in r["components"].values()} == {"curve"}
+        assert len({c["node_id"] for c in r["components"].values()}) == 2, (which, r["components"])  # both nodes
         assert all(s["trajectories"] == s["unique"] == s["n_datums"] == 4 and s["episodes_as_configured"]
-                   for s in run["steps"].values())
+                   for s in r["steps"].values())
     assert resumed["rows"] == whole["rows"] and resumed["steps"] == whole["steps"]
     assert whole["final_eval"]["eval/main/vs_random/hands"] > 0
     assert resumed["final_eval"] == whole["final_eval"]  # the tiny model's replies: equal, not just close
-    assert "during step 3: restoring the checkpoint of step 2 and going on" in out["said"]
+    assert "during step 3: started again as the learner of policy main" in out["said"]  # in its step
+    assert "restoring the checkpoint" not in out["said"]

@@ -137,6 +137,16 @@ class Coordinator:
 
         self.loop.run(swap())
 
+    def replace_learner(self, policy: str, endpoints: list[str]) -> None:
+        """Talk to ``policy``'s learner at ``endpoints`` (request, trajectory PULL) from now on
+        (it was started again); runners push to the new PULL endpoint from the next step."""
+        async def swap() -> None:
+            self.learners[policy].close()
+            self.learners[policy] = Client(self.loop.ctx, endpoints[0], name=f"coordinator->{policy}")
+            self.learner_endpoints[policy] = (endpoints[0], endpoints[1])
+
+        self.loop.run(swap())
+
     def stop(self) -> None:
         if hasattr(self, "loop"):
             for c in [self.scheduler, *self.runners, *self.learners.values()]:

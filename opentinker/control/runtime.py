@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -153,16 +154,19 @@ def init_ray(address: str = "") -> bool:
 
 def _dealt(actor_cls: Any) -> Any:
     """A function ``i -> actor class`` that deals the ``i``-th CPU component (env runners, then
-    learners) to the cluster's live nodes in turn (Ray's node affinity, soft: another node when
-    that one is gone); on one node, ``actor_cls`` as it is."""
+    learners) to the cluster's live nodes in turn, asked at each call (a restarted component goes
+    to a node alive then). The affinity is hard: a soft one let Ray put every actor on one node
+    when the other did not yet look ready to it. On one node, ``actor_cls`` as it is."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-    if len(nodes) < 2:
-        return lambda i: actor_cls
-    return lambda i: actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i % len(nodes)],
-                                                                                         soft=True))
+    def placed(i: int) -> Any:
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        if len(nodes) < 2:
+            return actor_cls
+        return actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=False))
+
+    return placed
 
 
 def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str,
@@ -170,6 +174,7 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
     tc = cfg.train_for(policy)
     record = str(Path(run_dir) / "trajectories" / f"{policy}.jsonl") if run_dir and tc.record_trajectories else ""
     return {
+        "state_path": str(Path(run_dir) / "learners" / f"{policy}.live.json") if run_dir else "",
         "policy": policy,
         "scheduler_endpoint": scheduler_ep,
         "advantage": tc.advantage,
@@ -222,9 +227,11 @@ class Job:
         self._where: dict[str, dict[str, Any]] = {}
         """Component name -> its pid and node (Ray), to name one that dies."""
         self._kwargs: dict[str, tuple[str, dict[str, Any]]] = {}
-        """Components that can be restarted (env runners) -> (kind, constructor arguments)."""
+        """Components that can be restarted (env runners, learners) -> (kind, constructor arguments)."""
         self.restarts = 0
         """Components restarted so far (:meth:`supervised`)."""
+        self.said: Callable[[str], None] = log.warning
+        """Where a restart is told (:func:`opentinker.run.run_job` prints it)."""
         self._curve: tuple[str, str, str] | None = None
         """The run's CURVE pair and where servers bind (``""``: each node's address; 127.0.0.1 on
         this machine's own Ray), handed to every component; None: PLAIN with the run's secret."""
@@ -322,9 +329,10 @@ class Job:
         # On a cluster, env runners and learners (CPU work) are dealt to the nodes in turn.
         dealt = _dealt(actor_cls)
         self._secret = secret
-        self._placed = {**{f"env_runner{i}": dealt(i) for i in range(cfg.runtime.env_runners)},
-                        **{f"learner_{p.name}": dealt(cfg.runtime.env_runners + j) for j, p in enumerate(cfg.policies)}}
-        """The actor class (with its node) of each env runner and learner, for a restart too."""
+        self._placed = {**{f"env_runner{i}": i for i in range(cfg.runtime.env_runners)},
+                        **{f"learner_{p.name}": cfg.runtime.env_runners + j for j, p in enumerate(cfg.policies)}}
+        """The turn of each env runner and learner in the deal, for a restart too."""
+        self._dealt = dealt
 
         def start_all(named: dict[str, Any]) -> dict[str, Any]:
             refs = {name: h.start.remote() for name, h in named.items()}
@@ -343,12 +351,13 @@ class Job:
             return
         group = {}
         for i in range(cfg.runtime.env_runners):
-            spec = self._kwargs[f"env_runner{i}"] = ("env_runner", self._runner_kwargs(i, ep))  # for restart
-            group[f"env_runner{i}"] = self._add(f"env_runner{i}", self._placed[f"env_runner{i}"].remote(
-                *spec, secret, self._curve))
+            name = f"env_runner{i}"
+            spec = self._kwargs[name] = ("env_runner", self._runner_kwargs(i, ep))  # for restart
+            group[name] = self._add(name, dealt(self._placed[name]).remote(*spec, secret, self._curve))
         for p in cfg.policies:
-            group[f"learner_{p.name}"] = self._add(f"learner_{p.name}", self._placed[f"learner_{p.name}"].remote(
-                "learner", _learner_kwargs(cfg, ep, p.name, self.run_dir, self._auth), secret, self._curve))
+            name = f"learner_{p.name}"
+            spec = self._kwargs[name] = ("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir, self._auth))
+            group[name] = self._add(name, dealt(self._placed[name]).remote(*spec, secret, self._curve))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
@@ -385,12 +394,15 @@ class Job:
             raise
 
     def supervised(self, method: str, *args: Any) -> Any:
-        """A coordinator call that survives dead env runners: when one died
-        (:class:`ComponentDied` naming env runners only), each is started again in a new
-        process, the coordinator reconnects to it, and the call is made again, up to
-        ``runtime.max_restarts`` restarts over the job. A training step played again sends
-        its trajectories again: learners keep one copy of each, so every episode is trained on
-        once. Anything else that died (a learner, the scheduler) is raised as it is."""
+        """A coordinator call that survives dead env runners and learners: when one died
+        (:class:`ComponentDied` naming env runners or learners), each is started again in a
+        new process, the coordinator reconnects to it, and the call is made again, up to
+        ``runtime.max_restarts`` restarts over the job. A training step played again sends its
+        trajectories again: learners keep one copy of each, so every episode is trained on
+        once; a restarted learner takes over its predecessor's state as the step began
+        (:mod:`opentinker.training.learner`). Anything else that died (the scheduler, the
+        coordinator), or a learner that cannot take over (the step had already updated its
+        adapter), is raised as the :class:`ComponentDied` it is."""
         while True:
             try:
                 return self.coordinator(method, *args)
@@ -398,23 +410,34 @@ class Job:
                 if any(n not in self._kwargs for n in e.names) or self.restarts + len(e.names) > self.cfg.runtime.max_restarts:
                     raise
                 for name in e.names:
-                    self.coordinator("replace_runner", int(name.removeprefix("env_runner")), self.restart(name))
+                    try:
+                        endpoint = self.restart(name)
+                    except Exception as err:  # a learner that cannot take over (its own error says why)
+                        log.warning("%s could not be started again in its step: %s", name, err)
+                        raise e from err
+                    if name.startswith("env_runner"):
+                        self.coordinator("replace_runner", int(name.removeprefix("env_runner")), endpoint)
+                    else:
+                        self.coordinator("replace_learner", name.removeprefix("learner_"), list(endpoint))
                     self.restarts += 1
-                    log.warning("%s died; restarted as %s (restart %d of at most %d); %s is made again", str(e),
-                                describe(name, self._where.get(name)), self.restarts, self.cfg.runtime.max_restarts,
-                                method)
+                    what = f"step {args[0]}" if method == "train_step" and args else method
+                    self.said(f"{e} during {what}: started again as {describe(name, self._where.get(name))} and "
+                              f"{what} made again (restart {self.restarts} of at most {self.cfg.runtime.max_restarts})")
 
-    def restart(self, name: str) -> str:
+    def restart(self, name: str) -> Any:
         """Start component ``name`` again in a new Ray actor (the old one killed, if it is not
-        gone already); returns its new endpoint."""
+        gone already; a learner takes over its predecessor's state); returns what its
+        ``start`` returns (its endpoint; a learner's request and trajectory endpoints)."""
         import ray
 
         kind, kwargs = self._kwargs[name]
+        if kind == "learner":
+            kwargs = {**kwargs, "restore": True}
         try:
             ray.kill(self._handles[name])
         except Exception as e:  # noqa: BLE001  (already dead)
             log.debug("kill %s: %s", name, e)
-        h = self._handles[name] = self._placed[name].remote(kind, kwargs, self._secret, self._curve)
+        h = self._handles[name] = self._dealt(self._placed[name]).remote(kind, kwargs, self._secret, self._curve)
         endpoint = ray.get(h.start.remote(), timeout=self.cfg.runtime.startup_timeout_s)
         self._where[name] = ray.get(h.info.remote())
         return endpoint

@@ -139,6 +139,9 @@ class ModelHost:
         return self.trainer.forward_backward(adapter, datums, loss, loss_config, normalizer, chunk,
                                              value_normalizer)
 
+    def discard_gradients(self, adapter: str) -> int:
+        return self.trainer.discard_gradients(adapter)
+
     def optim_step(self, adapter: str, hp: AdamParams) -> tuple[int, float]:
         out = self.trainer.optim_step(adapter, hp)
         if self.engine is not None:  # its cached prefixes belong to the old weights

@@ -58,6 +58,7 @@ from protocols.messages import (
     AdapterList,
     CloseJob,
     CreateAdapter,
+    DiscardGradients,
     DropAdapter,
     ForwardBackward,
     ForwardBackwardResult,
@@ -87,7 +88,7 @@ log = logging.getLogger(__name__)
 
 COMPUTE_OPS = (
     SampleRequest, LogprobsRequest, ValuesRequest, CreateAdapter, DropAdapter, SnapshotAdapter,
-    LoadAdapter, ForwardBackward, OptimStep, SaveAdapter,
+    LoadAdapter, ForwardBackward, OptimStep, DiscardGradients, SaveAdapter,
 )
 """Requests that queue for the compute thread."""
 
@@ -348,7 +349,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
                 raise
             text = self.tenants.error_text(str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e), tenant)
             raise type(e)(text) from None  # what a job reads names its own adapters only
-        if isinstance(reply, AdapterInfo):  # made, loaded, snapshotted or dropped
+        if isinstance(reply, AdapterInfo) and not isinstance(msg, DiscardGradients):  # made, loaded, snapshotted, dropped
             if isinstance(msg, DropAdapter):
                 self._owner.pop(msg.name, None)
             else:
@@ -558,6 +559,8 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         if isinstance(msg, OptimStep):
             version, grad_norm = host.optim_step(msg.adapter, msg.params)
             return OptimStepResult(version=version, grad_norm=grad_norm)
+        if isinstance(msg, DiscardGradients):
+            return AdapterInfo(name=msg.adapter, version=host.discard_gradients(msg.adapter))
         if isinstance(msg, SaveAdapter):
             return Saved(path=msg.path, version=host.save(msg.adapter, confined(msg.path, self.adapter_roots)))
         if isinstance(msg, DropAdapter):

@@ -36,6 +36,7 @@ from protocols.messages import (
     AdapterInfo,
     AdapterList,
     CreateAdapter,
+    DiscardGradients,
     DropAdapter,
     ForwardBackward,
     JobInfo,
@@ -62,6 +63,7 @@ _READS: dict[type, tuple[str, ...]] = {
 _WRITES: dict[type, tuple[str, ...]] = {
     CreateAdapter: ("name",), DropAdapter: ("name",), SnapshotAdapter: ("name",), LoadAdapter: ("name",),
     ForwardBackward: ("adapter",), OptimStep: ("adapter",), SaveAdapter: ("adapter",),
+    DiscardGradients: ("adapter",),
 }
 """Fields naming an adapter a request makes, changes, drops or copies out."""
 

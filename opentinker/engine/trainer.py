@@ -178,6 +178,16 @@ class Trainer:
                     torch.cat(seen["values"]), torch.cat(seen["targets"]))
         return sum(v for k, v in metrics.items() if k.startswith("term/")), metrics
 
+    def discard_gradients(self, adapter: str) -> int:
+        """Zero the gradients accumulated since the last :meth:`optim_step` (a dead learner's);
+        returns the version, unchanged."""
+        state = self.registry.trainable(adapter, "discard_gradients")
+        if state.pending_grad:
+            for p in state.params:
+                p.grad = None
+            state.pending_grad = False
+        return state.version
+
     def optim_step(self, adapter: str, hp: AdamParams) -> tuple[int, float]:
         """AdamW on the accumulated gradients; zero them; bump and return the version."""
         state = self.registry.trainable(adapter, "optim_step")

@@ -93,6 +93,8 @@ class EnvRunner:
     async def _start(self) -> str:
         self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=self.name, credentials=self.scheduler_auth)
         self.pushers: dict[str, Pusher] = {}
+        self._pushing_to: dict[str, str] = {}
+        """Policy -> the learner PULL endpoint its pusher sends to."""
         self._slots = asyncio.Semaphore(self.max_episodes)
         return await self.server.start(self.loop.ctx)
 
@@ -116,8 +118,10 @@ class EnvRunner:
             if spec.game not in self.games and spec.game not in games.names():
                 raise ValueError(f"unknown game {spec.game!r}; known: {[*games.names(), *sorted(self.games)]}")
         for name, ep in msg.learners.items():
+            if name in self.pushers and self._pushing_to.get(name) != ep:  # its learner was started again
+                self.pushers.pop(name).close()
             if name not in self.pushers:
-                self.pushers[name] = Pusher(self.loop.ctx, ep)
+                self.pushers[name], self._pushing_to[name] = Pusher(self.loop.ctx, ep), ep
         progress = self._progress(msg)
 
         async def bounded(spec: EpisodeSpec) -> tuple[EpisodeSummary, list[Trajectory]]:

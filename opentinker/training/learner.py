@@ -17,16 +17,28 @@ A step makes ``epochs`` passes over its datums in ``minibatches`` shuffled parts
 per part (PPO's K epochs of minibatch SGD; the default, 1 and 1, is one update per step).
 Advantages, value targets and the old values stay those computed before the first update;
 the importance ratio is always against the sampler's log-probs, so later passes clip.
+
+A learner whose process dies is started again in its step (``restore=True``): as every step
+begins (before any update) and as it ends, a learner writes to ``state_path`` its estimator's
+state, its last trained step, and the adapter version they go with (read with
+:class:`DiscardGradients`, which also clears gradients nobody applied). The restarted one
+reads that file back, cuts its trajectory log back to the last trained step, discards the
+gradients its predecessor left, and checks the adapter is still at that version, so the step
+can be made again from the same weights; if the step had already updated it, starting fails
+and the job restores its newest checkpoint instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
+import os
 import resource
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +61,8 @@ from opentinker.config import JobConfig
 from opentinker.training import trajectory_log
 from protocols.messages import (
     AdamParams,
+    AdapterInfo,
+    DiscardGradients,
     ForwardBackward,
     ForwardBackwardResult,
     LearnerStep,
@@ -106,6 +120,8 @@ class Learner:
         seed: int = 0,
         frozen: bool = False,
         scheduler_auth: tuple[str, str] | None = None,
+        state_path: str = "",
+        restore: bool = False,
     ) -> None:
         check_algorithms(advantage, loss)
         if epochs < 1 or minibatches < 1:
@@ -138,6 +154,13 @@ class Learner:
         self.last_step = 0
         """The newest step trained on: later copies of its trajectories are dropped."""
         self.endpoint = self.pull_endpoint = ""
+        self.state_path = state_path
+        """Where its state is written as each step begins and ends (``""``: nowhere; no successor
+        can take over)."""
+        self.restore = restore
+        """Started again after a dead process: :meth:`_restore` before serving."""
+        if restore and not state_path:
+            raise ValueError(f"learner {policy}: restore=True needs the state_path its predecessor wrote")
 
     def start(self) -> tuple[str, str]:
         """Returns ``(request endpoint, trajectory PULL endpoint)``."""
@@ -151,8 +174,59 @@ class Learner:
                                 credentials=Credentials.of(self.scheduler_auth))
         self.puller = Puller(self.loop.ctx)
         self.server = Server(self._handle, self._bind, name=f"learner-{self.policy}")
+        if self.restore:
+            await self._restore()
+        else:  # a file a former run left in this folder says nothing of this learner
+            self._write_live(None, self.last_step)
         self._recv_task = asyncio.create_task(self._receive())
         return await self.server.start(self.loop.ctx), self.puller.endpoint
+
+    async def _discard(self) -> int | None:
+        """Clear the adapter's unapplied gradients; its version (``None`` for a frozen policy,
+        which never trains)."""
+        if self.frozen:
+            return None
+        reply = await self.scheduler.request(DiscardGradients(adapter=self.policy))
+        assert isinstance(reply, AdapterInfo)
+        return reply.version
+
+    def _write_live(self, version: int | None, last_step: int) -> None:
+        """Write (atomically), for a successor (:meth:`_restore`), this learner's state, the last
+        step it trained and the adapter ``version`` that state goes with (``None``: not read;
+        nothing is checked)."""
+        if not self.state_path:
+            return
+        path = Path(self.state_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"version": version, "last_step": last_step, "learner": self.state_dict()}))
+        os.replace(tmp, path)
+
+    async def _restore(self) -> None:
+        """Take over from a learner whose process died: its state as written last (a step's
+        start or end), its trajectory log cut back to its last trained step, the adapter's
+        unapplied gradients discarded; ``RuntimeError`` when the adapter is no longer at the
+        version that state goes with (the step it died in had updated it)."""
+        path = Path(self.state_path)
+        version = await self._discard()
+        if not path.exists():  # it died before its first step began: nothing of it to take over
+            return
+        try:
+            live = json.loads(path.read_text())
+            self.load_state_dict(live["learner"])
+            self.last_step, began = int(live["last_step"]), live["version"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(f"learner {self.policy}: cannot restore from {path}: {e}") from e
+        if began is not None and version != began:
+            raise RuntimeError(f"learner {self.policy}: adapter at version {version}, its state after step "
+                               f"{self.last_step} goes with version {began}: the step it died in had updated it, "
+                               "so it cannot be made again from the same weights")
+        self.version = int(began) if began is not None else self.version
+        if self.record_path and Path(self.record_path).exists():
+            dropped = trajectory_log.truncate(self.record_path, self.last_step)
+            if dropped:
+                log.warning("learner %s: dropped %d trajectory records of steps after %d from %s", self.policy,
+                            dropped, self.last_step, self.record_path)
 
     def counters(self) -> dict[str, int]:
         out = dict(self.server.counters)
@@ -200,7 +274,9 @@ class Learner:
                 got = len(self._by_step[msg.step])
                 raise TimeoutError(f"learner {self.policy}: step {msg.step} has {got} of {msg.expected} trajectories")
             trajectories = sort_trajectories(list(self._by_step.pop(msg.step).values()))
+            before = self.last_step
             self.last_step = max(self.last_step, msg.step)
+        self._write_live(await self._discard(), before)  # before anything moves: where a successor starts
         values = await self._values(trajectories)
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
@@ -221,6 +297,7 @@ class Learner:
         self.steps_trained += 1
         if self.record_path:
             trajectory_log.append(self.record_path, trajectories, self.game)
+        self._write_live(None if self.frozen else version, msg.step)  # the step done: a successor starts after it
         if new_state is not None:
             metrics.update({f"baseline/{k}": v for k, v in new_state.baselines.items()})
         return LearnerStepResult(step=msg.step, version=version, metrics=metrics)
@@ -300,6 +377,8 @@ class Learner:
         raw = data["advantage_state"]
         self.advantage_state = None if raw is None else EmaState.from_json(raw)
         self.steps_trained = int(data["steps_trained"])
+        if not self.restore:  # a resumed run's state: what a successor takes over until a step begins
+            self._write_live(None, self.last_step)
 
     def stop(self) -> None:
         if hasattr(self, "loop"):
