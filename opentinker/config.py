@@ -389,8 +389,9 @@ class RuntimeConfig(_Config):
     """Longest wait for any one request (a training step, an evaluation batch)."""
     startup_timeout_s: Timeout = 180.0
     max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
-    """Env runners (game code) restarted over a job when one dies (Ray backend): the step or
-    evaluation it was playing is played again; 0: a dead runner stops the run."""
+    """Restarts over a job (Ray backend): a dead env runner or learner started again, the step
+    or evaluation it was in played again; a dead scheduler or coordinator, the newest checkpoint
+    restored. 0: a dead component stops the run."""
     scheduler: Annotated[str, Meta(max_length=4096)] = ""
     """A shared scheduler to run on (``opentinker serve``): its bus endpoint or its service
     file; ``""``: the job starts its own. ``opentinker run --scheduler ADDRESS`` sets it."""
@@ -401,6 +402,12 @@ class RuntimeConfig(_Config):
     env runners and learners are dealt to its nodes in turn, and the bus between them is CURVE
     (as with ``curve``), each server bound to its node's address. ``""``: a private Ray
     instance on this machine, on 127.0.0.1."""
+    scheduler_resources: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=64)],
+                                        Annotated[float, Meta(ge=0, le=1e6)]], Meta(max_length=16)] = {}
+    """Ray resources the job's scheduler needs, which place it on a node that has them (Ray
+    backend): ``{"GPU": 1}`` a GPU node (Ray then hands it one GPU, as ``cuda``), a custom
+    resource a node was started with (``ray start --resources='{"big_gpu": 1}'``). ``{}``:
+    ``{"GPU": 1}`` when ``model.device`` is ``"cuda"``, else none (Ray puts it anywhere)."""
     curve: bool = False
     """The job's bus on CURVE (authentication and encryption, keys made for the run) instead of
     PLAIN with the run's secret, on one machine too; always on with ``address``."""
@@ -676,7 +683,7 @@ def _merge(into: dict, new: dict) -> None:
 
 # --------------------------------------------------------------------------- error messages
 
-_AT = re.compile(r"(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)
+_AT = re.compile(r"(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.DOTALL)
 _STEP = re.compile(r"\.(?P<key>[^.\[]+)|\[(?P<index>\d+)\]|\[\.\.\.\]")
 _RELATIVE = re.compile(r"[A-Za-z_][^\s:]*")
 """The ``<field>`` of a ``"<field>: <reason>"`` message raised in a ``__post_init__``."""
@@ -698,6 +705,11 @@ def _config_error(e: msgspec.ValidationError, raw: Any, where: str = "") -> Conf
         close = difflib.get_close_matches(unknown[1], known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
         return ConfigError(_join(field, unknown[1]), f"unknown field{hint}")
+    if m["key"]:  # a table's key (msgspec: "- at `key` in `$.path`")
+        keys = _lookup(raw, path)
+        shown = repr(list(keys) if isinstance(keys, dict) else keys)
+        return ConfigError(field, f"each key: {msg[:1].lower() + msg[1:]}, got keys "
+                                  f"{shown if len(shown) <= 80 else shown[:77] + '...'}")
     missing = re.fullmatch(r"Object missing required field `(.*)`", msg, re.DOTALL)
     if missing:
         return ConfigError(_join(field, missing[1]), "required field missing")

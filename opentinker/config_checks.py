@@ -81,6 +81,9 @@ def _check_cluster(cfg: JobConfig) -> None:
         if rt.scheduler:
             raise ConfigError("runtime.address", "a shared scheduler (runtime.scheduler) is reachable from its own "
                                                  "machine only: leave one of the two empty")
+    if rt.scheduler_resources and (rt.backend != "ray" or rt.scheduler):
+        raise ConfigError("runtime.scheduler_resources", "places the job's own scheduler on a Ray node: it needs "
+                          'runtime.backend = "ray" and no shared scheduler (runtime.scheduler)')
     if rt.address or rt.curve:
         import zmq
 

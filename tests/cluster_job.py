@@ -1,5 +1,6 @@
 """Run by ``test_cluster_curve`` in a process of its own: a simulated Ray cluster of two nodes on
-this machine (``ray.cluster_utils.Cluster``, every node on 127.0.0.1), a job joined to it with
+this machine (``ray.cluster_utils.Cluster``, every node on 127.0.0.1, the second with a custom
+resource ``accelerator`` the job's scheduler asks for), a job joined to it with
 ``runtime.address`` (so its bus is CURVE, servers bound to their node's address), run
 undisturbed for 3 steps, and the same job with its learner killed (SIGKILL) just before step
 3, which the job survives by starting the learner again (on a live node) in its step. Prints one JSON object:
@@ -43,12 +44,13 @@ def main(out: Path) -> None:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
-    cluster.add_node(**NODE)
+    cluster.add_node(**NODE, resources={"accelerator": 1})  # where the scheduler goes, by its resources
     cluster.wait_for_nodes()
     try:
         def cfg(steps: int) -> JobConfig:
             return msgspec.convert({**msgspec.to_builtins(_cfg(out, steps)), "runtime": {
-                "backend": "ray", "address": cluster.address, "env_runners": 2, "timeout_s": 120}}, JobConfig)
+                "backend": "ray", "address": cluster.address, "env_runners": 2, "timeout_s": 120,
+                "scheduler_resources": {"accelerator": 1}}}, JobConfig)
 
         whole = run_job(cfg(3), run_dir=out / "whole")
         said = io.StringIO()
@@ -60,7 +62,9 @@ def main(out: Path) -> None:
                           "resumed": {**accounting(resumed.run_dir, cfg(3), resumed.info),
                                       "final_eval": final["resumed"]},
                           "killed": pids, "said": said.getvalue(),
-                          "nodes": len([n for n in ray.nodes() if n["Alive"]])}))
+                          "nodes": len([n for n in ray.nodes() if n["Alive"]]),
+                          "accelerator_node": next(n["NodeID"] for n in ray.nodes()
+                                                   if n["Alive"] and "accelerator" in n["Resources"])}))
     finally:
         ray.shutdown()
         cluster.shutdown()

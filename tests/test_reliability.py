@@ -633,11 +633,47 @@ def test_kill_learner(tiny_path, tmp_path, ray_session, undisturbed) -> None:
     assert "restoring the checkpoint" not in said
 
 
+def test_the_scheduler_is_placed_by_its_resources(tmp_path) -> None:
+    """The scheduler's Ray resources: ``runtime.scheduler_resources``, else a GPU for a
+    ``cuda`` model; asked of Ray as ``num_gpus`` / ``num_cpus`` / custom ``resources``, and
+    refused with what each live node has when none has them (instead of an actor that waits
+    forever). ``test_cluster_curve`` places one on a real cluster."""
+    from opentinker.control.runtime import placed_on_resources, scheduler_resources
+
+    def cfg(**model_and_runtime) -> JobConfig:
+        base = msgspec.to_builtins(_cfg(tmp_path, 1))
+        return msgspec.convert({**base, "model": {**base["model"], **model_and_runtime.get("model", {})},
+                                "runtime": {**base["runtime"], **model_and_runtime.get("runtime", {})}}, JobConfig)
+
+    assert scheduler_resources(cfg()) == {}
+    assert scheduler_resources(cfg(model={"device": "cuda"})) == {"GPU": 1.0}
+    assert scheduler_resources(cfg(model={"device": "cuda:1"})) == {}  # a device chosen by hand: left alone
+    wanted = {"accelerator": 1.0, "GPU": 2.0}
+    assert scheduler_resources(cfg(runtime={"backend": "ray", "scheduler_resources": wanted})) == wanted
+
+    class ActorClass:  # what ray.remote(...) returns, as far as placement asks of it
+        def options(self, **kw):
+            return kw
+
+    cpu = {"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 2.0}}
+    gone = {"Alive": False, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 2.0, "GPU": 2.0, "accelerator": 1.0}}
+    gpu = {**gone, "Alive": True}
+    actor_cls = ActorClass()
+    assert placed_on_resources(actor_cls, {}, [cpu]) is actor_cls
+    with pytest.raises(RuntimeError, match=re.escape(
+            "runtime.scheduler_resources: no live Ray node has {'accelerator': 1.0, 'GPU': 2.0} for the scheduler "
+            "(nodes: 10.0.0.1: {'CPU': 2.0})")):
+        placed_on_resources(actor_cls, wanted, [cpu, gone])
+    assert placed_on_resources(actor_cls, wanted, [cpu, gpu]) == {"num_cpus": 0, "num_gpus": 2.0,
+                                                                 "resources": {"accelerator": 1.0}}
+    assert placed_on_resources(actor_cls, {"GPU": 1.0}, [gpu]) == {"num_cpus": 0, "num_gpus": 1.0}
+
+
 @pytest.mark.slow
 def test_cluster_curve(tmp_path) -> None:
     """A simulated cluster of two Ray nodes on this machine (its own process,
     ``tests/cluster_job.py``): a job joined to it with ``runtime.address`` puts components on
-    both nodes, every one on CURVE; killed (its learner, SIGKILL, before step 3) it starts the
+    both nodes, every one on CURVE, its scheduler on the node with the resource it asks for; killed (its learner, SIGKILL, before step 3) it starts the
     learner again in its step and ends with the same accounting and final evaluation as the
     undisturbed run."""
     import subprocess
@@ -653,6 +689,7 @@ def test_cluster_curve(tmp_path) -> None:
     for which, r in (("whole", whole), ("resumed", resumed)):
         assert {c["bus"] for c in r["components"].values()} == {"curve"}
         assert len({c["node_id"] for c in r["components"].values()}) == 2, (which, r["components"])  # both nodes
+        assert r["components"]["scheduler"]["node_id"] == out["accelerator_node"], which  # placed by its resources
         assert all(s["trajectories"] == s["unique"] == s["n_datums"] == 4 and s["episodes_as_configured"]
                    for s in r["steps"].values())
     assert resumed["rows"] == whole["rows"] and resumed["steps"] == whole["steps"]

@@ -114,7 +114,8 @@ def test_a_run_folder_given_must_be_new_and_directly_inside_out_dir(tmp_path, ca
 
 def test_cluster_addresses_are_checked(tmp_path, capsys):
     """``runtime.address``: a Ray address, on the Ray backend, not with a shared scheduler (which
-    binds loopback), all before anything starts."""
+    binds loopback), all before anything starts; ``runtime.scheduler_resources`` the same, with
+    names and amounts that can be Ray resources."""
     runs = tmp_path / "runs"
     assert _refused(capsys, runs, 'runtime.address="10.0.0.1"') == (
         "runtime.address: '10.0.0.1' is not a Ray address (auto, HOST:PORT or ray://HOST:PORT)")
@@ -125,6 +126,13 @@ def test_cluster_addresses_are_checked(tmp_path, capsys):
                     f'runtime.scheduler="{tmp_path}"') == (
         "runtime.address: a shared scheduler (runtime.scheduler) is reachable from its own machine only: leave "
         "one of the two empty")
+    assert _refused(capsys, runs, 'runtime.scheduler_resources={"GPU": 1}', "runtime.backend=local") == (
+        'runtime.scheduler_resources: places the job\'s own scheduler on a Ray node: it needs runtime.backend = "ray" '
+        "and no shared scheduler (runtime.scheduler)")
+    assert _refused(capsys, runs, 'runtime.scheduler_resources={"GPU": -1}') == (
+        "runtime.scheduler_resources[...]: expected `float` >= 0.0")
+    assert _refused(capsys, runs, 'runtime.scheduler_resources={"": 1}') == (
+        "runtime.scheduler_resources: each key: expected `str` of length >= 1, got keys ['']")
 
 
 # --------------------------------------------------------------------------- games, models, devices

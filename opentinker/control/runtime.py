@@ -169,6 +169,31 @@ def _dealt(actor_cls: Any) -> Any:
     return placed
 
 
+def scheduler_resources(cfg: JobConfig) -> dict[str, float]:
+    """The Ray resources the job's scheduler asks for: ``runtime.scheduler_resources``, else one
+    GPU when the model's device is ``cuda``, else none."""
+    if cfg.runtime.scheduler_resources:
+        return dict(cfg.runtime.scheduler_resources)
+    return {"GPU": 1.0} if cfg.model.device == "cuda" else {}
+
+
+def placed_on_resources(actor_cls: Any, wanted: dict[str, float], nodes: list[dict[str, Any]]) -> Any:
+    """``actor_cls`` asking Ray for ``wanted`` (``CPU``, ``GPU`` and custom resources), which
+    places it on a node that has them; ``RuntimeError`` naming what each live node has when
+    none of ``nodes`` (``ray.nodes()``) does, rather than an actor that waits forever."""
+    if not wanted:
+        return actor_cls
+    alive = [n for n in nodes if n.get("Alive")]
+    if not any(all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in wanted.items()) for n in alive):
+        have = "; ".join(f"{n.get('NodeManagerAddress')}: {dict(sorted(n.get('Resources', {}).items()))}"
+                         for n in alive if n.get("Resources"))
+        raise RuntimeError(f"runtime.scheduler_resources: no live Ray node has {wanted} for the scheduler "
+                           f"(nodes: {have or 'none'})")
+    custom = {k: v for k, v in wanted.items() if k not in ("CPU", "GPU")}
+    return actor_cls.options(num_cpus=wanted.get("CPU", 0), num_gpus=wanted.get("GPU", 0),
+                             **({"resources": custom} if custom else {}))
+
+
 def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str,
                     scheduler_auth: tuple[str, str] | None = None) -> dict[str, Any]:
     tc = cfg.train_for(policy)
@@ -343,8 +368,8 @@ class Job:
             return {name: ray.get(ref) for name, ref in refs.items()}
 
         if self.attachment is None:
-            sched = self._add("scheduler", actor_cls.options(name=None).remote("scheduler", sched_kwargs, secret,
-                                                                               self._curve))
+            sched_cls = placed_on_resources(actor_cls, scheduler_resources(cfg), ray.nodes())  # a GPU node, ...
+            sched = self._add("scheduler", sched_cls.remote("scheduler", sched_kwargs, secret, self._curve))
             self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
         ep = self.scheduler_endpoint
         if self.scheduler_only:
