@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -386,10 +387,10 @@ def test_the_command_line_names_a_dead_component_in_one_line(monkeypatch, capsys
 @pytest.mark.slow
 @pytest.mark.ray
 def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
-    """SIGKILL an env runner of a Ray job: the next step notices (ComponentDied), starts the
-    runner again in a new process, reconnects and plays the step again; every episode of the
-    step is trained on exactly once (its trajectories counted and unique), and a later step
-    and an evaluation go on as before."""
+    """SIGKILL an env runner of a Ray job in the middle of step 2 (its episodes under way): the
+    step notices (ComponentDied), starts the runner again in a new process, reconnects and
+    plays the step again; every episode of the step is trained on exactly once (its
+    trajectories counted and unique), and a later step and an evaluation go on as before."""
     from opentinker.control.runtime import Job
     from opentinker.rollout.episodes import train_episodes
 
@@ -400,8 +401,24 @@ def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
     try:
         job.supervised("train_step", 1)
         old = job.info()["env_runner1"]["pid"]
-        os.kill(old, signal.SIGKILL)
+        asked = job.call("env_runner1", "counters").get("client/sent/SampleRequest", 0)
+        killed = threading.Event()
+
+        def kill_mid_step() -> None:
+            """SIGKILL runner 1 once it asks for its first sample of step 2 (episodes under way)."""
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if job.call("env_runner1", "counters").get("client/sent/SampleRequest", 0) > asked:
+                    os.kill(old, signal.SIGKILL)
+                    killed.set()
+                    return
+                time.sleep(0.01)
+
+        killer = threading.Thread(target=kill_mid_step, daemon=True)
+        killer.start()
         m = job.supervised("train_step", 2)
+        killer.join(10)
+        assert killed.is_set()  # ...in step 2, which was played again (else the restart would be in step 3)
         assert job.restarts == 1 and job.info()["env_runner1"]["pid"] != old
         records = trajectory_log.read(tmp_path / "run" / "trajectories" / "main.jsonl")
         step2 = [(r.episode_id, r.seat) for r in records if r.step == 2]
