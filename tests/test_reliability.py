@@ -386,7 +386,7 @@ def test_the_command_line_names_a_dead_component_in_one_line(monkeypatch, capsys
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
+def test_kill_env_runner(tiny_path, tmp_path, ray_session, undisturbed) -> None:
     """SIGKILL an env runner of a Ray job in the middle of step 2 (its episodes under way): the
     step notices (ComponentDied), starts the runner again in a new process, reconnects and
     plays the step again; every episode of the step is trained on exactly once (its
@@ -394,9 +394,8 @@ def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
     from opentinker.control.runtime import Job
     from opentinker.rollout.episodes import train_episodes
 
-    cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 3)),
-                           "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60, "max_restarts": 1}},
-                          JobConfig)
+    cfg = msgspec.convert({**msgspec.to_builtins(_ray_cfg(tmp_path)), "runtime": {
+        "backend": "ray", "env_runners": 2, "timeout_s": 60, "max_restarts": 1}}, JobConfig)
     job = Job(cfg, tiny_path, run_dir=str(tmp_path / "run"))
     try:
         job.supervised("train_step", 1)
@@ -425,7 +424,8 @@ def test_kill_env_runner(tiny_path, tmp_path, ray_session) -> None:
         assert len(step2) == len(set(step2)) == m["train/main/n_datums"]
         assert {e for e, _ in step2} == {s.episode_id for s in train_episodes(cfg, 2)}  # every episode, once
         assert job.supervised("train_step", 3)["train/main/version"] == 3
-        assert job.supervised("evaluate", 3, False, 1)["eval/main/vs_referential_heuristic/hands"] > 0
+        final = job.supervised("evaluate", 3, True, cfg.eval.final_hands_per_stratum)
+        _within_interval(final, undisturbed[0].last_eval)
     finally:
         job.shutdown()
 
@@ -595,6 +595,15 @@ def undisturbed(tmp_path_factory, tiny_path, ray_session):
     return result, _accounting(result.run_dir, _ray_cfg(tmp))
 
 
+def _within_interval(final: dict[str, float], whole: dict[str, float]) -> None:
+    """A final evaluation within the undisturbed run's 95% interval against every opponent,
+    on as many hands (the game's unit: ``success``)."""
+    opponents = {k.removesuffix("/ci95") for k in whole if k.endswith("/ci95")}
+    assert opponents and all(final[f"{k}/hands"] == whole[f"{k}/hands"] > 0 for k in opponents)
+    for k in opponents:
+        assert abs(final[f"{k}/success"] - whole[f"{k}/success"]) <= whole[f"{k}/ci95"] + 1e-9, k
+
+
 def _killed_and_restored(component: str, tmp_path: Path, said: str, undisturbed) -> str:
     """SIGKILL ``component`` of a Ray job just before step 3: the job says what happened and
     goes on by itself (``said``: what it says after naming the component); its files account
@@ -620,12 +629,7 @@ def _killed_and_restored(component: str, tmp_path: Path, said: str, undisturbed)
     assert result.rows[-2]["kind"] == "train" and result.rows[-2]["runtime/restarts"] == 1.0
     whole, (whole_rows, whole_steps) = undisturbed
     assert (rows, steps) == (whole_rows, whole_steps)
-    # The final evaluation within the undisturbed run's 95% interval, against every opponent.
-    finals = {k.removesuffix("/ci95") for k in whole.last_eval if k.endswith("/ci95")}
-    assert finals and all(result.last_eval[f"{k}/hands"] == whole.last_eval[f"{k}/hands"] > 0 for k in finals)
-    for k in finals:
-        unit = f"{k}/success"
-        assert abs(result.last_eval[unit] - whole.last_eval[unit]) <= whole.last_eval[f"{k}/ci95"] + 1e-9, k
+    _within_interval(result.last_eval, whole.last_eval)
     return out.getvalue()
 
 
