@@ -1,6 +1,7 @@
 """``opentinker`` command line: ``opentinker run [CONFIG.toml] [--set key=value ...]``,
 ``opentinker eval PATH --game G --vs random,base,...`` (saved adapters, a run folder),
-``opentinker play GAME --agent PATH`` (a person against an agent), ``opentinker games``,
+``opentinker play GAME --agent PATH`` (a person against an agent), ``opentinker infer PROMPTS
+--out FILE`` (batch inference), ``opentinker games``,
 ``opentinker serve`` (one scheduler for many jobs, with an OpenAI-compatible endpoint),
 ``opentinker status`` (what a service holds)."""
 
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     cli_eval.add_arguments(sub.add_parser(
         "eval", help="evaluate a run's adapters or a saved adapter (95%% intervals, seat-balanced)",
         description=(cli_eval.__doc__ or "").split("\n\n")[0].replace("``", "")))
+    from opentinker.serve import infer as infer_cmd
+
+    infer_cmd.add_arguments(sub.add_parser(
+        "infer", help="batch inference: replies to a JSON Lines file of prompts with a saved adapter or the base model",
+        description=(infer_cmd.__doc__ or "").split("\n\n")[0].replace("``", "")))
     play_cmd.add_arguments(sub.add_parser(
         "play", help="play a game in the terminal against a trained agent or the base model",
         description=(play_cmd.__doc__ or "").split("\n\n")[0].replace("``", "")))
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return cli_eval.main(args)
     if args.command == "play":
         return play_cmd.main(args)
+    if args.command == "infer":
+        return infer_cmd.main(args)
 
     if args.command == "games":
         import games

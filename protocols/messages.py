@@ -426,14 +426,33 @@ class EvalJob(msgspec.Struct, frozen=True, kw_only=True):
     """Required for an adapter folder; ``""``: the run's."""
 
 
+class InferJob(msgspec.Struct, frozen=True, kw_only=True):
+    """Batch inference to queue (``opentinker jobs submit --infer PROMPTS``): ``opentinker
+    infer`` on the service's scheduler and its model, the replies written as JSON Lines."""
+
+    prompts: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    """A JSON Lines file of prompts, on the service's machine (absolute)."""
+    adapter: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    """A saved adapter folder or a run folder of one policy (absolute); ``""``: the base model."""
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 128
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
+    """0: greedy."""
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
+    batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
+    """Prompts per request (the rows the job holds KV blocks for at once)."""
+
+
 class SubmitJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Queue a job on a service (``opentinker jobs submit``): it runs when the service's memory
     budget has room, as a tenant of its scheduler. Exactly one of ``config`` (a run: RL, SFT,
-    DPO) and ``eval`` (an evaluation). Replied with :class:`QueueEntry`."""
+    DPO), ``eval`` (an evaluation) and ``infer`` (batch inference). Replied with
+    :class:`QueueEntry`."""
 
     config: Annotated[str, msgspec.Meta(max_length=1 << 20)] = ""
     """The resolved job config as TOML (paths absolute)."""
     eval: EvalJob | None = None
+    infer: InferJob | None = None
     priority: float = 1.0
     memory_mb: float = 0.0
     """What the job holds on the scheduler; 0: the service estimates it from the config."""
@@ -468,9 +487,10 @@ class QueueEntry(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     log: str = ""
     """Its process's output (on the service's machine)."""
     kind: str = "run"
-    """``run`` or ``eval``."""
+    """``run``, ``eval`` or ``infer``."""
     output: str = ""
-    """What it writes (on the service's machine): a run's folder, an evaluation's JSON report."""
+    """What it writes (on the service's machine): a run's folder, an evaluation's JSON report,
+    an inference's replies (JSON Lines)."""
 
 
 class QueueList(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -367,7 +367,8 @@ def _queue(service: Path) -> dict:
 def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, tmp_path):
     """A budget that holds one job at a time: submitted jobs run one after another; a job the
     budget can never hold is refused with the numbers; a cancelled job and a failed one free
-    their room and their adapters, and the queue goes on."""
+    their room and their adapters, and the queue goes on; an evaluation and a batch inference
+    queue behind them and write their report and replies."""
     file = tmp_path / "service.json"
     proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--no-http", "--service-file", str(file),
                                  "--budget-mb", "60"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -404,17 +405,35 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
         r = _jobs("submit", "--eval", q["q1"]["output"], "--games-per-stratum", "1", "--memory-mb", "40", service=file)
         assert r.returncode == 0 and r.stdout.startswith("q5 queued (eval_kuhn_poker_v0__first__"), r.stderr
         ids.append("q5")
+        # Batch inference with the first run's adapter, queued behind it too.
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Bet or check?"}]}\n')
+        bad = _jobs("submit", "--infer", str(tmp_path / "none.jsonl"), service=file)
+        assert bad.returncode == 2 and "none.jsonl: no such file" in bad.stderr
+        infer_args = ["--adapter", q["q1"]["output"], "--max-tokens", "4", "--seed", "3"]
+        r = _jobs("submit", "--infer", str(prompts), *infer_args, "--memory-mb", "40", service=file)
+        assert r.returncode == 0 and r.stdout.startswith("q6 queued (infer_prompts, ~40 MB)"), r.stderr
+        ids.append("q6")
         pid = _pid_of_job(q["q2"]["log"])
         os.kill(pid, 9)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and {e["state"] for e in _queue(file)["jobs"]} & {"queued", "running"}:
             time.sleep(0.5)
         q = {e["id"]: e for e in _queue(file)["jobs"]}
-        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done", "done"], q
+        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done", "done", "done"], q
         report = json.loads(Path(q["q5"]["output"]).read_text())
         assert q["q5"]["kind"] == "eval" and report["path"] == q["q1"]["output"]
         assert report["metrics"]["eval/main/vs_random/hands"] > 0 and q["q5"]["started_at"] >= q["q4"]["ended_at"]
         assert q["q3"]["job"] == "" and q["q4"]["started_at"] >= q["q2"]["ended_at"]
+        # The queued inference replied as the same command run on its own does.
+        alone = tmp_path / "alone.jsonl"
+        r = subprocess.run(_cli("infer", str(prompts), "--out", str(alone), "--model", tiny_path, "--threads", "1",
+                                *infer_args), capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+        queued = [json.loads(line) for line in Path(q["q6"]["output"]).read_text().splitlines()]
+        own = [json.loads(line) for line in alone.read_text().splitlines()]
+        assert q["q6"]["kind"] == "infer" and [x["model"] for x in queued] == ["main", "main"]
+        assert [x["tokens"] for x in queued] == [x["tokens"] for x in own] and all(x["tokens"] for x in own)
         assert _queue(file)["used_mb"] == 0
         report = _status(file)
         assert report["adapters"] == [] and all(j["state"] == "closed" for j in report["jobs"])

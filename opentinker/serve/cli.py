@@ -161,6 +161,15 @@ def add_jobs_arguments(p: argparse.ArgumentParser) -> None:
     submit.add_argument("--game", default="", help="with --eval of a saved adapter: its game")
     submit.add_argument("--games-per-stratum", type=int, default=0, metavar="N",
                         help="with --eval: games per (start, seat) for each opponent (default: opentinker eval's)")
+    submit.add_argument("--infer", metavar="PROMPTS", help="queue batch inference (opentinker infer) of a JSON Lines "
+                        "file of prompts, on the service's machine")
+    submit.add_argument("--adapter", default="", metavar="PATH",
+                        help="with --infer: a saved adapter or a run folder of one policy (default: the base model)")
+    submit.add_argument("--max-tokens", type=int, default=128, help="with --infer: most tokens per reply (default 128)")
+    submit.add_argument("--temperature", type=float, default=1.0, help="with --infer: 0 is greedy (default 1)")
+    submit.add_argument("--top-p", type=float, default=1.0, help="with --infer: nucleus mass (default 1: off)")
+    submit.add_argument("--seed", type=int, default=0, help="with --infer: line i draws with seed + i (default 0)")
+    submit.add_argument("--batch", type=int, default=32, help="with --infer: prompts per request (default 32)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     submit.add_argument("--priority", type=float, default=1.0, help="the job's share of compute against others")
     submit.add_argument("--memory-mb", type=float, default=0.0, help="what it holds on the scheduler (default: estimated)")
@@ -192,10 +201,12 @@ def _absolute(cfg):
 
 
 def jobs_main(args: argparse.Namespace) -> int:
+    import msgspec
+
     from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
     from opentinker.serve.service import SERVICE_FILE, find_service, home
-    from protocols.messages import CancelQueued, EvalJob, ListQueue, SubmitJob
+    from protocols.messages import CancelQueued, EvalJob, InferJob, ListQueue, SubmitJob
 
     try:
         msg: object = None
@@ -203,7 +214,20 @@ def jobs_main(args: argparse.Namespace) -> int:
             from opentinker.cli import _parse_set
             from opentinker.config import load_config, to_toml
 
-            if args.eval:
+            if args.eval and args.infer:
+                raise ValueError("give one of --eval (an evaluation) and --infer (an inference)")
+            if args.infer:
+                if args.config or args.set:
+                    raise ValueError("--infer PROMPTS queues an inference: give no config and no --set")
+                try:
+                    spec = msgspec.convert({
+                        "prompts": os.path.abspath(args.infer), "max_tokens": args.max_tokens,
+                        "adapter": os.path.abspath(args.adapter) if args.adapter else "", "temperature": args.temperature,
+                        "top_p": args.top_p, "seed": args.seed, "batch": args.batch}, InferJob)
+                except msgspec.ValidationError as e:
+                    raise ValueError(f"--infer: {e}") from None
+                msg = SubmitJob(infer=spec, priority=args.priority, memory_mb=args.memory_mb)
+            elif args.eval:
                 if args.config or args.set:
                     raise ValueError("--eval PATH queues an evaluation: give no config and no --set")
                 msg = SubmitJob(eval=EvalJob(path=os.path.abspath(args.eval), vs=args.vs or "", game=args.game,
@@ -223,8 +247,6 @@ def jobs_main(args: argparse.Namespace) -> int:
         text = str(e.error.message) if isinstance(e, RemoteError) else str(e)
         print(f"opentinker jobs {args.jobs_command}: {escape_controls(text)}", file=sys.stderr)
         return 2
-    import msgspec
-
     if args.jobs_command in ("submit", "cancel"):
         print(f"{reply.id} {reply.state} ({escape_controls(reply.name)}, ~{reply.memory_mb:.0f} MB)")
         return 0
@@ -244,5 +266,6 @@ def jobs_main(args: argparse.Namespace) -> int:
         print(f"{e.id:<6} {e.state:<10} {escape_controls(e.name):<24} {e.job or '-':<20} {e.memory_mb:>8.0f} "
               f"{e.priority:>8g}  {code}")
     if args.jobs_command == "status":
-        print(f"log: {entries[0].log}\n{'report' if entries[0].kind == 'eval' else 'run'}: {entries[0].output}")
+        what = {"eval": "report", "infer": "replies"}.get(entries[0].kind, "run")
+        print(f"log: {entries[0].log}\n{what}: {entries[0].output}")
     return 0

@@ -14,6 +14,10 @@ An evaluation (``opentinker jobs submit --eval PATH``, an :class:`~protocols.mes
 queues the same way and runs as ``opentinker eval PATH --scheduler SERVICE_FILE --json
 REPORT``; its memory is estimated from the job its evaluation plays (:func:`eval_config`), and
 it may write only in its own folder of the queue (where it stages the adapters it loads).
+Batch inference (``opentinker jobs submit --infer PROMPTS``, an
+:class:`~protocols.messages.InferJob`) runs as ``opentinker infer PROMPTS --out REPLIES
+--model SERVICE_MODEL --scheduler SERVICE_FILE`` the same way, its replies in its folder; its
+memory is its adapter's weights and the KV cache of one batch (:func:`infer_config`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocols.messages import EvalJob, QueueEntry
+from protocols.messages import EvalJob, InferJob, QueueEntry
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +130,36 @@ def eval_config(spec: EvalJob, model_path: str, out_dir: str) -> Any:
         raise ValueError(f"--eval {spec.path}: {e}") from None
 
 
+def infer_config(spec: InferJob, model_path: str, out_dir: str) -> Any:
+    """What an inference holds, as a job config for :func:`estimate_bytes`: its adapter frozen
+    (rank and modules from its ``adapter_config.json``) and ``spec.batch`` rows of
+    ``spec.max_tokens``; ``ValueError`` naming a path that is not there."""
+    import msgspec
+
+    from opentinker.config import JobConfig
+    from opentinker.eval import cli_eval
+
+    for what, path in (("--infer", spec.prompts), ("--adapter", spec.adapter)):
+        if path and not os.path.isabs(path):
+            raise ValueError(f"{what} {path}: give an absolute path (on the service's machine)")
+    if not os.path.isfile(spec.prompts):
+        raise ValueError(f"--infer {spec.prompts}: no such file")
+    policy: dict[str, Any] = {"name": "main", "frozen": True}
+    if spec.adapter:
+        try:
+            (folder,) = cli_eval.read_source(spec.adapter).adapters.values()
+            lora = json.loads((folder / "adapter_config.json").read_text())
+            policy.update(lora_rank=int(lora["r"]), target_modules=list(lora["target_modules"]))
+        except (cli_eval.CliError, OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--adapter {spec.adapter}: {e}") from None
+    try:
+        return msgspec.convert({"out_dir": out_dir, "model": {"base": model_path}, "policies": [policy],
+                                "sampling": {"max_tokens": spec.max_tokens},
+                                "train": {"groups_per_step": spec.batch, "group_size": 1}}, JobConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--adapter {spec.adapter}: {e}") from None
+
+
 class JobQueue:
     """Jobs submitted to a service, run within ``budget_bytes`` (None: one at a time is not
     enforced, every job starts at once).
@@ -148,17 +182,20 @@ class JobQueue:
     # ------------------------------------------------------------------------------- requests
 
     def submit(self, config_toml: str, priority: float, memory_mb: float = 0.0,
-               evaluation: EvalJob | None = None, model_path: str = "") -> QueueEntry:
-        """Queue a run (``config_toml``) or an evaluation (``evaluation``, of adapters made for
-        ``model_path``): ``ValueError`` naming the field for a bad config or path, or the
-        numbers for a job the budget can never hold."""
+               evaluation: EvalJob | None = None, model_path: str = "",
+               inference: InferJob | None = None) -> QueueEntry:
+        """Queue a run (``config_toml``), an evaluation (``evaluation``, of adapters made for
+        ``model_path``) or an inference (``inference``, on ``model_path``): ``ValueError``
+        naming the field for a bad config or path, or the numbers for a job the budget can
+        never hold."""
         from opentinker.config import ConfigError, load_config
         from opentinker.config_checks import check_config
 
         if not (0 < priority <= 1e6):
             raise ValueError(f"SubmitJob.priority must be in (0, 1e6], got {priority}")
-        if bool(config_toml) == (evaluation is not None):
-            raise ValueError("SubmitJob: give exactly one of config (a run) and eval (an evaluation)")
+        if bool(config_toml) + (evaluation is not None) + (inference is not None) != 1:
+            raise ValueError("SubmitJob: give exactly one of config (a run), eval (an evaluation) and infer "
+                             "(an inference)")
         import tempfile
 
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -168,13 +205,15 @@ class JobQueue:
                 if not os.path.isabs(evaluation.path):
                     raise ValueError(f"--eval {evaluation.path}: give an absolute path (on the service's machine)")
                 cfg = eval_config(evaluation, model_path, str(folder))
+            elif inference is not None:
+                cfg = infer_config(inference, model_path, str(folder))
             else:
                 (folder / "config.toml").write_text(config_toml)
                 cfg = load_config(folder / "config.toml")
                 check_config(cfg)
         except (ConfigError, OSError, ValueError) as e:
             shutil.rmtree(folder, ignore_errors=True)
-            raise ValueError(str(e) if evaluation is not None else f"bad config: {e}") from None
+            raise ValueError(f"bad config: {e}" if config_toml else str(e)) from None
         parts = estimate_bytes(cfg, self.model_config)
         need = int(memory_mb * 2**20) if memory_mb > 0 else sum(parts.values())
         if self.budget is not None and need > self.budget:
@@ -195,6 +234,14 @@ class JobQueue:
             name = "eval_" + re.sub(r"[^\w.+-]", "_", Path(evaluation.path).name)[:100]  # a safe job name
             entry = _Entry(qid, name, folder, priority, need, roots=[str(folder)], command=command, kind="eval",
                            output=str(report))
+        elif inference is not None:  # the service's own model; its adapter staged in its folder
+            i, replies = inference, folder / "replies.jsonl"
+            command = ["infer", i.prompts, "--out", str(replies), "--model", model_path, "--max-tokens", str(i.max_tokens),
+                       "--temperature", repr(i.temperature), "--top-p", repr(i.top_p), "--seed", str(i.seed),
+                       "--batch", str(i.batch), *(["--adapter", i.adapter] if i.adapter else [])]
+            name = "infer_" + re.sub(r"[^\w.+-]", "_", Path(i.prompts).stem)[:100]
+            entry = _Entry(qid, name, folder, priority, need, roots=[str(folder)], command=command, kind="infer",
+                           output=str(replies))
         else:
             os.makedirs(cfg.out_dir, exist_ok=True)
             run_dir = str(cfg.run_dir())  # once: its name holds the time

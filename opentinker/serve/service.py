@@ -207,7 +207,7 @@ class ServiceCore:
         # The queue opens and closes tenants on the scheduler's loop: its calls run in threads.
         s.services = {
             SubmitJob: lambda m: asyncio.to_thread(q.submit, m.config, m.priority, m.memory_mb, m.eval,
-                                                   self.model_path),
+                                                   self.model_path, m.infer),
             CancelQueued: lambda m: asyncio.to_thread(q.cancel, m.id),
             ListQueue: lambda _m: asyncio.to_thread(listing),
         }
