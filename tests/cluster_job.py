@@ -2,8 +2,9 @@
 this machine (``ray.cluster_utils.Cluster``, every node on 127.0.0.1, the second with a custom
 resource ``accelerator`` the job's scheduler asks for), a job joined to it with
 ``runtime.address`` (so its bus is CURVE, servers bound to their node's address), run
-undisturbed for 3 steps, and the same job with its learner killed (SIGKILL) just before step
-3, which the job survives by starting the learner again (on a live node) in its step. Prints one JSON object:
+undisturbed for 3 steps; the same job with its learner killed (SIGKILL) just before step 3,
+which it survives by starting the learner again (on a live node) in its step; and with its
+scheduler killed there, which it survives by resuming from its checkpoint of step 2. Prints one JSON object:
 each run's accounting (metrics rows, trajectories per step), where its components ran, and
 what the disturbed run said.
 
@@ -52,19 +53,19 @@ def main(out: Path) -> None:
                 "backend": "ray", "address": cluster.address, "env_runners": 2, "timeout_s": 120,
                 "scheduler_resources": {"accelerator": 1}}}, JobConfig)
 
-        whole = run_job(cfg(3), run_dir=out / "whole")
-        said = io.StringIO()
-        with killed_during(3, "learner_main") as pids:
-            resumed = run_job(cfg(3), Console(file=said, width=400), run_dir=out / "resumed")
-        final = {r: {k: v for k, v in x.last_eval.items() if k.endswith(("/success", "/hands", "/invalid_rate"))}
-                 for r, x in (("whole", whole), ("resumed", resumed))}
-        print(json.dumps({"whole": {**accounting(whole.run_dir, cfg(3), whole.info), "final_eval": final["whole"]},
-                          "resumed": {**accounting(resumed.run_dir, cfg(3), resumed.info),
-                                      "final_eval": final["resumed"]},
-                          "killed": pids, "said": said.getvalue(),
-                          "nodes": len([n for n in ray.nodes() if n["Alive"]]),
-                          "accelerator_node": next(n["NodeID"] for n in ray.nodes()
-                                                   if n["Alive"] and "accelerator" in n["Resources"])}))
+        runs, said, killed = {"whole": run_job(cfg(3), run_dir=out / "whole")}, {}, {}
+        for name, component in (("restarted", "learner_main"), ("resumed", "scheduler")):
+            text = io.StringIO()
+            with killed_during(3, component) as pids:
+                runs[name] = run_job(cfg(3), Console(file=text, width=400), run_dir=out / name)
+            said[name], killed[name] = text.getvalue(), pids
+        print(json.dumps({
+            **{name: {**accounting(r.run_dir, cfg(3), r.info), "final_eval": {
+                k: v for k, v in r.last_eval.items() if k.endswith(("/success", "/hands", "/invalid_rate"))}}
+               for name, r in runs.items()},
+            "killed": killed, "said": said, "nodes": len([n for n in ray.nodes() if n["Alive"]]),
+            "accelerator_node": next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "accelerator" in n["Resources"]),
+        }))
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -482,8 +482,19 @@ def test_a_learner_started_again_takes_over_its_step(scheduler, tmp_path) -> Non
     from opentinker.bus import Client, Pusher
     from opentinker.training.learner import Learner
     from protocols.messages import (
-        AdamParams, CreateAdapter, Datum, ForwardBackward, LearnerStep, LoraSpec, OptimStep, ParseOutcome, PolicyKind,
-        PolicyRef, StopReason, Trajectory, Turn,
+        AdamParams,
+        CreateAdapter,
+        Datum,
+        ForwardBackward,
+        LearnerStep,
+        LoraSpec,
+        OptimStep,
+        ParseOutcome,
+        PolicyKind,
+        PolicyRef,
+        StopReason,
+        Trajectory,
+        Turn,
     )
 
     live, record = tmp_path / "learners" / "main.live.json", tmp_path / "main.jsonl"
@@ -694,9 +705,10 @@ def test_the_scheduler_is_placed_by_its_resources(tmp_path) -> None:
 def test_cluster_curve(tmp_path) -> None:
     """A simulated cluster of two Ray nodes on this machine (its own process,
     ``tests/cluster_job.py``): a job joined to it with ``runtime.address`` puts components on
-    both nodes, every one on CURVE, its scheduler on the node with the resource it asks for; killed (its learner, SIGKILL, before step 3) it starts the
-    learner again in its step and ends with the same accounting and final evaluation as the
-    undisturbed run."""
+    both nodes, every one on CURVE, its scheduler on the node with the resource it asks for.
+    With its learner killed (SIGKILL, before step 3) it starts the learner again in its step;
+    with its scheduler killed there, it resumes from its checkpoint of step 2 on the cluster;
+    both end with the accounting and the final evaluation of the undisturbed run."""
     import subprocess
     import sys
 
@@ -705,16 +717,18 @@ def test_cluster_curve(tmp_path) -> None:
                           check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    whole, resumed = out["whole"], out["resumed"]
-    assert out["nodes"] == 2 and len(out["killed"]) == 1
-    for which, r in (("whole", whole), ("resumed", resumed)):
+    assert out["nodes"] == 2 and {k: len(v) for k, v in out["killed"].items()} == {"restarted": 1, "resumed": 1}
+    whole = out["whole"]
+    for which in ("whole", "restarted", "resumed"):
+        r = out[which]
         assert {c["bus"] for c in r["components"].values()} == {"curve"}
         assert len({c["node_id"] for c in r["components"].values()}) == 2, (which, r["components"])  # both nodes
         assert r["components"]["scheduler"]["node_id"] == out["accelerator_node"], which  # placed by its resources
         assert all(s["trajectories"] == s["unique"] == s["n_datums"] == 4 and s["episodes_as_configured"]
                    for s in r["steps"].values())
-    assert resumed["rows"] == whole["rows"] and resumed["steps"] == whole["steps"]
+        assert (r["rows"], r["steps"]) == (whole["rows"], whole["steps"]), which
+        assert r["final_eval"] == whole["final_eval"], which  # the tiny model's replies: equal, not just close
     assert whole["final_eval"]["eval/main/vs_random/hands"] > 0
-    assert resumed["final_eval"] == whole["final_eval"]  # the tiny model's replies: equal, not just close
-    assert "during step 3: started again as the learner of policy main" in out["said"]  # in its step
-    assert "restoring the checkpoint" not in out["said"]
+    assert "during step 3: started again as the learner of policy main" in out["said"]["restarted"]  # in its step
+    assert "restoring the checkpoint" not in out["said"]["restarted"]
+    assert "during step 3: restoring the checkpoint of step 2 and going on" in out["said"]["resumed"]
