@@ -91,14 +91,16 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
 
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None,
-            resume: Path | None = None, checkpoint: Checkpoint | None = None, *, restarts: int = 0) -> RunResult:
+            resume: Path | None = None, checkpoint: Checkpoint | None = None, *, restarts: int = 0,
+            spent_s: float = 0.0) -> RunResult:
     """Run a job into ``run_dir`` (default ``<out_dir>/<run name>``); with ``resume``, continue
     the run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``).
 
-    A dead env runner is restarted in place (:meth:`Job.supervised`); any other component that
-    dies (a learner, the scheduler, the coordinator) stops the job, which then restores its
-    newest checkpoint by itself and goes on, saying so (:func:`_recover`). Both count against
-    ``runtime.max_restarts`` (``restarts``: those used before this call).
+    A dead env runner or learner is started again in its step (:meth:`Job.supervised`); a dead
+    scheduler or coordinator (or a learner that cannot take over its step) stops the job, which
+    then restores its newest checkpoint by itself and goes on, saying so (:func:`_recover`).
+    Both count against ``runtime.max_restarts`` (``restarts``: those used before this call;
+    ``spent_s``: the wall seconds of the attempts before it, counted in ``summary.json``).
 
     The config is checked whole (:func:`~opentinker.config_checks.check_config`, a
     :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
@@ -216,7 +218,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         job.shutdown()
         log.close()
     if died is not None:
-        return _recover(cfg, console, run_dir, died, now, job.restarts)
+        return _recover(cfg, console, run_dir, died, now, job.restarts, spent_s + time.perf_counter() - t_start)
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)
     plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png",
                     game_eval)
@@ -227,8 +229,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     table = ratings_table(last, cfg.train.steps)
     if table is not None:
         console.print(table)
-    total = time.perf_counter() - t_start
-    (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters, "wall_s": total,
+    total = spent_s + time.perf_counter() - t_start  # the attempts a restore replaced included
+    (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters,
+                                                      "wall_s": total, "restarts": job.restarts,
                                                       "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
                                                       "commit": git_commit()[0]},
                                                      indent=1))
@@ -237,7 +240,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
 
 
 def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDied, now: str,
-             restarts: int) -> RunResult:
+             restarts: int, spent_s: float) -> RunResult:
     """After ``died`` stopped the job during ``now`` (its components shut down): restore the
     newest checkpoint and go on, as ``--resume`` would, when ``runtime.max_restarts`` allows one
     more restart (``restarts`` used so far) and a checkpoint exists; else raise ``died``, which
@@ -253,7 +256,7 @@ def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDie
             f"{restarts + 1} of at most {cfg.runtime.max_restarts})")
     logger.warning("%s", text)
     console.print(f"[yellow]{escape(text)}[/]")
-    return run_job(cfg, console, resume=run_dir, checkpoint=ckpt, restarts=restarts + 1)
+    return run_job(cfg, console, resume=run_dir, checkpoint=ckpt, restarts=restarts + 1, spent_s=spent_s)
 
 
 def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog) -> RunResult:

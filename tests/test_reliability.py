@@ -638,6 +638,7 @@ def _killed_and_restored(component: str, tmp_path: Path, said: str, undisturbed)
     assert re.search(rf"{re.escape(describe(component))} \(pid {pids[0]}, node [^)]+\) stopped \(.*\) "
                      rf"during step 3: {said}", out.getvalue()), out.getvalue()
     assert result.rows[-2]["kind"] == "train" and result.rows[-2]["runtime/restarts"] == 1.0
+    assert json.loads((result.run_dir / "summary.json").read_text())["restarts"] == 1
     whole, (whole_rows, whole_steps) = undisturbed
     assert (rows, steps) == (whole_rows, whole_steps)
     _within_interval(result.last_eval, whole.last_eval)
