@@ -81,6 +81,10 @@ def _check_cluster(cfg: JobConfig) -> None:
         if rt.scheduler:
             raise ConfigError("runtime.address", "a shared scheduler (runtime.scheduler) is reachable from its own "
                                                  "machine only: leave one of the two empty")
+    reserved = [k for k in rt.scheduler_resources if k in ("memory", "object_store_memory") or ":" in k]
+    if reserved:
+        raise ConfigError("runtime.scheduler_resources", f"{reserved[0]!r} is not a resource an actor can ask for "
+                                                         "(CPU, GPU, or a custom resource a node was started with)")
     if rt.scheduler_resources and (rt.backend != "ray" or rt.scheduler):
         raise ConfigError("runtime.scheduler_resources", "places the job's own scheduler on a Ray node: it needs "
                           'runtime.backend = "ray" and no shared scheduler (runtime.scheduler)')

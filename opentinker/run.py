@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from rich.progress import (
 )
 
 import games
-from opentinker.config import JobConfig, to_toml
+from opentinker.config import ConfigError, JobConfig, to_toml
 from opentinker.config_checks import check_config
 from opentinker.control.checkpoints import (
     Checkpoint,
@@ -135,7 +136,13 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     if cfg.offline_job() is not None:
         return _run_offline(cfg, console, run_dir, model_path, log)
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
-        job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
+        try:
+            job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
+        except ConfigError:  # found on meeting the cluster (runtime.scheduler_resources): a new run leaves nothing
+            log.close()
+            if ckpt is None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
     job.restarts = restarts
     job.said = lambda text: console.print(f"[yellow]{escape(text)}[/]")
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")

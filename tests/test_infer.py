@@ -142,3 +142,14 @@ def test_infer_never_replaces_a_file(tmp_path, capsys):
     assert main(["infer", str(prompts), "--out", str(out), "--model", "tiny-random"]) == 2
     assert "already exists (nothing is replaced)" in capsys.readouterr().err
     assert out.read_text() == "keep me\n"
+
+
+def test_a_line_may_hold_any_character(tiny_path, tmp_path):
+    """A JSON string may hold U+2028, U+0085 and the like unescaped: the line stays one prompt."""
+    from opentinker.rollout.render import ChatTokenizer
+    from opentinker.serve.infer import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\x85c\x0bd"}, ensure_ascii=False) + "\n" + json.dumps(PROMPTS[0]) + "\n")
+    prompts = read_prompts(str(path), ChatTokenizer(tiny_path), 100)
+    assert [p.id for p in prompts] == [1, "greet"]

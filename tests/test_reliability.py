@@ -475,8 +475,10 @@ def test_a_learner_started_again_takes_over_its_step(scheduler, tmp_path) -> Non
     """A learner that died in step 2 (it left an unapplied gradient on its adapter and its step's
     trajectories in its log) is started again with ``restore=True``: it takes over its state as
     step 1 ended, discards the gradient, cuts the log back and trains step 2 exactly as an
-    undisturbed twin does (same loss, gradient norm, version, baselines); once the adapter has
-    moved past that state, a successor refuses to start and says why."""
+    undisturbed twin does (same loss, gradient norm, version, baselines). A step played again
+    after it trained is acknowledged and answered as trained, by it or by a successor, never
+    trained twice; once the adapter has moved past that state, a successor refuses to start and
+    says why; a resumed run's learner that dies before its first step leaves the log whole."""
     import zmq.asyncio
 
     from opentinker.bus import Client, Pusher
@@ -494,6 +496,7 @@ def test_a_learner_started_again_takes_over_its_step(scheduler, tmp_path) -> Non
         PolicyRef,
         StopReason,
         Trajectory,
+        TrajectoryAck,
         Turn,
     )
 
@@ -528,13 +531,13 @@ def test_a_learner_started_again_takes_over_its_step(scheduler, tmp_path) -> Non
                 client.close()
         run(body())
 
-    def train(lrn: Learner, step: int):
+    def train(lrn: Learner, step: int, push: bool = True, msg=None):
         async def body():
             pusher, client = Pusher(ctx, lrn.pull_endpoint), Client(ctx, lrn.endpoint, name="test-step")
             try:
-                for t in trajectories(lrn.policy, step):
+                for t in trajectories(lrn.policy, step) if push else []:
                     await pusher.send(t)
-                return await client.request(LearnerStep(step=step, expected=3, timeout_s=60), 120)
+                return await client.request(msg or LearnerStep(step=step, expected=3, timeout_s=60), 120)
             finally:
                 pusher.close()
                 client.close()
@@ -572,13 +575,39 @@ def test_a_learner_started_again_takes_over_its_step(scheduler, tmp_path) -> Non
         assert b2.metrics["grad_norm"] == pytest.approx(t2.metrics["grad_norm"], rel=1e-6)  # the stray gradient gone
         assert successor.state_dict() == {**twin.state_dict(), "policy": "main"}
         assert [r.step for r in trajectory_log.read(record)] == [1, 1, 1, 2, 2, 2]  # step 2 once
+        # Step 2 played again (another policy's learner died, or this one before its reply): it
+        # is acknowledged and answered as trained, not trained again, by it or by a successor.
+        held = train(successor, 2, push=False, msg=TrajectoryAck(step=2, expected=3, wait_s=0.1))
+        assert held.held == [(20, "player_0"), (21, "player_0"), (22, "player_0")]
+        assert train(successor, 2) == b2 and successor.state_dict() == {**twin.state_dict(), "policy": "main"}
         successor.stop()
         started.remove(successor)
+        late = learner("main", state_path=str(live), record_path=str(record), restore=True)
+        started.append(late)
+        late.start()  # its predecessor had finished step 2: the file says so
+        assert train(late, 2, push=False) == b2 and late.last_step == 2
+        assert [r.step for r in trajectory_log.read(record)] == [1, 1, 1, 2, 2, 2]
+        late.stop()
+        started.remove(late)
         stray_update(optim=True)  # one that died after its OptimStep: the step cannot be made again
         with pytest.raises(RuntimeError, match=r"learner main: adapter at version 3, its state after step 2 goes "
                                                r"with version 2: the step it died in had updated it"):
             started.append(learner("main", state_path=str(live), record_path=str(record), restore=True))
             started[-1].start()
+        # A run resumed from a checkpoint: its learner takes the checkpoint's state and dies before
+        # its first step; its successor takes that state and leaves the trajectory log whole.
+        resumed_live = tmp_path / "learners" / "resumed.live.json"
+        resumed = learner("main", state_path=str(resumed_live), record_path=str(record))
+        started.append(resumed)
+        resumed.start()
+        resumed.load_state_dict(twin.state_dict())
+        resumed.stop()
+        started.remove(resumed)
+        heir = learner("main", state_path=str(resumed_live), record_path=str(record), restore=True)
+        started.append(heir)
+        heir.start()
+        assert heir.state_dict() == {**twin.state_dict(), "policy": "main"}
+        assert [r.step for r in trajectory_log.read(record)] == [1, 1, 1, 2, 2, 2]
     finally:
         for lrn in started:
             with contextlib.suppress(Exception):
@@ -671,6 +700,7 @@ def test_the_scheduler_is_placed_by_its_resources(tmp_path) -> None:
     ``cuda`` model; asked of Ray as ``num_gpus`` / ``num_cpus`` / custom ``resources``, and
     refused with what each live node has when none has them (instead of an actor that waits
     forever). ``test_cluster_curve`` places one on a real cluster."""
+    from opentinker.config import ConfigError
     from opentinker.control.runtime import placed_on_resources, scheduler_resources
 
     def cfg(**model_and_runtime) -> JobConfig:
@@ -693,7 +723,7 @@ def test_the_scheduler_is_placed_by_its_resources(tmp_path) -> None:
     gpu = {**gone, "Alive": True}
     actor_cls = ActorClass()
     assert placed_on_resources(actor_cls, {}, [cpu]) is actor_cls
-    with pytest.raises(RuntimeError, match=re.escape(
+    with pytest.raises(ConfigError, match=re.escape(
             "runtime.scheduler_resources: no live Ray node has {'accelerator': 1.0, 'GPU': 2.0} for the scheduler "
             "(nodes: 10.0.0.1: {'CPU': 2.0})")):
         placed_on_resources(actor_cls, wanted, [cpu, gone])

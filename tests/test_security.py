@@ -131,6 +131,9 @@ def test_cluster_addresses_are_checked(tmp_path, capsys):
         "and no shared scheduler (runtime.scheduler)")
     assert _refused(capsys, runs, 'runtime.scheduler_resources={"GPU": -1}') == (
         "runtime.scheduler_resources[...]: expected `float` >= 0.0")
+    assert _refused(capsys, runs, 'runtime.scheduler_resources={"memory": 1}') == (
+        "runtime.scheduler_resources: 'memory' is not a resource an actor can ask for (CPU, GPU, or a custom "
+        "resource a node was started with)")
     assert _refused(capsys, runs, 'runtime.scheduler_resources={"": 1}') == (
         "runtime.scheduler_resources: each key: expected `str` of length >= 1, got keys ['']")
 

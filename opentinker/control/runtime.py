@@ -13,8 +13,8 @@ import importlib
 import logging
 import os
 import socket
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,7 +27,7 @@ from opentinker.bus.auth import (
     set_run_secret,
 )
 from opentinker.bus.common import CurveKeys, is_loopback
-from opentinker.config import JobConfig
+from opentinker.config import ConfigError, JobConfig
 from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
 
@@ -179,16 +179,17 @@ def scheduler_resources(cfg: JobConfig) -> dict[str, float]:
 
 def placed_on_resources(actor_cls: Any, wanted: dict[str, float], nodes: list[dict[str, Any]]) -> Any:
     """``actor_cls`` asking Ray for ``wanted`` (``CPU``, ``GPU`` and custom resources), which
-    places it on a node that has them; ``RuntimeError`` naming what each live node has when
-    none of ``nodes`` (``ray.nodes()``) does, rather than an actor that waits forever."""
+    places it on a node that has them; :class:`~opentinker.config.ConfigError` naming what each
+    live node has when none of ``nodes`` (``ray.nodes()``) does, rather than an actor that
+    waits forever."""
     if not wanted:
         return actor_cls
     alive = [n for n in nodes if n.get("Alive")]
     if not any(all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in wanted.items()) for n in alive):
         have = "; ".join(f"{n.get('NodeManagerAddress')}: {dict(sorted(n.get('Resources', {}).items()))}"
                          for n in alive if n.get("Resources"))
-        raise RuntimeError(f"runtime.scheduler_resources: no live Ray node has {wanted} for the scheduler "
-                           f"(nodes: {have or 'none'})")
+        raise ConfigError("runtime.scheduler_resources", f"no live Ray node has {wanted} for the scheduler "
+                                                         f"(nodes: {have or 'none'})")
     custom = {k: v for k, v in wanted.items() if k not in ("CPU", "GPU")}
     return actor_cls.options(num_cpus=wanted.get("CPU", 0), num_gpus=wanted.get("GPU", 0),
                              **({"resources": custom} if custom else {}))

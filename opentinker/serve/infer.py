@@ -13,8 +13,8 @@ eos ends a reply (drawn, but in neither the text nor the log-probs). ``--out`` g
 line per prompt, in the file's order: ``id``, ``text``, ``finish_reason`` (``stop`` or
 ``length``), ``tokens`` and ``logprobs`` (the sampler's, of each drawn token), ``prompt_tokens``,
 ``model`` (the adapter's name or ``base``) and ``adapter_version``. It is written to a
-temporary file beside ``--out`` and renamed when every line is done; an existing ``--out`` is
-never replaced.
+temporary file beside ``--out`` and linked to ``--out`` when every line is done; an existing
+``--out`` is never replaced.
 
 ``--scheduler ADDRESS`` runs on a shared scheduler (``opentinker serve``) as a job of its own,
 and a job queued with ``opentinker jobs submit --infer PROMPTS`` runs this command there.
@@ -56,7 +56,7 @@ def read_prompts(path: str, tok: Any, room: int) -> list[Prompt]:
     first that is not JSON, has neither or both of ``messages`` and ``prompt``, is empty, or
     is longer than ``room`` tokens (the model's context less the reply's)."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text().split("\n")  # not splitlines: U+2028 and the like may stand in a JSON string
     except (OSError, UnicodeDecodeError) as e:
         raise InferError(f"{path}: {e}") from None
     if len(lines) > MAX_LINES:
@@ -86,7 +86,11 @@ def read_prompts(path: str, tok: Any, room: int) -> list[Prompt]:
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in msgs)):
                 raise InferError(f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}}')
-            text = tok.render([{"role": m["role"], "content": m["content"]} for m in msgs], add_generation_prompt=True)
+            try:
+                text = tok.render([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                  add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - the model's chat template refused these messages
+                raise InferError(f"{where}: the chat template refused the messages: {e}") from None
         tokens = np.asarray(tok.encode(text), np.int32)
         if not 0 < len(tokens) <= room:
             raise InferError(f"{where}: the prompt is {len(tokens)} tokens; the model has room for 1 to {room} "
@@ -154,6 +158,8 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
 
     tok = ChatTokenizer(model_path)
     context = int(read_model_config(model_path).get("max_position_embeddings") or 2048)
+    if args.max_tokens >= context:
+        raise InferError(f"--max-tokens {args.max_tokens}: the model's context is {context} tokens, prompt included")
     prompts = read_prompts(args.prompts, tok, context - args.max_tokens)
     greedy = args.temperature == 0
     params = SamplingParams(temperature=1.0 if greedy else args.temperature, top_p=args.top_p, top_k=1 if greedy else 0,
@@ -171,7 +177,7 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         except ConfigError as e:  # --threads, --device, --scheduler
             raise InferError(str(e)) from None
         job = Job(cfg, model_path, run_dir=tmp, scheduler_only=True)
-        partial = out.with_name(f".{out.name}.partial")
+        partial = None
         drawn = 0
         try:
             with SyncClient(job.scheduler_endpoint, "infer", credentials=job.scheduler_credentials) as client:
@@ -185,12 +191,18 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
                         raise InferError(f"--adapter {args.adapter}: {e.error.message}") from None
                     assert isinstance(info, AdapterInfo)
                     name = label
-                with open(partial, "w") as f:
+                fd, partial_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+                partial = Path(partial_name)
+                with os.fdopen(fd, "w") as f:
                     for start in range(0, len(prompts), args.batch):
                         batch = prompts[start:start + args.batch]
                         req = SampleRequest(adapter=name, prompts=[p.tokens for p in batch], client="infer",
                                             params=msgspec.structs.replace(params, seed=args.seed + start))
-                        result = client.request(req, args.timeout_s)
+                        try:
+                            result = client.request(req, args.timeout_s)
+                        except (RemoteError, TimeoutError) as e:
+                            raise InferError(f"prompts {start + 1} to {start + len(batch)}: the scheduler did not "
+                                             f"answer them: {e}") from None
                         assert isinstance(result, SampleResult)
                         rows = [ChoiceText(tok, [], args.max_tokens) for _ in batch]
                         finish_choices(rows, result)
@@ -203,9 +215,13 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
                         f.flush()
                         if progress is not None:
                             progress(start + len(batch), len(prompts))
-            os.replace(partial, out)
+            try:
+                os.link(partial, out)  # never replaces a file (one made since the check above)
+            except FileExistsError:
+                raise InferError(f"--out {out}: already exists (nothing is replaced)") from None
         finally:
-            partial.unlink(missing_ok=True)
+            if partial is not None:
+                partial.unlink(missing_ok=True)
             job.shutdown()
     wall = time.perf_counter() - t0
     return {"prompts": args.prompts, "out": str(out), "rows": len(prompts), "tokens_drawn": drawn,

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from learners import (
@@ -153,6 +154,8 @@ class Learner:
         """Trajectories that arrived twice (a resend of one already here, or of a trained step)."""
         self.last_step = 0
         """The newest step trained on: later copies of its trajectories are dropped."""
+        self._done: tuple[int, list[tuple[int, str]], LearnerStepResult] | None = None
+        """The last step trained: its number, the (episode, seat) keys it trained on, its result."""
         self.endpoint = self.pull_endpoint = ""
         self.state_path = state_path
         """Where its state is written as each step begins and ends (``""``: nowhere; no successor
@@ -190,16 +193,20 @@ class Learner:
         assert isinstance(reply, AdapterInfo)
         return reply.version
 
-    def _write_live(self, version: int | None, last_step: int) -> None:
+    def _write_live(self, version: int | None, last_step: int, cut_after: int | None = None) -> None:
         """Write (atomically), for a successor (:meth:`_restore`), this learner's state, the last
-        step it trained and the adapter ``version`` that state goes with (``None``: not read;
-        nothing is checked)."""
+        step it trained, the adapter ``version`` that state goes with (``None``: not read;
+        nothing is checked), the step after which its trajectory log holds nothing trained
+        (``cut_after``; ``None``: cut nothing), and the last trained step's result."""
         if not self.state_path:
             return
         path = Path(self.state_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"version": version, "last_step": last_step, "learner": self.state_dict()}))
+        done = None if self._done is None else {"step": self._done[0], "held": self._done[1],
+                                                "result": msgspec.to_builtins(self._done[2])}
+        tmp.write_text(json.dumps({"version": version, "last_step": last_step, "cut_after": cut_after,
+                                   "learner": self.state_dict(), "done": done}))
         os.replace(tmp, path)
 
     async def _restore(self) -> None:
@@ -214,19 +221,23 @@ class Learner:
         try:
             live = json.loads(path.read_text())
             self.load_state_dict(live["learner"])
-            self.last_step, began = int(live["last_step"]), live["version"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.last_step, began, cut_after = int(live["last_step"]), live["version"], live["cut_after"]
+            if live["done"] is not None:
+                d = live["done"]
+                self._done = (int(d["step"]), [(int(e), str(seat)) for e, seat in d["held"]],
+                              msgspec.convert(d["result"], LearnerStepResult))
+        except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as e:
             raise RuntimeError(f"learner {self.policy}: cannot restore from {path}: {e}") from e
         if began is not None and version != began:
             raise RuntimeError(f"learner {self.policy}: adapter at version {version}, its state after step "
                                f"{self.last_step} goes with version {began}: the step it died in had updated it, "
                                "so it cannot be made again from the same weights")
         self.version = int(began) if began is not None else self.version
-        if self.record_path and Path(self.record_path).exists():
-            dropped = trajectory_log.truncate(self.record_path, self.last_step)
+        if cut_after is not None and self.record_path and Path(self.record_path).exists():
+            dropped = trajectory_log.truncate(self.record_path, int(cut_after))
             if dropped:
                 log.warning("learner %s: dropped %d trajectory records of steps after %d from %s", self.policy,
-                            dropped, self.last_step, self.record_path)
+                            dropped, cut_after, self.record_path)
 
     def counters(self) -> dict[str, int]:
         out = dict(self.server.counters)
@@ -259,7 +270,11 @@ class Learner:
         return True
 
     async def _held(self, msg: TrajectoryAck) -> TrajectoriesHeld:
-        """The keys of ``msg.step``'s trajectories held, once ``expected`` are or ``wait_s`` passed."""
+        """The keys of ``msg.step``'s trajectories held, once ``expected`` are or ``wait_s`` passed
+        (a step already trained: those it trained on, so a step played again for another
+        learner's sake is acknowledged at once)."""
+        if self._done is not None and msg.step == self._done[0]:
+            return TrajectoriesHeld(step=msg.step, held=self._done[1], duplicates=self.duplicates)
         async with self._arrived:
             await self._arrival(msg.step, msg.expected, msg.wait_s)
             return TrajectoriesHeld(step=msg.step, held=sorted(self._by_step[msg.step]), duplicates=self.duplicates)
@@ -269,6 +284,11 @@ class Learner:
             return await self._held(msg)
         if not isinstance(msg, LearnerStep):
             raise TypeError(f"a learner does not serve {type(msg).__name__}")
+        if self._done is not None and msg.step == self._done[0]:
+            # Trained already (the step is played again because another learner died, or this
+            # one died before its reply): the same result, nothing trained twice.
+            return self._done[2]
+        version_before = await self._discard()  # before anything is taken: a failure here loses nothing
         async with self._arrived:
             if not await self._arrival(msg.step, msg.expected, msg.timeout_s):
                 got = len(self._by_step[msg.step])
@@ -276,7 +296,8 @@ class Learner:
             trajectories = sort_trajectories(list(self._by_step.pop(msg.step).values()))
             before = self.last_step
             self.last_step = max(self.last_step, msg.step)
-        self._write_live(await self._discard(), before)  # before anything moves: where a successor starts
+        # Before anything moves: a successor starts from here, and drops what this step logged.
+        self._write_live(version_before, before, cut_after=msg.step - 1)
         values = await self._values(trajectories)
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
@@ -297,10 +318,12 @@ class Learner:
         self.steps_trained += 1
         if self.record_path:
             trajectory_log.append(self.record_path, trajectories, self.game)
-        self._write_live(None if self.frozen else version, msg.step)  # the step done: a successor starts after it
         if new_state is not None:
             metrics.update({f"baseline/{k}": v for k, v in new_state.baselines.items()})
-        return LearnerStepResult(step=msg.step, version=version, metrics=metrics)
+        result = LearnerStepResult(step=msg.step, version=version, metrics=metrics)
+        self._done = (msg.step, sorted((t.episode_id, t.seat) for t in trajectories), result)
+        self._write_live(None if self.frozen else version, msg.step, cut_after=msg.step)  # a successor starts after it
+        return result
 
     async def _update(self, step: int, datums: list, critic: bool) -> tuple[int, dict[str, float]]:
         """``epochs`` passes over ``datums``, each shuffled (seeded by the job's seed, the step
