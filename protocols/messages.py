@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -378,6 +378,10 @@ class JobOpened(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """The job id: the bus user name of its components and the prefix of its adapters."""
     secret: str
     """The bus secret its components present (PLAIN, with ``job`` as the user name)."""
+    curve_public: str = ""
+    curve_secret: str = ""
+    """On a scheduler on CURVE (reachable from other machines): the key pair its components
+    present instead (Z85 text), which the scheduler takes as ``job``; ``""`` on PLAIN."""
 
 
 class CloseJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):

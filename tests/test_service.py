@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from opentinker.bus.auth import Credentials
+from opentinker.bus.auth import Credentials, run_secret, run_user
 from opentinker.bus.common import RemoteError
 from opentinker.bus.sync import SyncClient
 from opentinker.engine.service import Scheduler
@@ -136,6 +136,47 @@ def test_a_wrong_job_secret_gets_nothing(tiny_path):
         with pytest.raises(TimeoutError):
             SyncClient(ep, "forger", credentials=Credentials(a.job, "x" * 43), connect_timeout=1.5)
         assert s.server.counters["auth_denied"] >= 1
+    finally:
+        s.stop()
+
+
+def test_a_scheduler_on_curve_takes_each_job_by_its_key(tiny_path):
+    """A shared scheduler on CURVE (a service reachable from other machines): the owner and
+    each running job present a key pair the scheduler made, and are who the key says (a job's
+    key cannot open jobs); the owner's PLAIN secret, a stranger's key and a closed job's key
+    get nothing."""
+    import zmq
+
+    from opentinker.bus.common import CurveKeys
+    from protocols.messages import CloseJob, CreateAdapter, ListAdapters, LoraSpec
+
+    server, owner = zmq.curve_keypair(), zmq.curve_keypair()
+    s = Scheduler(tiny_path, tenants=Tenants(owner_curve=owner[0].decode()),
+                  curve_keys=CurveKeys(public=server[0], secret=server[1]))
+    ep = s.start()
+    z = server[0].decode()
+    owner_creds = Credentials(run_user(), run_secret().decode(), (owner[0].decode(), owner[1].decode(), z))
+    try:
+        with SyncClient(ep, "owner", credentials=owner_creds) as c:
+            a = c.request(OpenJob(name="alpha"))
+        assert len(a.curve_public) == len(a.curve_secret) == 40
+        job = Credentials(a.job, a.secret, (a.curve_public, a.curve_secret, z))
+        with SyncClient(ep, "alpha", credentials=job) as c:
+            c.request(CreateAdapter(name="main", spec=LoraSpec(rank=2)))
+            assert [x.name for x in c.request(ListAdapters()).adapters] == ["main"]  # its own names
+            with pytest.raises(RemoteError, match="OpenJob"):
+                c.request(OpenJob(name="sneaky"))  # it is the job, not the owner
+        refused = s.server.counters.get("auth_denied", 0)
+        stranger = zmq.curve_keypair()
+        for creds in (Credentials(run_user(), run_secret().decode()),  # PLAIN: not even a handshake
+                      Credentials(run_user(), run_secret().decode(), (stranger[0].decode(), stranger[1].decode(), z))):
+            with pytest.raises(TimeoutError):
+                SyncClient(ep, "forger", credentials=creds, connect_timeout=1.5)
+        with SyncClient(ep, "owner", credentials=owner_creds) as c:
+            c.request(CloseJob(job=a.job))
+        with pytest.raises(TimeoutError):
+            SyncClient(ep, "closed", credentials=job, connect_timeout=1.5)
+        assert s.server.counters["auth_denied"] >= refused + 2
     finally:
         s.stop()
 
@@ -350,6 +391,40 @@ def test_the_endpoint_answers_while_a_job_trains_on_the_same_scheduler(service, 
 
 
 # ------------------------------------------------------------------------ the job queue
+
+
+@pytest.mark.slow
+def test_a_job_attaches_to_a_service_on_curve_with_a_copy_of_its_file(tiny_path, tmp_path):
+    """``serve --bus-curve`` (what ``--bus-host`` with an address other machines reach does):
+    the service file carries the scheduler's CURVE key and the owner's pair, and a job given a
+    copy of it (as on another machine, its run folder on a shared file system) trains and
+    evaluates over CURVE; ``status`` works with the copy; the owner's PLAIN secret gets nothing."""
+    file = tmp_path / "service.json"
+    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--no-http", "--service-file", str(file),
+                                 "--bus-curve"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert file.is_file(), "no service file"
+        info = json.loads(file.read_text())
+        assert all(len(info[k]) == 40 for k in ("curve_server", "curve_public", "curve_secret"))
+        copy = tmp_path / "elsewhere" / "service.json"
+        copy.parent.mkdir()
+        copy.write_text(file.read_text())
+        r = subprocess.run(_cli("run", *_job_args(tiny_path, tmp_path / "runs"), "--scheduler", str(copy)),
+                           capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        summary = _summary(tmp_path / "runs")
+        assert summary["last_eval"]["eval/main/version"] == 2 and summary["last_eval"]["eval/main/vs_random/hands"] > 0
+        report = _status(copy)
+        assert [j["state"] for j in report["jobs"]] == ["closed"] and report["adapters"] == []
+        with pytest.raises(TimeoutError):  # PLAIN, even with the owner's own secret
+            SyncClient(info["endpoint"], "plain", credentials=Credentials(info["user"], info["secret"]),
+                       connect_timeout=1.5)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
 
 
 def _jobs(*args: str, service: Path) -> subprocess.CompletedProcess:

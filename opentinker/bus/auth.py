@@ -157,25 +157,34 @@ def new_secret() -> str:
 @dataclass(frozen=True)
 class Credentials:
     """A bus user and its secret, for a socket that presents other than this process's own
-    (a job's on a shared scheduler, :class:`~protocols.messages.JobOpened`)."""
+    (a job's on a shared scheduler, :class:`~protocols.messages.JobOpened`). With ``curve``
+    (a service reachable from other machines: ``serve --bus-host``), the socket presents a
+    CURVE key pair instead, which the server maps to ``user``: ``(client public, client
+    secret, server public)``, Z85 text."""
 
     user: str
     secret: str
+    curve: tuple[str, str, str] | None = None
 
     def __post_init__(self) -> None:
         check_user(self.user)
         _checked(self.secret, f"secret of bus user {self.user!r}")
+        if self.curve is not None and (len(self.curve) != 3 or not all(len(k) == 40 for k in self.curve)):
+            raise ValueError(f"CURVE keys of bus user {self.user!r}: three 40-character Z85 keys expected")
 
-    def __repr__(self) -> str:  # never print the secret
-        return f"Credentials(user={self.user!r}, secret=...)"
+    def __repr__(self) -> str:  # never print the secrets
+        return f"Credentials(user={self.user!r}, secret=..., curve={'...' if self.curve else None})"
 
     @classmethod
-    def of(cls, pair: tuple[str, str] | list[str] | None) -> Credentials | None:
-        """From ``(user, secret)`` as a component's arguments carry it; None for None."""
-        return None if not pair else cls(pair[0], pair[1])
+    def of(cls, pair: tuple[str, ...] | list[str] | None) -> Credentials | None:
+        """From :meth:`pair`'s tuple as a component's arguments carry it; None for None."""
+        if not pair:
+            return None
+        return cls(pair[0], pair[1], tuple(pair[2:5]) if len(pair) == 5 else None)  # type: ignore[arg-type]
 
-    def pair(self) -> tuple[str, str]:
-        return (self.user, self.secret)
+    def pair(self) -> tuple[str, ...]:
+        """``(user, secret)``, or ``(user, secret, client public, client secret, server public)``."""
+        return (self.user, self.secret, *(self.curve or ()))
 
 
 def secure_client(sock: zmq.Socket, credentials: Credentials | None = None) -> None:
@@ -201,6 +210,9 @@ class _Domain:
     accounts: Mapping[str, bytes] | None = None
     """Further PLAIN users this server accepts, user -> secret (a shared scheduler's jobs;
     read at each handshake, so an account added or removed takes effect at the next one)."""
+    curve_users: Mapping[str, str] | None = None
+    """On a CURVE server: the only client keys it accepts, public key (Z85 text) -> the user it
+    stands for (a shared scheduler's owner and jobs; read at each handshake)."""
 
 
 class _Handler(ThreadAuthenticator):
@@ -226,11 +238,17 @@ class _Handler(ThreadAuthenticator):
         return ok, b"OK" if ok else b"wrong credentials"
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return run_user()
+        d = self.domains.get(self._domain)
+        users = d.curve_users if d is not None else None
+        return users.get(z85.encode(client_public_key).decode(), run_user()) if users is not None else run_user()
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         d = self.domains.get(domain)
-        ok = d is not None and (d.curve_allowed is None or z85.encode(client_key) in d.curve_allowed)
+        key = z85.encode(client_key)
+        if d is not None and d.curve_users is not None:
+            ok = key.decode() in d.curve_users
+        else:
+            ok = d is not None and (d.curve_allowed is None or key in d.curve_allowed)
         return ok, b"OK" if ok else b"key not allowed"
 
     def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
@@ -270,10 +288,12 @@ class Guard:
 
 
 def guard_server(sock: zmq.Socket, name: str, counters: dict, curve: bool = False,
-                 curve_allowed: tuple[bytes, ...] = (), accounts: Mapping[str, bytes] | None = None) -> Guard:
+                 curve_allowed: tuple[bytes, ...] = (), accounts: Mapping[str, bytes] | None = None,
+                 curve_users: Mapping[str, str] | None = None) -> Guard:
     """Before ``sock`` binds: PLAIN server with the run's user and secret, and the users of
-    ``accounts`` with theirs (or CURVE when ``curve``; then only ``curve_allowed`` keys when
-    given), checked by its context's ZAP handler."""
+    ``accounts`` with theirs (or CURVE when ``curve``; then only the keys of ``curve_users``,
+    each as its user, when given, else only ``curve_allowed`` keys when given), checked by its
+    context's ZAP handler."""
     if not curve:
         sock.plain_server = True
         run_secret()
@@ -288,7 +308,7 @@ def guard_server(sock: zmq.Socket, name: str, counters: dict, curve: bool = Fals
             handler = _handlers[addr] = _Handler(plain_context(sock.context))
             handler.start()
         handler.domains[domain] = _Domain(counters, name, frozenset(curve_allowed) if curve_allowed else None,
-                                          accounts)
+                                          accounts, curve_users)
     return Guard(addr, domain)
 
 

@@ -203,6 +203,9 @@ def configure(
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, frame_cap(max_bytes))
+    if credentials is not None and credentials.curve is not None and not server:  # a remote service's job
+        public, secret, server_public = (k.encode() for k in credentials.curve)
+        keys = CurveKeys(public=public, secret=secret, server_public=server_public)
     if keys is None and credentials is None and not server:
         keys = run_keys()  # a run on CURVE: its servers have the run's pair
     if keys is not None:
@@ -220,13 +223,15 @@ def configure(
 
 
 def bind_guarded(sock: zmq.Socket, endpoint: str, name: str, counters: Counters,
-                 keys: CurveKeys | None, accounts: Mapping[str, bytes] | None = None) -> Guard:
+                 keys: CurveKeys | None, accounts: Mapping[str, bytes] | None = None,
+                 curve_users: Mapping[str, str] | None = None) -> Guard:
     """Make ``sock`` (configured with ``server=True``) a PLAIN server with the run's secret, or
     a CURVE server with ``keys`` (only ``keys.allowed_clients`` when given), and bind it; on a
     failed bind the registration and the socket are closed. :meth:`Guard.close` goes with the
     socket's close."""
     guard = guard_server(sock, name, counters, curve=keys is not None,
-                         curve_allowed=keys.allowed_clients if keys is not None else (), accounts=accounts)
+                         curve_allowed=keys.allowed_clients if keys is not None else (), accounts=accounts,
+                         curve_users=curve_users)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError:

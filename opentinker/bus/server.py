@@ -148,6 +148,8 @@ class Server:
         accounts: further PLAIN users this server accepts, user -> secret, besides the run's
             own (:mod:`opentinker.bus.auth`); read at each handshake, so the caller may add
             and remove accounts while it serves.
+        curve_users: with ``keys``, the only client keys accepted, public key (Z85 text) ->
+            the user each stands for (its principal); read at each handshake, as ``accounts``.
     """
 
     def __init__(
@@ -168,9 +170,12 @@ class Server:
         stream_backlog: int = DEFAULT_BACKLOG,
         owners: Collection[str] = (),
         accounts: Mapping[str, bytes] | None = None,
+        curve_users: Mapping[str, str] | None = None,
     ) -> None:
         endpoint, keys = server_side(endpoint, keys, accounts)
-        self.accounts = accounts
+        if curve_users is not None and keys is None:
+            raise ValueError("curve_users needs keys: they are the client keys of a CURVE server")
+        self.accounts, self.curve_users = accounts, curve_users
         self.handler = handler
         self.name = name
         self.limits = (limits or DEFAULT_LIMITS).with_max_bytes(max_bytes)
@@ -209,7 +214,8 @@ class Server:
         # A reply to a peer whose queue is full fails (EAGAIN) instead of vanishing: partials
         # are then dropped and counted, a final reply waits for room (Parked).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys, self.accounts)
+        self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys, self.accounts,
+                                  self.curve_users)
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),

@@ -46,6 +46,7 @@ import msgspec
 import numpy as np
 
 from opentinker.bus import LOOPBACK, LoopThread, Server, settle_heap, unsettle_heap
+from opentinker.bus.common import CurveKeys
 from opentinker.bus.auth import new_secret, run_user
 from opentinker.bus.stream import wants_stream
 from opentinker.engine.spec_checks import check_adam, check_spec
@@ -241,6 +242,7 @@ class Scheduler:
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         read_roots: Sequence[str] = (),
         tenants: Tenants | None = None,
+        curve_keys: CurveKeys | None = None,
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
@@ -252,8 +254,12 @@ class Scheduler:
         used as a library by its owner). ``read_roots``: folders that ``LoadAdapter`` may also
         read and nothing may write (a job's warm-start adapters). ``max_new_tokens``: the most tokens one row may ask to
         draw (with its prompt, it must also fit the model's context). ``tenants``: serve many jobs, each
-a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and closes them."""
+a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and closes them.
+        ``curve_keys``: with ``tenants`` made with the owner's CURVE key, the bus is a CURVE server
+        with these keys (``endpoint`` may then face the network) accepting the owner's and each
+        running job's key only (:attr:`Tenants.curve_users`)."""
         self.tenants = tenants
+        self.curve_keys = curve_keys
         self.tenant_ms: collections.Counter[str] = collections.Counter()
         """Compute time (ms) spent on each job's requests (a sampling step's split by rows)."""
         self.services: dict[type, Any] = {}
@@ -305,8 +311,12 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
         self._worker.start()
         self.loop = LoopThread("scheduler-bus")
+        curve_users = self.tenants.curve_users if self.tenants is not None else None
+        if (curve_users is None) != (self.curve_keys is None):
+            raise ValueError("a scheduler on CURVE needs tenants made with the owner's CURVE key, and both need keys")
         self.server = Server(self._handle, self._bind, name="scheduler", limits=self.limits,
-                             accounts=self.tenants.accounts if self.tenants is not None else None)
+                             accounts=self.tenants.accounts if self.tenants is not None else None,
+                             keys=self.curve_keys, curve_users=curve_users)
         self.endpoint = self.loop.run(self.server.start(self.loop.ctx))
         return self.endpoint
 
@@ -382,7 +392,8 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
             secret = new_secret()
             t = self.tenants.open(msg.name, secret.encode(), roots, read_roots, msg.priority)
             log.info("scheduler: opened job %s (%s)", t.job, escape_controls(t.name))
-            return JobOpened(job=t.job, secret=secret)
+            public, curve_secret = self.tenants.curve_pair(t.job) if self.tenants.curve_users is not None else ("", "")
+            return JobOpened(job=t.job, secret=secret, curve_public=public, curve_secret=curve_secret)
         if isinstance(msg, CloseJob):
             t = self.tenants.close(msg.job)
             ended = self.server.drop_principal(t.job)

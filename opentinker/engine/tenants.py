@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from opentinker.bus.auth import run_user
 from protocols.messages import (
     AdapterInfo,
     AdapterList,
@@ -88,14 +89,20 @@ class Tenants:
     """The jobs of a shared scheduler, and the name mapping of their requests.
 
     ``accounts`` (user -> secret of every running job) is what the scheduler's bus server
-    accepts besides its own user; it changes as jobs open and close."""
+    accepts besides its own user; it changes as jobs open and close. With ``owner_curve`` (the
+    owner's CURVE public key, Z85: a scheduler on CURVE, reachable from other machines), each
+    job gets a CURVE key pair too, and ``curve_users`` (public key -> user: the owner's, then
+    every running job's) is what the server accepts instead."""
 
-    def __init__(self, owner_priority: float = 1.0) -> None:
+    def __init__(self, owner_priority: float = 1.0, owner_curve: str = "") -> None:
         self.owner_priority = owner_priority
         """The weight of the scheduler's own user (a service's HTTP endpoint) against the jobs."""
         self.jobs: dict[str, Tenant] = {}
         """Every job opened so far, by id (closed ones stay, for listings)."""
         self.accounts: dict[str, bytes] = {}
+        self.curve_users: dict[str, str] | None = {owner_curve: run_user()} if owner_curve else None
+        self._curve_of: dict[str, str] = {}
+        """Job -> its CURVE public key (to forget it when the job closes)."""
         self._ids = itertools.count(1)
 
     def open(self, name: str, secret: bytes, roots: list[str], read_roots: list[str], priority: float) -> Tenant:
@@ -108,10 +115,22 @@ class Tenants:
         self.accounts[job] = secret
         return t
 
+    def curve_pair(self, job: str) -> tuple[str, str]:
+        """A fresh CURVE key pair for running ``job`` (Z85 public, secret), accepted as it."""
+        import zmq
+
+        assert self.curve_users is not None
+        public, secret = (k.decode() for k in zmq.curve_keypair())
+        self.curve_users[public] = self.running(job).job
+        self._curve_of[job] = public
+        return public, secret
+
     def close(self, job: str) -> Tenant:
         t = self.running(job)
         t.state = "closed"
         self.accounts.pop(job, None)
+        if self.curve_users is not None and job in self._curve_of:
+            self.curve_users.pop(self._curve_of.pop(job), None)
         return t
 
     def running(self, job: str) -> Tenant:

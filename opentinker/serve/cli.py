@@ -19,6 +19,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (anything but loopback needs --api-key-file)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--no-http", action="store_true", help="serve the bus only, no HTTP endpoint")
+    p.add_argument("--bus-host", default="127.0.0.1", help="where the scheduler's bus binds: an address other machines "
+                   "reach puts it on CURVE, and a job there attaches with a copy of the service file (default 127.0.0.1)")
+    p.add_argument("--bus-curve", action="store_true", help="the bus on CURVE on loopback too")
     p.add_argument("--api-key-file", metavar="FILE", help="a file whose first line is the API key HTTP clients must send")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="load a saved adapter at start, served under NAME (repeatable)")
@@ -61,18 +64,21 @@ def serve_main(args: argparse.Namespace) -> int:
         except (OSError, IndexError) as e:
             print(f"opentinker serve: --api-key-file: {escape_controls(str(e)) or 'empty file'}", file=sys.stderr)
             return 2
-    service = Service(args.model, device=args.device, http_host=args.host,
-                      http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
-                      service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
-                      ray=args.ray, fair_window_s=args.fair_window_s, owner_priority=args.http_priority,
-                      engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20})
     try:
+        service = Service(args.model, device=args.device, http_host=args.host,
+                          http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
+                          service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
+                          ray=args.ray, fair_window_s=args.fair_window_s, owner_priority=args.http_priority,
+                          bus_host=args.bus_host, bus_curve=args.bus_curve,
+                          engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20})
         info = service.start()
     except (ValueError, OSError) as e:
         print(f"opentinker serve: {escape_controls(str(e))}", file=sys.stderr)
         return 2
     print(f"opentinker serve: {info.model_path} on {info.device}\n"
-          f"  bus:  {info.endpoint}  (jobs: opentinker run CONFIG --scheduler {info.endpoint})\n"
+          + (f"  bus:  {info.endpoint}  (CURVE: jobs attach with a copy of the service file, "
+             f"opentinker run CONFIG --scheduler SERVICE_FILE)\n" if info.curve_server else
+             f"  bus:  {info.endpoint}  (jobs: opentinker run CONFIG --scheduler {info.endpoint})\n")
           + (f"  http: {info.http}/v1  (OpenAI-compatible; model names: opentinker status)\n" if info.http else "")
           + f"  service file: {service.service_file}\n  Ctrl-C stops it.", flush=True)
     try:

@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.bus import Client, RemoteError, is_loopback
+from opentinker.bus.auth import Credentials
 from opentinker.serve.detokenize import ChoiceText, TokenText, finish_choices
 from protocols.messages import (
     AdapterList,
@@ -309,7 +310,7 @@ class _Api:
 
 
 def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-             max_tokens: int = 256) -> fastapi.FastAPI:
+             max_tokens: int = 256, credentials: Credentials | None = None) -> fastapi.FastAPI:
     """The OpenAI-compatible app in front of the scheduler at bus ``endpoint``.
 
     Args:
@@ -318,6 +319,8 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
         api_key: when set, every route needs ``Authorization: Bearer <api_key>``.
         timeout_s: the bound on one bus request; a sample still running then is cancelled.
         max_tokens: tokens drawn per choice when the request names no limit.
+        credentials: what it presents to the scheduler (default: this process's own; the
+            owner's CURVE pair for a service on CURVE).
     """
     api = _Api(model_path, timeout_s, max_tokens)
     key = api_key.encode() if api_key else None
@@ -325,7 +328,7 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
     @contextlib.asynccontextmanager
     async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
         ctx = zmq.asyncio.Context()
-        api.client = Client(ctx, endpoint, name="openai-api")
+        api.client = Client(ctx, endpoint, name="openai-api", credentials=credentials)
         try:
             yield
         finally:

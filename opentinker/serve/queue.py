@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opentinker.bus.auth import Credentials
 from protocols.messages import EvalJob, InferJob, QueueEntry
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class JobQueue:
     """Jobs submitted to a service, run within ``budget_bytes`` (None: one at a time is not
     enforced, every job starts at once).
 
-    ``open_job(name, roots, read_roots, priority) -> (job, secret)`` and ``close_job(job)`` open and close
+    ``open_job(name, roots, read_roots, priority) -> Credentials`` and ``close_job(job)`` open and close
     tenants on the scheduler; ``service_file`` is what the jobs attach to."""
 
     def __init__(self, folder: Path, service_file: Path, model_config: dict, budget_bytes: int | None,
@@ -297,7 +298,8 @@ class JobQueue:
 
     def _start(self, entry: _Entry) -> None:
         try:
-            job, secret = self._open(entry.name, entry.roots, entry.read_roots, entry.priority)
+            credentials = self._open(entry.name, entry.roots, entry.read_roots, entry.priority)
+            job = credentials.user
         except Exception as e:  # noqa: BLE001 - the entry fails, the queue goes on
             log.warning("job %s could not be opened on the scheduler: %s", entry.id, e)
             entry.state, entry.ended_at = "failed", time.time()
@@ -306,7 +308,7 @@ class JobQueue:
 
         # The job's own components get a run secret of their own, never the service owner's.
         env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, USER_ENV)}
-        env[JOB_ENV] = f"{job}:{secret}"
+        env[JOB_ENV] = json.dumps(list(credentials.pair()))
         env["TMPDIR"] = str(entry.folder)  # an evaluation's staged adapters: inside its roots
         with open(entry.log, "ab") as out:
             entry.proc = subprocess.Popen(
@@ -338,11 +340,16 @@ class JobQueue:
                 self.cancel(entry.id)
 
 
-def job_credentials() -> tuple[str, str] | None:
-    """The tenant a queued job's process runs as (``$OPENTINKER_JOB``), if the queue started it."""
+def job_credentials() -> Credentials | None:
+    """The tenant a queued job's process runs as (``$OPENTINKER_JOB``: its credentials'
+    :meth:`~opentinker.bus.auth.Credentials.pair` as JSON), if the queue started it."""
     raw = os.environ.get(JOB_ENV, "")
-    job, sep, secret = raw.partition(":")
-    return (job, secret) if sep and job and secret else None
+    if not raw:
+        return None
+    try:
+        return Credentials.of(json.loads(raw))
+    except (ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"${JOB_ENV}: not a job's credentials ({e})") from None
 
 
 def read_model_config(model_path: str) -> dict:

@@ -53,9 +53,16 @@ class ServiceInfo:
     pid: int = 0
     device: str = "cpu"
     started_at: float = field(default_factory=time.time)
+    curve_server: str = ""
+    """The scheduler's CURVE public key when its bus is on CURVE (``serve --bus-host``), with
+    the owner's client pair (``curve_public``, ``curve_secret``); ``""``: PLAIN on loopback."""
+    curve_public: str = ""
+    curve_secret: str = ""
 
     def credentials(self) -> Credentials:
-        return Credentials(self.user, self.secret)
+        """The owner's: PLAIN, or its CURVE pair on a service on CURVE."""
+        curve = (self.curve_public, self.curve_secret, self.curve_server) if self.curve_server else None
+        return Credentials(self.user, self.secret, curve)
 
     def write(self, path: Path) -> None:
         """Write atomically, readable by this user only."""
@@ -129,7 +136,7 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
     info = find_service(address)
     given = job_credentials()
     if given is not None:  # started by the service's queue, which opened the job and will close it
-        return Attachment(info.endpoint, given[0], Credentials(*given), None, closed=True)
+        return Attachment(info.endpoint, given.user, given, None, closed=True)
     if os.path.realpath(info.model_path) != os.path.realpath(model_path):
         raise ValueError(f"--scheduler {address}: the service serves {info.model_path}, this job's model is "
                          f"{model_path}")
@@ -139,7 +146,8 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
             opened = c.request(OpenJob(name=name, roots=roots, read_roots=read_roots, priority=priority), timeout)
     except (RemoteError, TimeoutError, OSError) as e:
         raise ValueError(f"--scheduler {address}: {e}") from None
-    return Attachment(info.endpoint, opened.job, Credentials(opened.job, opened.secret), owner)
+    curve = (opened.curve_public, opened.curve_secret, info.curve_server) if opened.curve_public else None
+    return Attachment(info.endpoint, opened.job, Credentials(opened.job, opened.secret, curve), owner)
 
 
 class ServiceCore:
@@ -149,21 +157,34 @@ class ServiceCore:
     returns the scheduler's endpoint."""
 
     def __init__(self, model_path: str, device: str = "cpu", service_file: str = "", budget_mb: float = 0.0,
-                 adapters: dict[str, str] | None = None, owner_priority: float = 1.0, **scheduler: Any) -> None:
+                 adapters: dict[str, str] | None = None, owner_priority: float = 1.0, bus_host: str = "",
+                 curve: dict[str, str] | None = None, **scheduler: Any) -> None:
         self.model_path, self.device = model_path, device
         self.service_file = Path(service_file or home() / SERVICE_FILE)
         self.budget_mb = budget_mb
         self.adapters = dict(adapters or {})
         self.scheduler_args = scheduler
         self.owner_priority = owner_priority
+        self.bus_host = bus_host
+        """Where the bus binds (``""``: 127.0.0.1); anything but loopback needs ``curve``."""
+        self.curve = curve
+        """``server_public``, ``server_secret``, ``owner_public``, ``owner_secret`` (Z85): the bus on
+        CURVE, accepting the owner's key and each running job's (None: PLAIN)."""
         self.scheduler: Any = None
         self.queue: Any = None
 
     def start(self) -> str:
+        from opentinker.bus import LOOPBACK
+        from opentinker.bus.common import CurveKeys
         from opentinker.engine.service import Scheduler
         from opentinker.engine.tenants import Tenants
 
-        self.scheduler = Scheduler(self.model_path, device=self.device, tenants=Tenants(self.owner_priority),
+        c = self.curve
+        keys = CurveKeys(public=c["server_public"].encode(), secret=c["server_secret"].encode()) if c else None
+        host = self.bus_host
+        endpoint = (f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*") if host else LOOPBACK
+        self.scheduler = Scheduler(self.model_path, device=self.device, endpoint=endpoint, curve_keys=keys,
+                                   tenants=Tenants(self.owner_priority, owner_curve=c["owner_public"] if c else ""),
                                    **self.scheduler_args)
         endpoint = self.scheduler.start()
         try:
@@ -189,10 +210,12 @@ class ServiceCore:
 
         s = self.scheduler
 
-        def open_job(name: str, roots: list[str], read_roots: list[str], priority: float) -> tuple[str, str]:
+        def open_job(name: str, roots: list[str], read_roots: list[str], priority: float) -> Credentials:
             opened = s.loop.run(s._job_control(OpenJob(name=name, roots=roots, read_roots=read_roots,
                                                        priority=priority), None), 60)
-            return opened.job, opened.secret
+            server = self.curve["server_public"] if self.curve else ""
+            return Credentials(opened.job, opened.secret,
+                               (opened.curve_public, opened.curve_secret, server) if opened.curve_public else None)
 
         def close_job(job: str) -> None:
             s.loop.run(s._job_control(CloseJob(job=job), None), 300)
@@ -218,9 +241,17 @@ class ServiceCore:
 
         if not self.adapters:
             return
-        with SyncClient(endpoint, "serve") as c:
+        with SyncClient(endpoint, "serve", credentials=self.owner()) as c:
             for name, path in self.adapters.items():
                 c.request(LoadAdapter(path=os.path.abspath(path), name=name, trainable=False), 600)
+
+    def owner(self) -> Credentials | None:
+        """What this process presents to its own scheduler: its own secret, or the owner's
+        CURVE pair on CURVE."""
+        c = self.curve
+        if c is None:
+            return None
+        return Credentials(run_user(), run_secret().decode(), (c["owner_public"], c["owner_secret"], c["server_public"]))
 
     def stop(self) -> None:
         if self.queue is not None:
@@ -245,18 +276,40 @@ class Service:
         ray: run the scheduler and the queue in a Ray actor (``"local"``: a Ray instance
             started here on 127.0.0.1; else the address of a running cluster, ``auto`` or
             ``host:port``), placed on a GPU when ``device`` is CUDA; ``""``: in this process.
+        bus_host: where the scheduler's bus binds (default 127.0.0.1); an address other machines
+            reach puts the bus on CURVE (keys made at start, in the service file), so that
+            jobs on those machines can attach with a copy of the service file.
+        bus_curve: CURVE on loopback too.
         scheduler: further :class:`~opentinker.engine.service.Scheduler` arguments.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
                  http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
-                 service_file: Path | None = None, budget_mb: float = 0.0, ray: str = "", **scheduler: Any) -> None:
+                 service_file: Path | None = None, budget_mb: float = 0.0, ray: str = "", bus_host: str = "127.0.0.1",
+                 bus_curve: bool = False, **scheduler: Any) -> None:
+        from opentinker.bus import is_loopback
+
+        if bus_host in ("0.0.0.0", "::", "*", ""):  # noqa: S104 - refused, not bound
+            raise ValueError(f"--bus-host {bus_host!r}: give the address other machines reach this one at (jobs "
+                             "connect to the address the service file names)")
+        try:
+            loopback = is_loopback(f"tcp://[{bus_host}]:1" if ":" in bus_host else f"tcp://{bus_host}:1")
+        except ValueError as e:
+            raise ValueError(f"--bus-host {bus_host!r}: {e}") from None
+        self.curve: dict[str, str] | None = None
+        if bus_curve or not loopback:
+            import zmq
+
+            server, owner = zmq.curve_keypair(), zmq.curve_keypair()
+            self.curve = {"server_public": server[0].decode(), "server_secret": server[1].decode(),
+                          "owner_public": owner[0].decode(), "owner_secret": owner[1].decode()}
         self.model = model
         self.device = device
         self.http_host, self.http_port, self.api_key = http_host, http_port, api_key
         self.service_file = service_file or home() / SERVICE_FILE
         self.core_args = dict(device=device, service_file=str(self.service_file), budget_mb=budget_mb,
-                              adapters=dict(adapters or {}), **scheduler)
+                              adapters=dict(adapters or {}), bus_host="" if bus_host == "127.0.0.1" else bus_host,
+                              curve=self.curve, **scheduler)
         self.ray = ray
         self.core: Any = None
         self.actor: Any = None
@@ -274,11 +327,17 @@ class Service:
             if self.http_port is not None:
                 from opentinker.serve.openai_api import make_app, start_http
 
-                app = make_app(endpoint, model_path, api_key=self.api_key)
+                c = self.curve
+                owner = Credentials(run_user(), run_secret().decode(),
+                                    (c["owner_public"], c["owner_secret"], c["server_public"])) if c else None
+                app = make_app(endpoint, model_path, api_key=self.api_key, credentials=owner)
                 self.http = start_http(app, host=self.http_host, port=self.http_port)
                 url = self.http.url
+            c = self.curve or {}
             self.info = ServiceInfo(endpoint=endpoint, model_path=model_path, user=run_user(),
-                                    secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device)
+                                    secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device,
+                                    curve_server=c.get("server_public", ""), curve_public=c.get("owner_public", ""),
+                                    curve_secret=c.get("owner_secret", ""))
             self.info.write(self.service_file)
         except BaseException:
             self.stop()
