@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -459,14 +460,33 @@ class Job:
         kind, kwargs = self._kwargs[name]
         if kind == "learner":
             kwargs = {**kwargs, "restore": True}
+        old = self._handles[name]
         try:
-            ray.kill(self._handles[name])
+            ray.kill(old)
         except Exception as e:  # noqa: BLE001  (already dead)
             log.debug("kill %s: %s", name, e)
+        self._await_gone(name, old)
         h = self._handles[name] = self._dealt(self._placed[name]).remote(kind, kwargs, self._secret, self._curve)
         endpoint = ray.get(h.start.remote(), timeout=self.cfg.runtime.startup_timeout_s)
         self._where[name] = ray.get(h.info.remote())
         return endpoint
+
+    def _await_gone(self, name: str, handle: Any, timeout: float = 60.0) -> None:
+        """Wait until the actor ``handle`` is gone (its calls fail as a dead actor's): one that
+        hung rather than died must not act after its successor has started (a learner's
+        ``OptimStep`` or state file). ``TimeoutError`` naming ``name`` after ``timeout``."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.info.remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                return
+            except ray.exceptions.GetTimeoutError:
+                pass  # not answering yet, not known dead either
+            time.sleep(0.1)
+        raise TimeoutError(f"{describe(name, self._where.get(name))} was killed but has not gone after {timeout:.0f} s")
 
     def dead(self, timeout: float = 10.0) -> list[str]:
         """Names of the Ray actors that no longer answer (their process died)."""
