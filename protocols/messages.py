@@ -371,6 +371,11 @@ class OpenJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     read_roots: Annotated[list[str], msgspec.Meta(max_length=16)] = []
     priority: float = 1.0
     """The job's weight in the scheduler's sharing of compute time between jobs, > 0."""
+    probe: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    """A file the job wrote in one of its ``roots``, holding ``probe_text``: the scheduler reads
+    it to be sure it sees the job's folders as the job does (a job on another machine needs its
+    ``out_dir`` on a file system both share at the same path); ``""``: not checked."""
+    probe_text: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class JobOpened(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -140,6 +140,38 @@ def test_a_wrong_job_secret_gets_nothing(tiny_path):
         s.stop()
 
 
+def test_a_job_is_opened_only_where_the_scheduler_sees_its_folders(tiny_path, tmp_path):
+    """``OpenJob.probe``: the scheduler reads the file the job wrote in its root and opens the
+    job only when it holds the job's text there (a job on another machine whose out_dir the
+    service's machine does not share is refused at once, not when it first saves); a probe
+    outside the job's roots is refused too. ``attach`` writes and removes the probe itself."""
+    from opentinker.serve.service import ServiceInfo, attach
+
+    s = Scheduler(tiny_path, tenants=Tenants())
+    ep = s.start()
+    root = tmp_path / "runs"
+    root.mkdir()
+    (root / "probe").write_text("seen-here")
+    (tmp_path / "outside").write_text("seen-here")
+    try:
+        with SyncClient(ep, "owner") as owner:
+            assert owner.request(OpenJob(name="ok", roots=[str(root)], probe=str(root / "probe"),
+                                         probe_text="seen-here")).job.startswith("j1_ok")
+            for probe, text in ((root / "probe", "written-elsewhere"), (root / "missing", "seen-here"),
+                                (tmp_path / "outside", "seen-here")):
+                with pytest.raises(RemoteError, match=r"OpenJob.probe: this scheduler does not see .* as the job "
+                                                      r"wrote it: a job on another machine needs its out_dir on a "
+                                                      r"file system both machines share"):
+                    owner.request(OpenJob(name="far", roots=[str(root)], probe=str(probe), probe_text=text))
+        info = ServiceInfo(endpoint=ep, model_path=tiny_path, user=run_user(), secret=run_secret().decode())
+        info.write(tmp_path / "service.json")
+        a = attach(str(tmp_path / "service.json"), "attached", tiny_path, [str(root)], [])
+        assert a.job.startswith("j2_attached") and not list(root.glob(".opentinker-probe-*"))  # probe removed
+        a.close()
+    finally:
+        s.stop()
+
+
 def test_a_scheduler_on_curve_takes_each_job_by_its_key(tiny_path):
     """A shared scheduler on CURVE (a service reachable from other machines): the owner and
     each running job present a key pair the scheduler made, and are who the key says (a job's

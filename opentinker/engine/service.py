@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import math
 import os
@@ -116,6 +117,24 @@ def _absolute_root(path: str, where: str) -> str:
     if not _absolute(path):
         raise ValueError(f"{where}: {path!r} is not an absolute path")
     return os.path.realpath(path)
+
+
+def _check_probe(probe: str, text: str, roots: list[str]) -> None:
+    """``ValueError`` unless ``probe`` lies in one of ``roots`` and holds ``text`` as this
+    process reads it: the scheduler sees the job's folders as the job does."""
+    path = os.path.realpath(probe)
+    root = next((r for r in roots if path.startswith(r.rstrip(os.sep) + os.sep)), None)
+    seen = b""
+    if root is not None:
+        try:
+            with open(path, "rb") as f:
+                seen = f.read(256)
+        except OSError:
+            seen = b""
+    if root is None or not text or not hmac.compare_digest(seen, text.encode()):
+        where = root or (roots[0] if roots else probe)
+        raise ValueError(f"OpenJob.probe: this scheduler does not see {where} as the job wrote it: a job on another "
+                         "machine needs its out_dir on a file system both machines share, at the same path")
 
 
 def check_tokens(arr: Any, where: str, vocab_size: int, max_len: int | None = None) -> None:
@@ -389,6 +408,8 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
             check_job_name(msg.name)
             roots = [_absolute_root(r, "OpenJob.roots") for r in msg.roots]
             read_roots = [_absolute_root(r, "OpenJob.read_roots") for r in msg.read_roots]
+            if msg.probe:
+                _check_probe(msg.probe, msg.probe_text, roots)
             secret = new_secret()
             t = self.tenants.open(msg.name, secret.encode(), roots, read_roots, msg.priority)
             log.info("scheduler: opened job %s (%s)", t.job, escape_controls(t.name))

@@ -218,7 +218,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         except (OSError, ValueError) as e:
             raise CliError(f"model {cfg.model.base}: {e}") from None
         stage_adapters({**source.adapters, **opp_adapters}, Path(tmp), skip=("learner_state.json",))
-        job = Job(cfg, model_path, run_dir=tmp)
+        try:
+            job = Job(cfg, model_path, run_dir=tmp)
+        except ValueError as e:  # a shared scheduler that refuses the job (ConfigError: runtime.scheduler)
+            raise CliError(str(e)) from None
         try:
             # A run's own way in (--resume): the coordinator made the policies' adapters and
             # alone may replace them; a fresh league state, as there is no league here.

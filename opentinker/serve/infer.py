@@ -176,7 +176,10 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
             check_config(cfg)
         except ConfigError as e:  # --threads, --device, --scheduler
             raise InferError(str(e)) from None
-        job = Job(cfg, model_path, run_dir=tmp, scheduler_only=True)
+        try:
+            job = Job(cfg, model_path, run_dir=tmp, scheduler_only=True)
+        except ConfigError as e:  # a shared scheduler that refuses the job
+            raise InferError(str(e)) from None
         partial = None
         drawn = 0
         try:

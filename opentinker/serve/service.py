@@ -127,9 +127,14 @@ class Attachment:
 def attach(address: str, name: str, model_path: str, roots: list[str], read_roots: list[str],
            priority: float = 1.0, timeout: float = 30.0) -> Attachment:
     """Open a job named ``name`` on the service at ``address`` (see :func:`find_service`);
-    ``ValueError`` when the service serves another model or refuses the job."""
+    :class:`~opentinker.config.ConfigError` (``runtime.scheduler``) when the service serves
+    another model, cannot be reached, does not see the job's folders (a probe file the job
+    writes in its first root, which the scheduler reads), or refuses the job."""
+    import secrets
+
     from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
+    from opentinker.config import ConfigError
     from opentinker.serve.queue import job_credentials
     from protocols.messages import OpenJob
 
@@ -138,14 +143,24 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
     if given is not None:  # started by the service's queue, which opened the job and will close it
         return Attachment(info.endpoint, given.user, given, None, closed=True)
     if os.path.realpath(info.model_path) != os.path.realpath(model_path):
-        raise ValueError(f"--scheduler {address}: the service serves {info.model_path}, this job's model is "
-                         f"{model_path}")
+        raise ConfigError("runtime.scheduler", f"{address}: the service serves {info.model_path}, this job's model "
+                                               f"is {model_path}")
     owner = info.credentials()
+    text = secrets.token_hex(16)
+    probe = Path(roots[0]) / f".opentinker-probe-{text[:8]}" if roots else None
     try:
+        if probe is not None:
+            probe.write_text(text)
         with SyncClient(info.endpoint, "attach", credentials=owner, connect_timeout=timeout) as c:
-            opened = c.request(OpenJob(name=name, roots=roots, read_roots=read_roots, priority=priority), timeout)
-    except (RemoteError, TimeoutError, OSError) as e:
-        raise ValueError(f"--scheduler {address}: {e}") from None
+            opened = c.request(OpenJob(name=name, roots=roots, read_roots=read_roots, priority=priority,
+                                       probe=str(probe or ""), probe_text=text if probe else ""), timeout)
+    except RemoteError as e:
+        raise ConfigError("runtime.scheduler", f"{address}: {e.error.message}") from None
+    except (TimeoutError, OSError) as e:
+        raise ConfigError("runtime.scheduler", f"{address}: {e}") from None
+    finally:
+        if probe is not None:
+            probe.unlink(missing_ok=True)
     curve = (opened.curve_public, opened.curve_secret, info.curve_server) if opened.curve_public else None
     return Attachment(info.endpoint, opened.job, Credentials(opened.job, opened.secret, curve), owner)
 
@@ -289,7 +304,7 @@ class Service:
                  bus_curve: bool = False, **scheduler: Any) -> None:
         from opentinker.bus import is_loopback
 
-        if bus_host in ("0.0.0.0", "::", "*", ""):  # noqa: S104 - refused, not bound
+        if bus_host in ("0.0.0.0", "::", "*", ""):  # refused: not an address to connect to
             raise ValueError(f"--bus-host {bus_host!r}: give the address other machines reach this one at (jobs "
                              "connect to the address the service file names)")
         try:
