@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_job(cfg, run_dir=Path(args.run_dir) if args.run_dir else None,
                 resume=Path(args.resume) if args.resume else None, checkpoint=checkpoint)
-    except ConfigError as e:  # found once the job met its cluster (runtime.scheduler_resources)
+    except ConfigError as e:  # found on meeting the cluster or the shared scheduler (placement, attach)
         print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
         return 2
     except ComponentDied as e:

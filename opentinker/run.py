@@ -138,7 +138,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
         try:
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
-        except ConfigError:  # found on meeting the cluster (runtime.scheduler_resources): a new run leaves nothing
+        except ConfigError:  # found on meeting the cluster or the shared scheduler: a new run leaves nothing
             log.close()
             if ckpt is None:
                 shutil.rmtree(run_dir, ignore_errors=True)

@@ -135,6 +135,11 @@ def run_keys() -> CurveKeys | None:
     return CurveKeys(public=public, secret=secret, server_public=public, allowed_clients=(public,))
 
 
+def tcp_endpoint(host: str, port: int | str = "*") -> str:
+    """``tcp://HOST:PORT``, an IPv6 address in brackets (``port`` ``*``: any free one)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def server_side(endpoint: str, keys: CurveKeys | None,
                 accounts: Mapping[str, bytes] | None = None) -> tuple[str, CurveKeys | None]:
     """Where a server binds and the keys it uses: those given; else, on a run with a CURVE
@@ -145,7 +150,7 @@ def server_side(endpoint: str, keys: CurveKeys | None,
         keys = run_keys()
         if endpoint == LOOPBACK:
             host = curve[2]
-            endpoint = f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
+            endpoint = tcp_endpoint(host)
     check_bind(endpoint, keys)
     return endpoint, keys
 

@@ -101,8 +101,6 @@ class Tenants:
         """Every job opened so far, by id (closed ones stay, for listings)."""
         self.accounts: dict[str, bytes] = {}
         self.curve_users: dict[str, str] | None = {owner_curve: run_user()} if owner_curve else None
-        self._curve_of: dict[str, str] = {}
-        """Job -> its CURVE public key (to forget it when the job closes)."""
         self._ids = itertools.count(1)
 
     def open(self, name: str, secret: bytes, roots: list[str], read_roots: list[str], priority: float) -> Tenant:
@@ -122,15 +120,15 @@ class Tenants:
         assert self.curve_users is not None
         public, secret = (k.decode() for k in zmq.curve_keypair())
         self.curve_users[public] = self.running(job).job
-        self._curve_of[job] = public
         return public, secret
 
     def close(self, job: str) -> Tenant:
         t = self.running(job)
         t.state = "closed"
         self.accounts.pop(job, None)
-        if self.curve_users is not None and job in self._curve_of:
-            self.curve_users.pop(self._curve_of.pop(job), None)
+        if self.curve_users is not None:  # its key, refused from now on
+            for key in [k for k, user in self.curve_users.items() if user == job]:
+                del self.curve_users[key]
         return t
 
     def running(self, job: str) -> Tenant:

@@ -1,6 +1,7 @@
 """Token ids to the text of an OpenAI choice: incremental decoding that never splits a
 character, stop strings that may span tokens, and each token's exact bytes (for the
-``logprobs`` entries)."""
+``logprobs`` entries); and the sampling of a reply as the endpoint and ``opentinker infer``
+ask for it (:func:`reply_params`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import bisect
 import numpy as np
 
 from opentinker.rollout.render import ChatTokenizer
-from protocols.messages import SampleResult, StopReason
+from protocols.messages import SampleResult, SamplingParams, StopReason
+
+
+def reply_params(temperature: float | None, top_p: float | None, top_k: int | None, max_tokens: int, eos_id: int,
+                 seed: int) -> SamplingParams:
+    """A reply's sampling: ``temperature`` 0 is greedy (temperature 1 with ``top_k`` 1),
+    ``None`` the default; the tokenizer's eos ends the reply."""
+    greedy = temperature == 0
+    return SamplingParams(temperature=1.0 if greedy or temperature is None else temperature,
+                          top_p=1.0 if top_p is None else top_p, top_k=1 if greedy else top_k or 0,
+                          max_tokens=max_tokens, stop_token_ids=(eos_id,), seed=seed)
 
 
 def _byte_alphabet() -> dict[str, int]:

@@ -118,14 +118,13 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         stage_adapters,
     )
     from opentinker.machine import machine
-    from opentinker.serve.detokenize import ChoiceText, finish_choices
+    from opentinker.serve.detokenize import ChoiceText, finish_choices, reply_params
     from opentinker.serve.queue import read_model_config
     from protocols.messages import (
         AdapterInfo,
         LoadAdapter,
         SampleRequest,
         SampleResult,
-        SamplingParams,
     )
 
     t0 = time.perf_counter()
@@ -161,9 +160,7 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     if args.max_tokens >= context:
         raise InferError(f"--max-tokens {args.max_tokens}: the model's context is {context} tokens, prompt included")
     prompts = read_prompts(args.prompts, tok, context - args.max_tokens)
-    greedy = args.temperature == 0
-    params = SamplingParams(temperature=1.0 if greedy else args.temperature, top_p=args.top_p, top_k=1 if greedy else 0,
-                            max_tokens=args.max_tokens, stop_token_ids=(tok.eos_id,), seed=args.seed)
+    params = reply_params(args.temperature, args.top_p, 0, args.max_tokens, tok.eos_id, args.seed)
     with tempfile.TemporaryDirectory(prefix="opentinker-infer-") as tmp:
         from opentinker.config import ConfigError, config_from_dict
         from opentinker.config_checks import check_config

@@ -55,14 +55,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.bus import Client, RemoteError, is_loopback
 from opentinker.bus.auth import Credentials
-from opentinker.serve.detokenize import ChoiceText, TokenText, finish_choices
+from opentinker.serve.detokenize import (
+    ChoiceText,
+    TokenText,
+    finish_choices,
+    reply_params,
+)
 from protocols.messages import (
     AdapterList,
     ErrorCode,
     ListAdapters,
     SampleChunk,
     SampleRequest,
-    SamplingParams,
 )
 
 log = logging.getLogger(__name__)
@@ -282,11 +286,8 @@ class _Api:
         if body.model != BASE and body.model not in await self.adapters():
             raise ApiError(404, f"the model {body.model!r} does not exist (GET /v1/models lists them)", param="model",
                            code="model_not_found")
-        greedy = body.temperature == 0
-        params = SamplingParams(
-            temperature=1.0 if greedy or body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=1 if greedy else body.top_k or 0,
-            max_tokens=limit or self.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=body.seed or 0)
+        params = reply_params(body.temperature, body.top_p, body.top_k, limit or self.max_tokens, self.tok.eos_id,
+                              body.seed or 0)
         req = SampleRequest(adapter=None if body.model == BASE else body.model, params=params, client="openai-api",
                             prompts=[p for p in prompts for _ in range(body.n)], stream=body.stream)
         rows = [ChoiceText(self.tok, stops, params.max_tokens) for _ in req.prompts]

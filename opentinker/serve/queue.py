@@ -116,6 +116,11 @@ class _Entry:
                           log=str(self.log), kind=self.kind, output=self.output)
 
 
+def _job_name(prefix: str, text: str) -> str:
+    """A safe job name: ``prefix`` and ``text`` with what a name may not hold replaced."""
+    return prefix + re.sub(r"[^\w.+-]", "_", text)[:100]
+
+
 def eval_config(spec: EvalJob, model_path: str, out_dir: str) -> Any:
     """The job an evaluation of ``spec.path`` plays (``opentinker eval``'s own, its policies
     frozen), for its memory estimate; ``ValueError`` saying what is wrong with the path or
@@ -232,7 +237,7 @@ class JobQueue:
                        *(["--game", evaluation.game] if evaluation.game else []),
                        *(["--games-per-stratum", str(evaluation.games_per_stratum)]
                          if evaluation.games_per_stratum else [])]
-            name = "eval_" + re.sub(r"[^\w.+-]", "_", Path(evaluation.path).name)[:100]  # a safe job name
+            name = _job_name("eval_", Path(evaluation.path).name)
             entry = _Entry(qid, name, folder, priority, need, roots=[str(folder)], command=command, kind="eval",
                            output=str(report))
         elif inference is not None:  # the service's own model; its adapter staged in its folder
@@ -240,7 +245,7 @@ class JobQueue:
             command = ["infer", i.prompts, "--out", str(replies), "--model", model_path, "--max-tokens", str(i.max_tokens),
                        "--temperature", repr(i.temperature), "--top-p", repr(i.top_p), "--seed", str(i.seed),
                        "--batch", str(i.batch), *(["--adapter", i.adapter] if i.adapter else [])]
-            name = "infer_" + re.sub(r"[^\w.+-]", "_", Path(i.prompts).stem)[:100]
+            name = _job_name("infer_", Path(i.prompts).stem)
             entry = _Entry(qid, name, folder, priority, need, roots=[str(folder)], command=command, kind="infer",
                            output=str(replies))
         else:

@@ -124,6 +124,22 @@ class Attachment:
             log.warning("could not close job %s on %s: %s", self.job, self.endpoint, escape_controls(str(e)))
 
 
+def owner_credentials(curve: dict[str, str] | None) -> Credentials | None:
+    """What the service's own process presents to its scheduler: its own secret (``None``), or
+    on CURVE the owner's pair (``curve``: :attr:`ServiceCore.curve`)."""
+    if curve is None:
+        return None
+    return Credentials(run_user(), run_secret().decode(),
+                       (curve["owner_public"], curve["owner_secret"], curve["server_public"]))
+
+
+def opened_credentials(opened: Any, server_public: str) -> Credentials:
+    """A job's credentials from its :class:`~protocols.messages.JobOpened`: its secret, and on
+    a scheduler on CURVE (``server_public``) its key pair."""
+    curve = (opened.curve_public, opened.curve_secret, server_public) if opened.curve_public else None
+    return Credentials(opened.job, opened.secret, curve)
+
+
 def attach(address: str, name: str, model_path: str, roots: list[str], read_roots: list[str],
            priority: float = 1.0, timeout: float = 30.0) -> Attachment:
     """Open a job named ``name`` on the service at ``address`` (see :func:`find_service`);
@@ -161,8 +177,7 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
     finally:
         if probe is not None:
             probe.unlink(missing_ok=True)
-    curve = (opened.curve_public, opened.curve_secret, info.curve_server) if opened.curve_public else None
-    return Attachment(info.endpoint, opened.job, Credentials(opened.job, opened.secret, curve), owner)
+    return Attachment(info.endpoint, opened.job, opened_credentials(opened, info.curve_server), owner)
 
 
 class ServiceCore:
@@ -190,14 +205,14 @@ class ServiceCore:
 
     def start(self) -> str:
         from opentinker.bus import LOOPBACK
-        from opentinker.bus.common import CurveKeys
+        from opentinker.bus.common import CurveKeys, tcp_endpoint
         from opentinker.engine.service import Scheduler
         from opentinker.engine.tenants import Tenants
 
         c = self.curve
         keys = CurveKeys(public=c["server_public"].encode(), secret=c["server_secret"].encode()) if c else None
         host = self.bus_host
-        endpoint = (f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*") if host else LOOPBACK
+        endpoint = tcp_endpoint(host) if host else LOOPBACK
         self.scheduler = Scheduler(self.model_path, device=self.device, endpoint=endpoint, curve_keys=keys,
                                    tenants=Tenants(self.owner_priority, owner_curve=c["owner_public"] if c else ""),
                                    **self.scheduler_args)
@@ -228,9 +243,7 @@ class ServiceCore:
         def open_job(name: str, roots: list[str], read_roots: list[str], priority: float) -> Credentials:
             opened = s.loop.run(s._job_control(OpenJob(name=name, roots=roots, read_roots=read_roots,
                                                        priority=priority), None), 60)
-            server = self.curve["server_public"] if self.curve else ""
-            return Credentials(opened.job, opened.secret,
-                               (opened.curve_public, opened.curve_secret, server) if opened.curve_public else None)
+            return opened_credentials(opened, self.curve["server_public"] if self.curve else "")
 
         def close_job(job: str) -> None:
             s.loop.run(s._job_control(CloseJob(job=job), None), 300)
@@ -256,17 +269,9 @@ class ServiceCore:
 
         if not self.adapters:
             return
-        with SyncClient(endpoint, "serve", credentials=self.owner()) as c:
+        with SyncClient(endpoint, "serve", credentials=owner_credentials(self.curve)) as c:
             for name, path in self.adapters.items():
                 c.request(LoadAdapter(path=os.path.abspath(path), name=name, trainable=False), 600)
-
-    def owner(self) -> Credentials | None:
-        """What this process presents to its own scheduler: its own secret, or the owner's
-        CURVE pair on CURVE."""
-        c = self.curve
-        if c is None:
-            return None
-        return Credentials(run_user(), run_secret().decode(), (c["owner_public"], c["owner_secret"], c["server_public"]))
 
     def stop(self) -> None:
         if self.queue is not None:
@@ -302,13 +307,13 @@ class Service:
                  http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
                  service_file: Path | None = None, budget_mb: float = 0.0, ray: str = "", bus_host: str = "127.0.0.1",
                  bus_curve: bool = False, **scheduler: Any) -> None:
-        from opentinker.bus import is_loopback
+        from opentinker.bus.common import is_loopback, tcp_endpoint
 
         if bus_host in ("0.0.0.0", "::", "*", ""):  # refused: not an address to connect to
             raise ValueError(f"--bus-host {bus_host!r}: give the address other machines reach this one at (jobs "
                              "connect to the address the service file names)")
         try:
-            loopback = is_loopback(f"tcp://[{bus_host}]:1" if ":" in bus_host else f"tcp://{bus_host}:1")
+            loopback = is_loopback(tcp_endpoint(bus_host, 1))
         except ValueError as e:
             raise ValueError(f"--bus-host {bus_host!r}: {e}") from None
         self.curve: dict[str, str] | None = None
@@ -342,10 +347,7 @@ class Service:
             if self.http_port is not None:
                 from opentinker.serve.openai_api import make_app, start_http
 
-                c = self.curve
-                owner = Credentials(run_user(), run_secret().decode(),
-                                    (c["owner_public"], c["owner_secret"], c["server_public"])) if c else None
-                app = make_app(endpoint, model_path, api_key=self.api_key, credentials=owner)
+                app = make_app(endpoint, model_path, api_key=self.api_key, credentials=owner_credentials(self.curve))
                 self.http = start_http(app, host=self.http_host, port=self.http_port)
                 url = self.http.url
             c = self.curve or {}

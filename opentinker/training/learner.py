@@ -20,12 +20,13 @@ the importance ratio is always against the sampler's log-probs, so later passes 
 
 A learner whose process dies is started again in its step (``restore=True``): as every step
 begins (before any update) and as it ends, a learner writes to ``state_path`` its estimator's
-state, its last trained step, and the adapter version they go with (read with
-:class:`DiscardGradients`, which also clears gradients nobody applied). The restarted one
-reads that file back, cuts its trajectory log back to the last trained step, discards the
-gradients its predecessor left, and checks the adapter is still at that version, so the step
-can be made again from the same weights; if the step had already updated it, starting fails
-and the job restores its newest checkpoint instead.
+state, its last trained step, the adapter version they go with (read with
+:class:`DiscardGradients`, which also clears gradients nobody applied) and the last step's
+result. The restarted one discards the gradients its predecessor left, reads that file back,
+drops from its trajectory log what the step in progress had logged, and checks the adapter is
+still at that version, so the step can be made again from the same weights; if the step had
+already updated it, starting fails and the job restores its newest checkpoint instead. A step
+asked again after it trained is answered with its result, never trained twice.
 """
 
 from __future__ import annotations
@@ -211,9 +212,9 @@ class Learner:
 
     async def _restore(self) -> None:
         """Take over from a learner whose process died: its state as written last (a step's
-        start or end), its trajectory log cut back to its last trained step, the adapter's
-        unapplied gradients discarded; ``RuntimeError`` when the adapter is no longer at the
-        version that state goes with (the step it died in had updated it)."""
+        start or end), the records of the step in progress dropped from its trajectory log, the
+        adapter's unapplied gradients discarded; ``RuntimeError`` when the adapter is no longer
+        at the version that state goes with (the step it died in had updated it)."""
         path = Path(self.state_path)
         version = await self._discard()
         if not path.exists():  # it died before its first step began: nothing of it to take over
