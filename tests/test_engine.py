@@ -480,6 +480,35 @@ def test_twins_outlive_a_cancelled_leader_and_leave_when_cancelled(hosts):
         np.testing.assert_allclose(t.out_logprobs, alone.out_logprobs, atol=1e-5)
 
 
+def test_paused_rows_sit_steps_out_and_draw_what_they_draw_alone(hosts):
+    """Rows the engine's ``pause`` predicate names keep their place (and KV blocks) while the
+    other rows compute; when every running row is paused all compute; pausing changes no draw."""
+    own, _ = hosts
+    eng = own.engine
+    a_prompt, b_prompt = _prompts(2, seed=42, lo=12, hi=13)
+    a_params, b_params = SamplingParams(max_tokens=3, temperature=1.0), SamplingParams(max_tokens=8, temperature=1.0)
+    a = eng.add("pol", a_prompt, a_params, seed=11)
+    b = eng.add("pol", b_prompt, b_params, seed=12)
+    try:
+        eng.pause = lambda seq: seq is a
+        eng.step()
+        assert a in eng.running and a.num_computed == 0 and b.num_computed == len(b_prompt)
+        for _ in range(3):
+            eng.step()
+        assert a.num_computed == 0 and not a.out_tokens and len(b.out_tokens) == 4
+        eng.pause = lambda seq: True  # every running row paused: all compute
+        eng.step()
+        assert a.num_computed == len(a_prompt) and len(b.out_tokens) == 5
+        eng.pause = None
+        eng.run_until_done([a, b])
+    finally:
+        eng.pause = None
+    for row, prompt, params in ((a, a_prompt, a_params), (b, b_prompt, b_params)):
+        alone = _alone(eng, "pol", prompt, params, row.seed)
+        assert row.out_tokens == alone.out_tokens
+        np.testing.assert_allclose(row.out_logprobs, alone.out_logprobs, atol=1e-5)
+
+
 def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(sched, monkeypatch):
     engine = sched.host.engine
     real = engine._forward

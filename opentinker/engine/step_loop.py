@@ -141,6 +141,10 @@ class Engine:
         self.hold: Callable[[Sequence], bool] | None = None
         """Also not admitted while this says so (a shared scheduler holds back the rows of a
         job over its share of compute while another job waits)."""
+        self.pause: Callable[[Sequence], bool] | None = None
+        """Running rows this says so of sit a step out, keeping their KV blocks, while other rows
+        compute (a shared scheduler pauses the rows of a job over its share of compute); when
+        every running row would sit out, all compute."""
         self.kv_full = False
         """An admission stopped for lack of KV blocks since the waiting queue was last empty:
         the rows running are what fits."""
@@ -364,14 +368,17 @@ class Engine:
         if not self.running:
             self._went_idle()
             return [], finished
+        rows = self.running
+        if self.pause is not None:
+            rows = [s for s in self.running if not self.pause(s)] or self.running
         # Decoding rows first, then prefill chunks in admission order, within the token budget.
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
-        for seq in self.running:
+        for seq in rows:
             if seq.pending == 1 and budget > 0:
                 plan.append((seq, 1))
                 budget -= 1
-        for seq in self.running:
+        for seq in rows:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
                 plan.append((seq, n))
