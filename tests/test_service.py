@@ -342,6 +342,46 @@ def test_job_share_holds_back_the_jobs_ahead_of_their_share():
     assert share.ahead({"a": 1.0, "b": 1.0}) == set() and share.used["b"] == pytest.approx(6.0)
 
 
+def test_a_job_whose_work_ran_out_keeps_its_place_for_anticipate_s():
+    """A job between two requests (an RL job's next turn) still contends for ``anticipate_s``:
+    the job ahead stays held back meanwhile; back within ``window_s`` it keeps what it was owed,
+    and only a job away for longer starts level with the others."""
+    from opentinker.engine.step_worker import JobShare
+
+    with pytest.raises(ValueError, match="anticipate_s"):
+        JobShare(anticipate_s=-1.0)
+    share = JobShare(window_s=1e9, slack_s=0.05, anticipate_s=0.25)
+    both = {"a": 1.0, "b": 3.0}
+    assert share.contending(both, now=100.0) == both and share.wake_at(both) is None
+    share.ahead(both, now=100.0)
+    share.charge("a", 1.0)
+    share.charge("b", 0.3)  # b: 0.1 s per unit of priority, a: 1.0
+    assert share.ahead(both, now=100.0) == {"a"}
+    # b's request finished; its next one is not here yet: b still contends, a stays held.
+    active = share.contending({"a": 1.0}, now=100.2)
+    assert active == both and share.wake_at({"a": 1.0}) == pytest.approx(100.25)
+    assert share.ahead(active, now=100.2) == {"a"}
+    # b is late: past anticipate_s it stops contending and a runs alone.
+    active = share.contending({"a": 1.0}, now=100.3)
+    assert active == {"a": 1.0} and share.wake_at({"a": 1.0}) is None
+    assert share.ahead(active, now=100.3) == set()
+    # Back within window_s, b keeps its deficit (not levelled up to a): a is held again.
+    active = share.contending(both, now=101.0)
+    assert share.ahead(active, now=101.0) == {"a"} and share.used["b"] == pytest.approx(0.3)
+    # Away longer than window_s, a job starts level with the least served one.
+    short = JobShare(window_s=1.0, slack_s=0.05, anticipate_s=0.0)
+    short.ahead(short.contending(both, now=0.0), now=0.0)
+    short.charge("a", 1.0)
+    short.ahead(short.contending({"a": 1.0}, now=0.1), now=0.1)
+    active = short.contending(both, now=5.0)
+    assert short.ahead(active, now=5.0) == set()
+    assert short.used["b"] / 3.0 == pytest.approx(short.used["a"] / 1.0)
+    # No decay: a debt stays until paid, but no job is owed more than window_s per unit of priority.
+    short.charge("a", 4.0)
+    assert short.ahead(short.contending(both, now=5.1), now=5.1) == {"a"}
+    assert short.used["a"] - short.used["b"] / 3.0 == pytest.approx(short.window_s)
+
+
 def test_backlogged_jobs_get_compute_in_proportion_to_their_priorities(tiny_path):
     """Two jobs that keep the scheduler busy, priorities 1 and 3: while both wait, their compute
     counters split about 1 : 3 (a proportion of compute time, not a timing)."""

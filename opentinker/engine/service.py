@@ -256,6 +256,7 @@ class Scheduler:
         engine_options: dict[str, Any] | None = None,
         train_share: float = 0.5,
         fair_window_s: float = 10.0,
+        fair_anticipate_s: float = 0.25,
         limits: Limits | None = None,
         adapter_roots: Sequence[str] | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -265,7 +266,9 @@ class Scheduler:
     ) -> None:
         """``engine``, ``engine_options``: see :class:`~opentinker.engine.host.ModelHost`.
         ``train_share``: the share of compute time operations get while sampling also waits
-        (decayed over ``fair_window_s``). ``batch_window_s``, ``max_batch_wait_s`` and
+        (decayed over ``fair_window_s``); ``fair_anticipate_s``: how long a job whose work ran out
+        still shares compute with the others (:class:`~opentinker.engine.step_worker.JobShare`).
+        ``batch_window_s``, ``max_batch_wait_s`` and
         ``max_batch_rows`` shape the PEFT path's whole-request batches. ``limits``: what one
         request may be on the bus (default :data:`protocols.codec.DEFAULT_LIMITS`).
         ``adapter_roots``: the folders that ``SaveAdapter`` and ``LoadAdapter`` paths must lie in
@@ -299,6 +302,9 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         self.engine_options = engine_options
         self.train_share = train_share
         self.fair_window_s = fair_window_s
+        if not 0 <= fair_anticipate_s <= 60:
+            raise ValueError(f"fair_anticipate_s must be in [0, 60] seconds, got {fair_anticipate_s}")
+        self.fair_anticipate_s = fair_anticipate_s
         self.model_path = model_path
         self.device = device
         self.threads = threads
@@ -326,7 +332,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         if self.host.engine is not None:
             from opentinker.engine.step_worker import StepWorker
 
-            target = StepWorker(self, self.train_share, self.fair_window_s).run
+            target = StepWorker(self, self.train_share, self.fair_window_s, self.fair_anticipate_s).run
         self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
         self._worker.start()
         self.loop = LoopThread("scheduler-bus")

@@ -15,9 +15,12 @@ holding back its new rows meanwhile: a reply is drawn by one version from first 
 On a shared scheduler, jobs share compute by their priorities (:class:`JobShare`): while two
 or more jobs have work, each may hold at most its priority's share of the rows that fit (the
 engine's row slots, or the rows running once the KV blocks ran out),
-and a job whose decayed compute time per unit of priority is ahead of the least served one's
-gets no new rows admitted and no operation run until that one catches up (its running rows go
-on decoding), so backlogged jobs get compute in proportion to their priorities.
+and a job whose compute time per unit of priority is ahead of the least served one's
+gets no new rows admitted, no operation run and its running rows paused (they keep their KV
+blocks) until that one catches up, so backlogged jobs get compute in proportion to their priorities. A job whose
+work ran out stays among them for ``anticipate_s`` (its next request is usually on its way:
+an RL job's next turn, its training call after its rollouts), as in anticipatory disk
+scheduling: the jobs ahead of it stay held meanwhile, and it keeps what it was owed.
 """
 
 from __future__ import annotations
@@ -103,45 +106,75 @@ class FairShare:
 
 @dataclass
 class JobShare:
-    """Decayed compute seconds per job of a shared scheduler, and which jobs are ahead of
-    their share.
+    """Compute seconds per job of a shared scheduler while jobs contend, and which jobs are
+    ahead of their share.
 
     Only compute while two or more jobs have work counts (a job alone takes what it asks for
-    and owes nothing for it later), and a job that comes back from idle starts level with the
-    least served active job (no credit for the time it asked for nothing), as in start-time
-    fair queuing."""
+    and owes nothing for it later). A job whose work ran out less than ``anticipate_s`` ago
+    still contends (:meth:`contending`): it keeps its place. A job that comes back after more
+    than ``window_s`` away (or for the first time) starts level with the least served
+    contending one, as in start-time fair queuing; back sooner, it keeps what it was owed, so an
+    operation that ran long just before the other job paused is still paid back. The ledger
+    does not decay (a decay forgives part of every debt, and a job whose operations are long
+    and atomic would keep more than its share): instead no job is owed more than ``window_s``
+    seconds per unit of priority behind the most served one."""
 
     window_s: float = 10.0
+    """How long a job may be away and keep its place, and the most it may be owed (seconds of
+    compute per unit of priority)."""
     slack_s: float = 0.05
-    """How far (decayed seconds per unit of priority) a job may run ahead of the least served
+    """How far (seconds per unit of priority) a job may run ahead of the least served
     one before it is held back: about one engine step, so jobs alternate at that grain."""
+    anticipate_s: float = 0.25
+    """How long a job whose work ran out still counts as contending."""
     used: dict[str, float] = field(default_factory=dict)
-    _last: float = field(default_factory=time.perf_counter)
     _active: frozenset[str] = frozenset()
+    _seen: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Job -> (when it last had work, its priority then)."""
+    _gone: dict[str, float] = field(default_factory=dict)
+    """Job -> when it stopped contending."""
 
-    def _decay(self) -> None:
-        now = time.perf_counter()
-        k = math.exp(-(now - self._last) / self.window_s)
-        for t in self.used:
-            self.used[t] *= k
-        self._last = now
+    def __post_init__(self) -> None:
+        if not (self.window_s > 0 and self.slack_s >= 0 and 0 <= self.anticipate_s <= 60):
+            raise ValueError(f"JobShare: window_s {self.window_s} must be > 0, slack_s {self.slack_s} >= 0 and "
+                             f"anticipate_s {self.anticipate_s} in [0, 60]")
 
     def charge(self, tenant: str, seconds: float) -> None:
-        self._decay()
         self.used[tenant] = self.used.get(tenant, 0.0) + seconds
 
-    def ahead(self, active: dict[str, float]) -> set[str]:
-        """Of the jobs with work (job -> priority), those to hold back now."""
-        self._decay()
+    def contending(self, working: dict[str, float], now: float | None = None) -> dict[str, float]:
+        """The jobs that share compute now (job -> priority): those with work (``working``),
+        and those whose work ran out less than ``anticipate_s`` ago."""
+        now = time.perf_counter() if now is None else now
+        for t, w in working.items():
+            self._seen[t] = (now, w)
+        for t in [t for t, (at, _) in self._seen.items() if now - at > self.anticipate_s]:
+            del self._seen[t]
+            self._gone[t] = now
+        return {t: w for t, (_, w) in self._seen.items()}
+
+    def wake_at(self, working: dict[str, float]) -> float | None:
+        """When the first job that contends without work stops contending (``perf_counter``
+        time), or None when every contending job has work."""
+        waits = [at + self.anticipate_s for t, (at, _) in self._seen.items() if t not in working]
+        return min(waits, default=None)
+
+    def ahead(self, active: dict[str, float], now: float | None = None) -> set[str]:
+        """Of the contending jobs (job -> priority), those to hold back now."""
+        now = time.perf_counter() if now is None else now
         stayed = [t for t in active if t in self._active]
         if stayed:
             level = min(self.used.get(t, 0.0) / active[t] for t in stayed)
-            for t in active.keys() - self._active:  # back from idle: level with the least served
-                self.used[t] = max(self.used.get(t, 0.0), level * active[t])
+            for t in active.keys() - self._active:
+                if now - self._gone.pop(t, -math.inf) > self.window_s:  # back from idle: level
+                    self.used[t] = max(self.used.get(t, 0.0), level * active[t])
         self._active = frozenset(active)
         if len(active) < 2:
             return set()
-        norm = {t: self.used.get(t, 0.0) / w for t, w in active.items()}
+        top = max(self.used.get(t, 0.0) / w for t, w in active.items())
+        for t, w in active.items():  # owed at most window_s per unit of priority
+            self.used[t] = max(self.used.get(t, 0.0), (top - self.window_s) * w)
+        norm = {t: self.used[t] / w for t, w in active.items()}
         least = min(norm.values())
         return {t for t, u in norm.items() if u > least + self.slack_s}
 
@@ -149,7 +182,8 @@ class JobShare:
 class StepWorker:
     """Runs the scheduler's engine and operations on the compute thread."""
 
-    def __init__(self, scheduler: Scheduler, train_share: float = 0.5, fair_window_s: float = 10.0) -> None:
+    def __init__(self, scheduler: Scheduler, train_share: float = 0.5, fair_window_s: float = 10.0,
+                 anticipate_s: float = 0.25) -> None:
         if not 0.0 < train_share < 1.0:
             raise ValueError(f"train_share must be in (0, 1), got {train_share}")
         self.s = scheduler
@@ -157,7 +191,7 @@ class StepWorker:
         self.fair = FairShare(train_share, fair_window_s)
         self.ops: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()
         self.sampling: dict[int, _SampleJob] = {}
-        self.jobs = JobShare(fair_window_s)
+        self.jobs = JobShare(fair_window_s, anticipate_s=anticipate_s)
         self.behind: set[str] = set()
         """Jobs held back this turn (:class:`JobShare`); empty unless the scheduler is shared."""
         self.slots: dict[str, int] = {}
@@ -167,9 +201,12 @@ class StepWorker:
         self._new_rows: list[tuple[Sequence, int]] = []
         """Rows admitted during the current step, with the tokens they had computed then."""
         self.contended = False
-        """Two or more jobs have work this turn (their priorities set their shares)."""
+        """Two or more jobs have work this turn: their compute is charged to their shares."""
+        self.wake_at: float | None = None
+        """When a job contending without work stops contending (the compute thread wakes then)."""
         if scheduler.tenants is not None:
             self.engine.hold = self._hold
+            self.engine.pause = self._pause
             self.engine.on_admit = self._admitted
 
     # ----------------------------------------------------------------------------- intake
@@ -179,7 +216,10 @@ class StepWorker:
         s = self.s
         with s._cv:
             while block and not s._jobs and not s._stop:
-                s._cv.wait(timeout=1.0)
+                left = 1.0 if self.wake_at is None else self.wake_at - time.perf_counter()
+                if left <= 0:
+                    break  # a job stopped contending: rows held for it may run now
+                s._cv.wait(timeout=min(1.0, left))
             if s._stop:
                 return False
             jobs = list(s._jobs)
@@ -217,7 +257,7 @@ class StepWorker:
             self._cancel_abandoned()
             self._share()
             op = self._next_op()
-            if op is not None and (not self.engine.has_work() or self.fair.ops_due()):
+            if op is not None and (not self.engine.has_work() or self._job_first() or self.fair.ops_due()):
                 self._run_op(op)
             elif self.engine.has_work():
                 self._step()
@@ -229,14 +269,24 @@ class StepWorker:
     def _share(self) -> None:
         if self.s.tenants is None:
             return
-        active = self._active_jobs()
-        self.contended = len(active) > 1
+        working = self._active_jobs()
+        active = self.jobs.contending(working)
+        self.wake_at = self.jobs.wake_at(working)
+        self.contended = len(working) > 1  # what the counters call shared: jobs asking at once
         self.behind = self.jobs.ahead(active)
         self.rows = collections.Counter(getattr(q.owner, "tenant", "") for q in self.engine.running)
         total = sum(active.values())
         # The rows that fit: the engine's row slots, or what is running when the KV blocks ran out.
         capacity = max(1, len(self.engine.running)) if self.engine.kv_full else self.engine.max_rows
         self.slots = {t: max(1, int(capacity * w / total)) for t, w in active.items()} if len(active) > 1 else {}
+
+    def _job_first(self) -> bool:
+        """While jobs contend, an operation of a job within its share runs before a step whose
+        rows all belong to jobs ahead of theirs (the split between sampling and operations,
+        :class:`FairShare`, is for the work of one job, not between jobs)."""
+        if not self.behind:
+            return False
+        return all(getattr(q.owner, "tenant", "") in self.behind for q in self.engine.running)
 
     def _charge(self, jobs: list[_Job], dt: float, weights: list[float] | None = None) -> None:
         """The scheduler's per-job compute counters; while jobs contend, also their shares."""
@@ -254,6 +304,11 @@ class StepWorker:
         or fills its share of row slots."""
         tenant = getattr(seq.owner, "tenant", "")
         return tenant in self.behind or self.rows[tenant] >= self.slots.get(tenant, self.engine.max_rows)
+
+    def _pause(self, seq: Sequence) -> bool:
+        """Whether ``seq``, running, sits this step out: its job is ahead of its share of compute
+        (the engine still runs it when no other row can run)."""
+        return getattr(seq.owner, "tenant", "") in self.behind
 
     def _active_jobs(self) -> dict[str, float]:
         """Jobs with work waiting or running -> their priorities (the owner's: ``owner_priority``)."""

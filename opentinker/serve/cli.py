@@ -34,7 +34,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "rows make jobs take turns at a finer grain on a CPU")
     p.add_argument("--kv-budget-mb", type=int, default=256, help="memory of the KV cache blocks (default 256)")
     p.add_argument("--fair-window-s", type=float, default=10.0, help="how long compute is remembered when sharing "
-                   "it between jobs and between sampling and training (default 10)")
+                   "it between sampling and training, and how long a job may be away and keep what it "
+                   "is owed, at most that many seconds of compute (default 10)")
+    p.add_argument("--fair-anticipate-s", type=float, default=0.25, help="how long a job whose work ran out still "
+                   "shares compute: the jobs ahead of it wait that long for its next request (default 0.25)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens one engine step computes at most "
+                   "(default 2048); fewer make steps shorter, so jobs take turns at a finer grain on a CPU")
     p.add_argument("--http-priority", type=float, default=1.0, help="the HTTP endpoint's share of compute against "
                    "jobs' runtime.priority (default 1)")
     p.add_argument("--budget-mb", type=float, default=0.0, help="memory the job queue may fill with running jobs "
@@ -68,9 +73,11 @@ def serve_main(args: argparse.Namespace) -> int:
         service = Service(args.model, device=args.device, http_host=args.host,
                           http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
                           service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
-                          ray=args.ray, fair_window_s=args.fair_window_s, owner_priority=args.http_priority,
+                          ray=args.ray, fair_window_s=args.fair_window_s,
+                          fair_anticipate_s=args.fair_anticipate_s, owner_priority=args.http_priority,
                           bus_host=args.bus_host, bus_curve=args.bus_curve,
-                          engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20})
+                          engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20,
+                                          "max_batch_tokens": args.max_batch_tokens})
         info = service.start()
     except (ValueError, OSError) as e:
         print(f"opentinker serve: {escape_controls(str(e))}", file=sys.stderr)
