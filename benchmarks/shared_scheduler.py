@@ -89,6 +89,11 @@ class Args:
     jobs take turns at a grain of short steps on a CPU."""
     kv_budget_mb: int = 128
     """The service's KV cache (``serve --kv-budget-mb``): about 2,900 tokens of smollm2-135m."""
+    max_batch_tokens: int = 256
+    """Tokens one engine step computes at most (``serve --max-batch-tokens``): a step of the
+    default 2,048 takes seconds on a CPU, and jobs can take turns only between steps."""
+    anticipate_s: float = 0.25
+    """``serve --fair-anticipate-s``: how long a job whose work ran out still shares compute."""
     steps: int = 10
     groups_per_step: int = 8
     requests: int = 16
@@ -518,7 +523,9 @@ def main() -> None:
         file = Path(tmp) / "service.json"
         log = (out / "serve.log").open("w")
         serve = subprocess.Popen(opentinker("serve", "--model", args.model, "--port", "0", "--service-file", str(file),
-                                            "--max-rows", str(args.max_rows), "--kv-budget-mb", str(args.kv_budget_mb)),
+                                            "--max-rows", str(args.max_rows), "--kv-budget-mb", str(args.kv_budget_mb),
+                                            "--max-batch-tokens", str(args.max_batch_tokens),
+                                            "--fair-anticipate-s", str(args.anticipate_s)),
                                  stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             for _ in range(600):
