@@ -382,3 +382,27 @@ def test_vocabulary_projection_in_row_blocks_is_exact(host, monkeypatch) -> None
     for a, b in zip(lp_a, lp_b, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     host.drop_adapter(name)
+
+
+def test_training_parts_count_a_shared_prefix_once_and_keep_pairs_whole() -> None:
+    """``chunks`` with a token bound: a group's datums that share a prompt cost the prompt once,
+    a datum longer than the bound is a part of its own, and a preference pair is never cut."""
+    from opentinker.engine.train_batches import chunks
+
+    def datum(tokens, pair=None):
+        t = np.asarray(tokens, dtype=np.int32)
+        inputs = {"mask": np.ones(len(t), np.float32)}
+        if pair is not None:
+            inputs["pair_id"] = np.full(len(t), pair, np.float32)
+        return Datum(tokens=t, loss_inputs=inputs)
+
+    prompt = list(range(100, 160))  # 60 tokens
+    group = [datum(prompt + [k, k + 1, k + 2, k + 3]) for k in range(4)]  # 60 + 4 x 4 = 76 new tokens
+    other = [datum(list(range(300, 364)) + [k]) for k in range(2)]  # 65 + 1
+    sizes = [len(p) for p in chunks(group + other, 64, max_tokens=80)]
+    assert sizes == [4, 2]  # the group fits in 80 only because its prompt counts once
+    assert [len(p) for p in chunks(group + other, 64, max_tokens=70)] == [2, 2, 2]  # a new part computes the prompt again
+    assert [len(p) for p in chunks([datum(range(200))] * 2, 64, max_tokens=50)] == [1, 1]
+    assert [len(p) for p in chunks(group, 64, max_tokens=0)] == [4]
+    pairs = [datum(range(40), pair=1), datum(range(50, 90), pair=1), datum(range(40), pair=2)]
+    assert [len(p) for p in chunks(pairs, 64, max_tokens=50)] == [2, 1]

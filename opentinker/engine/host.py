@@ -16,7 +16,7 @@ scheduler calls it from its single compute thread):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from opentinker.engine.registry import (
 )
 from opentinker.engine.runner import ModelRunner
 from opentinker.engine.step_loop import Engine
-from opentinker.engine.trainer import Trainer
+from opentinker.engine.trainer import Trainer, drain
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 
 __all__ = ["BASE", "AdapterState", "ModelHost", "UnknownAdapterError"]
@@ -136,8 +136,15 @@ class ModelHost:
     def forward_backward(self, adapter: str, datums: Sequence[Datum], loss: str, loss_config: Mapping[str, float],
                          normalizer: float, chunk: int = 64, value_normalizer: float = 0.0,
                          ) -> tuple[float, dict[str, float]]:
-        return self.trainer.forward_backward(adapter, datums, loss, loss_config, normalizer, chunk,
-                                             value_normalizer)
+        return drain(self.trainer.forward_backward_parts(adapter, datums, loss, loss_config, normalizer, chunk,
+                                                         value_normalizer))
+
+    def forward_backward_parts(self, adapter: str, datums: Sequence[Datum], loss: str,
+                               loss_config: Mapping[str, float], normalizer: float, value_normalizer: float = 0.0,
+                               max_tokens: int = 0) -> Generator[None, None, tuple[float, dict[str, float]]]:
+        """:meth:`~opentinker.engine.trainer.Trainer.forward_backward_parts`: a part at a time."""
+        return self.trainer.forward_backward_parts(adapter, datums, loss, loss_config, normalizer,
+                                                   value_normalizer=value_normalizer, max_tokens=max_tokens)
 
     def discard_gradients(self, adapter: str) -> int:
         return self.trainer.discard_gradients(adapter)

@@ -59,8 +59,10 @@ class MetricSums:
         return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
 
 
-def chunks(datums: Sequence[Datum], size: int) -> Iterator[Sequence[Datum]]:
-    """Consecutive slices of about ``size`` datums; datums of one preference pair (equal
+def chunks(datums: Sequence[Datum], size: int, max_tokens: int = 0) -> Iterator[Sequence[Datum]]:
+    """Consecutive slices of about ``size`` datums, and (``max_tokens`` > 0) of at most that
+    many tokens to compute unless one datum alone has more (a datum's prefix shared with the
+    one before it, a group's prompt, is computed once and counted once); datums of one preference pair (equal
     ``pair_id``) are never split, since a pair's loss is not a sum over its tokens."""
     def pair(d: Datum) -> float | None:
         if "pair_id" not in d.loss_inputs:
@@ -68,9 +70,19 @@ def chunks(datums: Sequence[Datum], size: int) -> Iterator[Sequence[Datum]]:
         ids = np.asarray(d.loss_inputs["pair_id"])[np.asarray(d.loss_inputs["mask"]) != 0]
         return float(ids[0]) if len(ids) else None
 
+    def new_tokens(i: int) -> int:  # beyond the prefix it shares with the datum before (computed once)
+        a, b = np.asarray(datums[i].tokens), np.asarray(datums[i - 1].tokens)
+        n = min(len(a), len(b))
+        same = np.flatnonzero(a[:n] != b[:n])
+        return len(a) - (int(same[0]) if len(same) else n)
+
     start = 0
     while start < len(datums):
-        end = min(start + size, len(datums))
+        end, tokens = start + 1, len(datums[start].tokens)
+        while end < min(start + size, len(datums)) and not (
+                max_tokens > 0 and tokens + new_tokens(end) > max_tokens):
+            tokens += new_tokens(end)
+            end += 1
         while end < len(datums) and pair(datums[end]) is not None and pair(datums[end]) == pair(datums[end - 1]):
             end += 1
         yield datums[start:end]

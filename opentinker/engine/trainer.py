@@ -13,7 +13,8 @@ states as the policy's log-probs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ from opentinker.engine.runner import ModelRunner, scaled
 from opentinker.engine.shared_forward import project_logprobs
 from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, gather
 from protocols.messages import AdamParams, Datum
+
+T = TypeVar("T")
 
 
 class Trainer:
@@ -63,7 +66,7 @@ class Trainer:
                     raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs[{k!r}] is not finite at "
                                      f"positions {bad[:5].tolist()}")
 
-    def forward_backward(
+    def forward_backward_parts(
         self,
         adapter: str,
         datums: Sequence[Datum],
@@ -72,8 +75,13 @@ class Trainer:
         normalizer: float,
         chunk: int = 64,
         value_normalizer: float = 0.0,
-    ) -> tuple[float, dict[str, float]]:
-        """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``.
+        max_tokens: int = 0,
+    ) -> Generator[None, None, tuple[float, dict[str, float]]]:
+        """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``,
+        one part of at most ``chunk`` datums (and ``max_tokens`` tokens, when > 0) at a time:
+        a generator that yields between parts (a shared scheduler runs other work there) and
+        returns the normalised loss and metrics (:func:`drain` runs it whole). The loss is a sum over the parts, so the
+        gradient is the same however the datums are cut.
 
         ``loss`` is a name in ``learners.LOSSES``. Terms ride in ``loss_config`` under their
         own names with their coefficients (:func:`learners.losses.split_terms`): penalties
@@ -129,7 +137,10 @@ class Trainer:
         acc = MetricSums()
         seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
         lm_head = scaled(self.registry.inner().lm_head, temperature)
-        for part in chunks(datums, chunk):
+        state.pending_grad = True  # from the first part on: a call cut short leaves gradients to discard
+        for i, part in enumerate(chunks(datums, chunk, max_tokens)):
+            if i:
+                yield  # between parts
             seqs = [d.tokens for d in part]
             masks = [np.asarray(d.loss_inputs["mask"]) if on_logp else np.zeros(len(d.tokens)) for d in part]
             vmasks = [np.asarray(d.loss_inputs["value_mask"]) if on_values else np.zeros(len(d.tokens))
@@ -168,7 +179,6 @@ class Trainer:
                         total_loss = total_loss + out.loss_sum / norm
                         acc.add(prefix, out.metrics, term=(name, out.loss_sum, norm))
                 total_loss.backward()
-        state.pending_grad = True
         metrics = acc.result()
         if policy and seen["logp"]:
             metrics.update(logprob_mismatch(torch.cat(seen["logp"]), torch.cat(seen["sampler"])))
@@ -205,6 +215,15 @@ class Trainer:
         state.version += 1
         state.pending_grad = False
         return state.version, grad_norm
+
+
+def drain(parts: Generator[None, None, T]) -> T:
+    """Run a generator of parts to its end; its return value."""
+    while True:
+        try:
+            next(parts)
+        except StopIteration as e:
+            return e.value
 
 
 @contextlib.contextmanager
