@@ -382,6 +382,44 @@ def test_a_job_whose_work_ran_out_keeps_its_place_for_anticipate_s():
     assert short.used["a"] - short.used["b"] / 3.0 == pytest.approx(short.window_s)
 
 
+def test_a_shared_schedulers_forward_backward_runs_in_parts_with_the_same_result(tiny_path):
+    """On a shared scheduler a ForwardBackward runs a part of at most ``max_batch_tokens``
+    tokens at a time (other work may run between parts): the loss, its metrics and the trained
+    weights are those of the same call run whole on a scheduler of one user."""
+    from protocols.messages import LogprobsRequest
+
+    rng = np.random.default_rng(0)
+    datums = []
+    for n in (30, 50, 20, 60, 40):
+        mask = (rng.random(n) < 0.5).astype(np.float32)
+        datums.append(Datum(tokens=rng.integers(5, 900, n).astype(np.int32),
+                            loss_inputs={"mask": mask, "advantages": rng.normal(size=n).astype(np.float32),
+                                         "sampler_logprobs": np.full(n, -6.0, np.float32)}))
+    fb = ForwardBackward(adapter="main", datums=datums, loss="ppo", normalizer=100.0)
+    probe = LogprobsRequest(adapter="main", sequences=[d.tokens for d in datums[:2]])
+    results = {}
+    for shared in (False, True):
+        s = Scheduler(tiny_path, tenants=Tenants() if shared else None, engine_options={"max_batch_tokens": 64})
+        ep = s.start()
+        try:
+            with SyncClient(ep, "owner") as c:
+                c.request(CreateAdapter(name="main", spec=LoraSpec(seed=4)))
+                before = s.compute_counters["op_parts"]
+                out = c.request(fb)
+                parts = s.compute_counters["op_parts"] - before
+                c.request(OptimStep(adapter="main", params=AdamParams(lr=0.05)))
+                results[shared] = (out, parts, c.request(probe).logprobs)
+        finally:
+            s.stop()
+    (whole, n_whole, lp_whole), (split, n_split, lp_split) = results[False], results[True]
+    assert n_whole == 1 and n_split == 5  # 30+50 > 64: every datum is a part of its own
+    assert split.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
+    for k, v in whole.metrics.items():
+        assert split.metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    for a, b in zip(lp_whole, lp_split):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_backlogged_jobs_get_compute_in_proportion_to_their_priorities(tiny_path):
     """Two jobs that keep the scheduler busy, priorities 1 and 3: while both wait, their compute
     counters split about 1 : 3 (a proportion of compute time, not a timing)."""

@@ -39,7 +39,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -578,6 +578,18 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
             return self._sample([job])[0]
         except (ValueError, TypeError, KeyError) as e:
             return e
+
+    def _run_parts(self, msg: Message, max_tokens: int) -> Generator[None, None, Message]:
+        """:meth:`_run` as a generator: a ``ForwardBackward`` yields after each part of at most
+        ``max_tokens`` tokens (so other jobs' work can run between its parts), any other
+        operation runs whole at the first ``next``."""
+        if not isinstance(msg, ForwardBackward):
+            return self._run(msg)
+        self.compute_counters[type(msg).__name__] += 1
+        loss, metrics = yield from self.host.forward_backward_parts(
+            msg.adapter, msg.datums, msg.loss, msg.loss_config, msg.normalizer, value_normalizer=msg.value_normalizer,
+            max_tokens=max_tokens)
+        return ForwardBackwardResult(loss=loss, metrics=metrics)
 
     def _run(self, msg: Message) -> Message:
         host = self.host

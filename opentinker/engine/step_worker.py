@@ -20,7 +20,10 @@ gets no new rows admitted, no operation run and its running rows paused (they ke
 blocks) until that one catches up, so backlogged jobs get compute in proportion to their priorities. A job whose
 work ran out stays among them for ``anticipate_s`` (its next request is usually on its way:
 an RL job's next turn, its training call after its rollouts), as in anticipatory disk
-scheduling: the jobs ahead of it stay held meanwhile, and it keeps what it was owed.
+scheduling: the jobs ahead of it stay held meanwhile, and it keeps what it was owed. A
+``forward_backward`` there runs a part of at most ``max_batch_tokens`` tokens at a time, so
+other jobs' work runs between its parts and a job's long training call cannot take it far
+past its share.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -191,6 +195,8 @@ class StepWorker:
         self.fair = FairShare(train_share, fair_window_s)
         self.ops: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()
         self.sampling: dict[int, _SampleJob] = {}
+        self.parts: dict[str, Generator[None, None, Any]] = {}
+        """Adapter -> the operation at its queue's head that has run some of its parts."""
         self.jobs = JobShare(fair_window_s, anticipate_s=anticipate_s)
         self.behind: set[str] = set()
         """Jobs held back this turn (:class:`JobShare`); empty unless the scheduler is shared."""
@@ -337,26 +343,54 @@ class StepWorker:
         return adapter, self.ops[adapter][0]
 
     def _run_op(self, op: tuple[str, _Job]) -> None:
+        """One quantum of an operation: all of it, or on a shared scheduler one part of a
+        ``ForwardBackward`` (of at most the engine's ``max_batch_tokens`` tokens; the operation
+        stays at the head of its adapter's queue until its last part, and other work runs
+        between parts, so a long training call cannot run a job far past its share)."""
         adapter, job = op
         queue = self.ops.pop(adapter)
-        queue.popleft()
-        if queue:
-            self.ops[adapter] = queue  # to the back: the next adapter's turn comes first
-        self.engine.held.discard(adapter)
+        parts = self.parts.get(adapter)
         with self.s._cv:
-            if job.dropped:
-                return
+            dropped = job.dropped
             job.started = True
+        if dropped:
+            queue.popleft()
+            if parts is not None:
+                del self.parts[adapter]
+                parts.close()
+            if queue:
+                self.ops[adapter] = queue
+            return
+        if parts is None:
+            self.engine.held.discard(adapter)
+            quantum = self.engine.max_batch_tokens if self.s.tenants is not None else 0
+            parts = self.s._run_parts(job.msg, quantum) if quantum else None
         t0 = time.perf_counter()
+        done = True
         try:
-            reply: Any = self.s._run(job.msg)
+            if parts is None:
+                reply: Any = self.s._run(job.msg)
+            else:
+                next(parts)
+                done = False
+        except StopIteration as e:
+            reply = e.value
         except Exception as e:
             reply = e
         dt = time.perf_counter() - t0
+        if done:
+            queue.popleft()
+            self.parts.pop(adapter, None)
+        else:
+            self.parts[adapter] = parts  # type: ignore[assignment]
+        if queue:
+            self.ops[adapter] = queue  # to the back: the next adapter's turn comes first
         self.fair.charge("ops", dt)
         self.s.compute_counters[f"compute_ms/{type(job.msg).__name__}"] += int(1000 * dt)
+        self.s.compute_counters["op_parts"] += 1
         self._charge([job], dt)
-        self.s._reply(job, reply)
+        if done:
+            self.s._reply(job, reply)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
