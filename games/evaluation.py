@@ -63,6 +63,10 @@ class ExactMeasure:
     references: Mapping[str, float] = field(default_factory=dict)
     """Reference levels for plots, e.g. ``{"uniform play": 0.458, "equilibrium": 0.0}``."""
     description: str = ""
+    payoff: Callable[[Distribution, Distribution], float] | None = None
+    """The expected reward per game of the first policy against the second, each seat played
+    equally often: linear in the probabilities at each decision. With it a job can train on
+    the exact all-actions gradient (``train.all_actions``, :mod:`learners.all_actions`)."""
     best_response: Callable[[Distribution], Mapping[str, str]] | None = None
     """``{infostate: move}``: a pure best response to the policy in every seat, which the
     scripted ``table`` seat plays (the opponent ``best_response`` of a job: an exact
@@ -103,6 +107,10 @@ class GameEval:
     def exploiter(self) -> ExactMeasure | None:
         """The first exact measure that gives a best response, if any."""
         return next((m for m in self.exact if m.best_response is not None), None)
+
+    def with_payoff(self) -> ExactMeasure | None:
+        """The first exact measure that gives payoffs, if any."""
+        return next((m for m in self.exact if m.payoff is not None), None)
 
     def measure(self, name: str) -> ExactMeasure:
         """The exact measure called ``name`` (``KeyError`` naming the ones there are)."""

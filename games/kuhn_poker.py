@@ -393,6 +393,12 @@ def _exploitability(dist: Distribution) -> float:
     return exploitability(_policy(dist))
 
 
+def _payoff(first: Distribution, second: Distribution) -> float:
+    """Chips per hand of `first` against `second`, each seat played half the hands."""
+    a, b = _policy(first), _policy(second)
+    return (expected_value(a, b) - expected_value(b, a)) / 2.0
+
+
 def _best_response_moves(dist: Distribution) -> dict[str, str]:
     """{infostate: move} of a pure best response to `dist` in either seat: at player_0's
     states against its player_1 part, at player_1's against its player_0 part."""
@@ -416,6 +422,7 @@ EVALUATION = GameEval(
             better="lower",
             references={"uniform play": 11 / 24, "equilibrium": 0.0},
             description="exploitability (NashConv/2)",
+            payoff=_payoff,
             best_response=_best_response_moves,
         ),
     ),

@@ -24,6 +24,7 @@ from learners.advantages import (
     standardize,
 )
 from learners.aggregation import sequence_mean, token_sum
+from learners.all_actions import all_actions_datums, all_actions_weights
 from learners.assembly import (
     Assembly,
     assemble,
@@ -55,6 +56,8 @@ from learners.offline import pair_datums, preference_pairs, sft_datums
 from learners.preferences import chunked_token_logprobs, dpo, ipo
 
 __all__ = [
+    "all_actions_datums",
+    "all_actions_weights",
     "ADVANTAGES",
     "LOSSES",
     "Advantages",
