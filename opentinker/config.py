@@ -258,6 +258,24 @@ class TrainConfig(_Config):
     """AdamW's decoupled weight decay (0.0-0.1 in use)."""
     grad_clip: Coef = 1.0
     """Global gradient-norm clip; 0 disables."""
+    all_actions: Coef = 0.0
+    """Weight of the exact all-actions policy gradient, for a game whose exact measure gives
+    payoffs (Kuhn poker): each step every legal move's canonical reply at every decision is
+    scored and pushed by ``pi(a|s) (Q(s, a) - V(s))`` against the policy's opponent mix
+    (``best_response``, ``random``, ``self``, ``past`` selves weighted by the league's
+    matchmaking, other policies), beside the sampled episodes' loss; 0 disables it
+    (:mod:`learners.all_actions`)."""
+    all_actions_rule: Literal["neurd", "gradient"] = "neurd"
+    """How the all-actions term weighs each move: ``neurd`` (Neural Replicator Dynamics: its
+    value's advantage over the decision's mean, which moves a nearly pure policy too) or
+    ``gradient`` (the payoff's exact gradient, which vanishes where the policy is pure)."""
+    all_actions_only: bool = False
+    """Train on the all-actions term alone: the step's episodes are still played (they feed
+    the win rates, the league's matchmaking, metrics and transcripts) but not trained on."""
+    canonical_coef: Coef = 0.0
+    """With ``all_actions``: weight of a term that raises the model's total probability of the
+    canonical replies at those decisions, without moving the mix between moves (so the exact
+    measure keeps describing what the policy says)."""
     record_trajectories: bool = True
     """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
     seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
@@ -266,6 +284,11 @@ class TrainConfig(_Config):
         # Fields relative to this table: the caller's path is put in front (_config_error).
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
+        if (self.all_actions_only or self.canonical_coef) and not self.all_actions:
+            raise ValueError("all_actions_only and canonical_coef need all_actions > 0")
+        if self.all_actions and self.advantage in CRITIC_ADVANTAGES:
+            raise ValueError(f"all_actions: not with a critic (advantage {self.advantage!r}): its datums have no "
+                             "value targets")
         if self.groups_per_step * self.group_size > MAX_EPISODES_PER_STEP:
             raise ValueError(f"groups_per_step: {self.groups_per_step} groups of {self.group_size} episodes "
                              f"is more than {MAX_EPISODES_PER_STEP} episodes per step")

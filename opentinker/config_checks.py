@@ -179,6 +179,14 @@ def _check_game(cfg: JobConfig) -> None:
                 raise ConfigError(f"policies[{p.name}].opponents", f"best_response: {game}'s evaluation hook gives no "
                                                                    "best response (no exact exploiter)")
     for p in cfg.policies:
+        if cfg.train_for(p.name).all_actions > 0:
+            if hook.with_payoff() is None:
+                raise ConfigError(f"policies[{p.name}].train.all_actions" if "all_actions" in p.train
+                                  else "train.all_actions", f"{game}'s evaluation hook gives no exact payoff")
+            known = {"best_response", "random", "self", "past", *(q.name for q in cfg.policies)}
+            for o in sorted(set(p.opponents) - known):
+                raise ConfigError(f"policies[{p.name}].opponents", f"{o!r}: the all-actions gradient needs each "
+                                  f"opponent's action probabilities, known only for {', '.join(sorted(known))}")
         for o in sorted(p.opponents):
             if o in games.SCRIPTED and o not in plays:
                 raise ConfigError(f"policies[{p.name}].opponents",

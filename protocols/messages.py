@@ -620,6 +620,11 @@ class LearnerStep(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     step: int
     expected: int
     timeout_s: float = 600.0
+    datums: list[Datum] = []
+    """Datums the coordinator made (the exact all-actions term), trained on beside the
+    trajectories' datums."""
+    datums_only: bool = False
+    """Train on ``datums`` alone (the trajectories still arrive and are recorded)."""
 
 
 class LearnerStepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):

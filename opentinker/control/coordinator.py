@@ -24,6 +24,7 @@ from opentinker.bus import Client, LoopThread
 from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig, league_pool
+from opentinker.control.all_actions import Scored, all_actions_terms
 from opentinker.control.checkpoints import LEAGUE_STATE
 from opentinker.control.delivery import deliver, gather_or_cancel
 from opentinker.eval.evaluation import (
@@ -102,6 +103,8 @@ class Coordinator:
         """Policy -> its league snapshots on the scheduler, oldest first."""
         self._fresh_league()
         self._scored: dict[tuple[str, tuple[str, ...]], tuple[Any, list[np.ndarray], list[int]]] = {}
+        self._step_scores: dict[tuple[str, str], Scored] = {}
+        """(policy, measure) -> its bare canonical replies scored at this training step's start."""
         """(measure, spellings) -> the measure's decisions, their token sequences, reply lengths."""
         self.untrained = not any(p.init for p in cfg.policies)
         """Every policy is still a fresh adapter (LoRA B = 0): each one *is* the base model, so
@@ -193,9 +196,12 @@ class Coordinator:
         t0 = time.perf_counter()
         self.untrained = False
         before = (await self.scheduler.request(SchedulerStats())).counters
+        self._step_scores = {}
         tables, exploit = await self._best_responses()
         if tables:
             exploit["timing_s/best_response"] = time.perf_counter() - t0
+        extra, more = await self._all_actions(step)
+        exploit.update(more)
         specs = train_episodes(self.cfg, step, self.win_rates, tables)
         summaries = await self._run(specs, step, train=True, progress=progress)
         t1 = time.perf_counter()
@@ -219,7 +225,9 @@ class Coordinator:
         metrics.update(await deliver(step, specs, by_id, self.runners, self.learners, self.cfg.runtime.timeout_s))
         results = await asyncio.gather(
             *(
-                self.learners[name].request(LearnerStep(step=step, expected=n, timeout_s=self.cfg.runtime.timeout_s),
+                self.learners[name].request(LearnerStep(step=step, expected=n, timeout_s=self.cfg.runtime.timeout_s,
+                                                        datums=extra.get(name, []),
+                                                        datums_only=self.cfg.train_for(name).all_actions_only),
                                             self.cfg.runtime.timeout_s + 30)
                 for name, n in expected.items()
             )
@@ -391,6 +399,12 @@ class Coordinator:
         """``policy``'s probability of each legal move at ``m``'s decisions (teacher-forced
         log-probs of the canonical replies in ``spellings``, at the job's sampling temperature:
         the policy as it plays), the mass on those replies, the version scored."""
+        scored, version = await self._score_replies(policy, m, spellings)
+        return scored.dist, scored.mass, version
+
+    async def _score_replies(self, policy: str, m: ExactMeasure, spellings: tuple[str, ...] = SPELLINGS
+                             ) -> tuple[Scored, int]:
+        """:meth:`_distribution` with the sequences and their log-probs; the version scored."""
         key = (m.name, spellings)
         if key not in self._scored:  # the same for every policy and step: tokenized once
             decisions = m.decisions()
@@ -401,7 +415,13 @@ class Coordinator:
                                                         temperature=self.cfg.sampling.temperature))
         assert isinstance(res, LogprobsResult)
         dist, mass = policy_from_logprobs(res.logprobs, n_reply, decisions, spellings)
-        return dist, mass, res.adapter_version
+        return Scored(decisions, seqs, n_reply, res.logprobs, dist, mass), res.adapter_version
+
+    async def _bare(self, policy: str, m: ExactMeasure) -> Scored:
+        """``policy`` scored on the bare canonical replies, once per training step."""
+        if (policy, m.name) not in self._step_scores:
+            self._step_scores[(policy, m.name)] = (await self._score_replies(policy, m, BARE))[0]
+        return self._step_scores[(policy, m.name)]
 
     async def _best_responses(self) -> tuple[dict[str, dict[str, str]], dict[str, float]]:
         """For every policy with ``best_response`` in its mix: a pure best response to it as it
@@ -415,10 +435,21 @@ class Coordinator:
             return tables, metrics
         for p in self.cfg.policies:
             if p.opponents.get("best_response", 0) > 0:
-                dist, _, _ = await self._distribution(p.name, m, BARE)
+                dist = (await self._bare(p.name, m)).dist
                 tables[p.name] = dict(m.best_response(dist))
                 metrics[f"train/{p.name}/{m.name}"] = float(m.value(dist))
         return tables, metrics
+
+    async def _all_actions(self, step: int) -> tuple[dict[str, list], dict[str, float]]:
+        """The exact all-actions datums of the policies that train on them
+        (:mod:`opentinker.control.all_actions`), and their metrics."""
+        m = self.game_eval.with_payoff()
+        if m is None or not any(self.cfg.train_for(p.name).all_actions > 0 for p in self.cfg.policies):
+            return {}, {}
+        t0 = time.perf_counter()
+        datums, metrics = await all_actions_terms(self.cfg, step, m, lambda name: self._bare(name, m), self.win_rates)
+        metrics["timing_s/all_actions"] = time.perf_counter() - t0
+        return datums, metrics
 
     # ----------------------------------------------------------------------------- outputs
 

@@ -303,6 +303,9 @@ class Learner:
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
         )
+        if msg.datums:
+            datums = list(msg.datums) if msg.datums_only else [*datums, *msg.datums]
+            metrics["all_actions_datums"] = float(len(msg.datums))
         t0 = time.perf_counter()
         if not self.frozen:
             self.version, updates = await self._update(msg.step, datums, values is not None)

@@ -1,0 +1,104 @@
+"""The coordinator's part of the exact all-actions gradient (``train.all_actions``): score each
+policy's canonical replies, build its opponents' action probabilities, and turn the weights of
+:func:`learners.all_actions.all_actions_weights` into datums the policy's learner trains on.
+
+The opponents are the policy's own mix (``[[policies]].opponents``), each by what is known of
+its play: ``best_response`` a pure best response to the policy as it is now (the game's exact
+exploiter), ``random`` uniform over the legal moves, ``self`` the policy itself, another policy
+its scored replies, and ``past`` the league's snapshots weighted by the job's matchmaking
+(``league.matchmaking`` on the coordinator's win-rate estimates; the policy itself before the
+first snapshot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from games.evaluation import DecisionPoint, Distribution, ExactMeasure
+from learners.all_actions import all_actions_datums, all_actions_weights
+from opentinker.config import JobConfig, opponent_pool
+from opentinker.rollout.matchmaking import WinRates, pfsp_weights
+from protocols.messages import Datum
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One policy's teacher-forced scoring of every legal move's canonical reply."""
+
+    decisions: Sequence[DecisionPoint]
+    sequences: Sequence[np.ndarray]
+    """``int32[T]`` per (decision, legal move) in order."""
+    n_reply: Sequence[int]
+    logprobs: Sequence[np.ndarray]
+    """``float32[>= n_reply]`` per sequence: the reply's tokens last."""
+    dist: Distribution
+    mass: float
+    """The model's mean probability of the canonical replies."""
+
+
+Score = Callable[[str], Awaitable[Scored]]
+"""Scores a policy (an adapter name) at the measure's decisions."""
+
+
+def uniform(decisions: Sequence[DecisionPoint]) -> dict[str, dict[str, float]]:
+    """Random play: uniform over each decision's legal moves."""
+    return {d.infostate: {m: 1.0 / len(d.legal_moves) for m in d.legal_moves} for d in decisions}
+
+
+def pure(table: dict[str, str], decisions: Sequence[DecisionPoint]) -> dict[str, dict[str, float]]:
+    """A pure strategy ``{decision: move}`` as a distribution."""
+    return {d.infostate: {m: float(m == table[d.infostate]) for m in d.legal_moves} for d in decisions}
+
+
+async def opponents_of(cfg: JobConfig, policy: str, step: int, m: ExactMeasure, me: Scored, score: Score,
+                       win_rates: WinRates) -> list[tuple[float, Distribution]]:
+    """``[(weight, distribution)]`` of ``policy``'s opponent mix at ``step``."""
+    (p,) = [q for q in cfg.policies if q.name == policy]
+    out: list[tuple[float, Distribution]] = []
+    for name, w in sorted(p.opponents.items()):
+        if w <= 0:
+            continue
+        if name == "best_response":
+            assert m.best_response is not None, "the config check requires an exact exploiter"
+            out.append((w, pure(dict(m.best_response(me.dist)), me.decisions)))
+        elif name == "random":
+            out.append((w, uniform(me.decisions)))
+        elif name in ("self", policy):
+            out.append((w, me.dist))
+        elif name == "past":
+            pool = opponent_pool(cfg, policy, step)
+            if not pool:
+                out.append((w, me.dist))
+                continue
+            p_wins = np.array([win_rates.p_win(policy, o) for o in pool])
+            for o, share in zip(pool, pfsp_weights(p_wins, cfg.league.matchmaking, cfg.league.pfsp_power)):
+                if share > 0:
+                    out.append((w * float(share), (await score(o)).dist))
+        else:  # another policy of the job
+            out.append((w, (await score(name)).dist))
+    return out
+
+
+async def all_actions_terms(cfg: JobConfig, step: int, m: ExactMeasure, score: Score, win_rates: WinRates,
+                            ) -> tuple[dict[str, list[Datum]], dict[str, float]]:
+    """For every policy with ``train.all_actions`` > 0: its datums (one per decision and legal
+    move) and metrics ``train/<policy>/all_actions/payoff`` (the payoff against its mix) and
+    ``/canonical_mass``."""
+    assert m.payoff is not None, "the config check requires an exact payoff"
+    datums: dict[str, list[Datum]] = {}
+    metrics: dict[str, float] = {}
+    for p in cfg.policies:
+        tc = cfg.train_for(p.name)
+        if not tc.all_actions > 0 or p.frozen:
+            continue
+        me = await score(p.name)
+        opps = await opponents_of(cfg, p.name, step, m, me, score, win_rates)
+        weights, value = all_actions_weights(m.payoff, me.dist, opps, tc.canonical_coef, tc.all_actions_rule)
+        per_seq = [tc.all_actions * weights[d.infostate][move] for d in me.decisions for move in d.legal_moves]
+        datums[p.name] = all_actions_datums(me.sequences, me.n_reply, me.logprobs, per_seq)
+        metrics[f"train/{p.name}/all_actions/payoff"] = value
+        metrics[f"train/{p.name}/all_actions/canonical_mass"] = me.mass
+    return datums, metrics
