@@ -9,6 +9,9 @@ definition of every algorithm. Two registries, each with one calling convention:
 * :data:`LOSSES`: ``ppo``, ``importance_sampling``, ``cispo``, ``value``, ``entropy``,
   ``kl_k1``, ``kl_k2``, ``kl_k3``, ``dpo``, ``ipo``, ``sft``; ``fn(logp_N, inputs, config) ->
   LossOutput``.
+
+Beside them, :func:`all_actions_weights` and :func:`all_actions_datums`: the exact
+all-actions update of a game whose payoff is known exactly (Kuhn poker), as datums.
 """
 
 from learners.advantages import (

@@ -254,6 +254,9 @@ class TrainConfig(_Config):
     when there are fewer datums), each one ``forward_backward`` + ``optim_step`` normalised by
     its own token count."""
     lr: Annotated[float, Meta(gt=0, le=MAX_LR)] = 1e-3
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """``linear``: the learning rate falls linearly from ``lr`` at step 1 to ``lr / steps`` at the
+    last step (a policy that must settle, e.g. near an equilibrium, stops being kicked about)."""
     weight_decay: Annotated[float, Meta(ge=0, le=100)] = 0.0
     """AdamW's decoupled weight decay (0.0-0.1 in use)."""
     grad_clip: Coef = 1.0

@@ -158,3 +158,19 @@ def test_a_job_trains_on_the_all_actions_datums_alone(tmp_path, tiny_path):
         assert math.isfinite(r["train/main/all_actions/payoff"]) and 0 < r["train/main/all_actions/canonical_mass"] < 1
         assert 0 <= r["train/main/exploitability"] <= 1.5 and r["train/main/grad_norm"] > 0
     assert trains[0]["train/main/version"] < trains[1]["train/main/version"]
+
+
+def test_a_linear_schedule_lowers_the_learning_rate_to_the_last_step(tmp_path):
+    """``train.lr_schedule = "linear"``: step s of n trains at ``lr * (1 - (s - 1) / n)``."""
+    from opentinker.control.runtime import _learner_kwargs
+    from opentinker.training.learner import Learner
+    from protocols.messages import AdamParams
+
+    cfg = _job(tmp_path, train={"steps": 4, "lr_schedule": "linear", "lr": 0.5})
+    kw = _learner_kwargs(cfg, "tcp://127.0.0.1:1", "main", "")
+    assert kw["lr_decay_steps"] == 4
+    learner = Learner("main", "tcp://127.0.0.1:1", "dr_grpo", "ppo", {}, AdamParams(lr=0.5, grad_clip=2.0),
+                      lr_decay_steps=kw["lr_decay_steps"])
+    assert [learner.adam_at(s).lr for s in (1, 2, 3, 4)] == [0.5, 0.375, 0.25, 0.125]
+    assert learner.adam_at(3).grad_clip == 2.0
+    assert _learner_kwargs(_job(tmp_path), "tcp://127.0.0.1:1", "main", "")["lr_decay_steps"] == 0

@@ -211,6 +211,7 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
         "loss_config": {**tc.loss_config(),
                         **({"temperature": cfg.sampling.temperature} if cfg.sampling.temperature != 1.0 else {})},
         "adam": msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
+        "lr_decay_steps": cfg.train.steps if tc.lr_schedule == "linear" else 0,
         "game": cfg.game,
         "record_path": record,
         "epochs": tc.epochs,

@@ -124,6 +124,7 @@ class Learner:
         scheduler_auth: tuple[str, str] | None = None,
         state_path: str = "",
         restore: bool = False,
+        lr_decay_steps: int = 0,
     ) -> None:
         check_algorithms(advantage, loss)
         if epochs < 1 or minibatches < 1:
@@ -149,6 +150,8 @@ class Learner:
         self.loss = loss
         self.loss_config = dict(loss_config)
         self.adam = adam
+        self.lr_decay_steps = lr_decay_steps
+        """> 0: step ``s`` trains at ``adam.lr * (1 - (s - 1) / lr_decay_steps)`` (floored at 0)."""
         self._bind = endpoint
         self._by_step: dict[int, dict[tuple[int, str], Trajectory]] = collections.defaultdict(dict)
         self.duplicates = 0
@@ -312,6 +315,7 @@ class Learner:
             metrics.update(updates)
         version = self.version
         metrics["learn_s"] = time.perf_counter() - t0
+        metrics["lr"] = self.adam_at(msg.step).lr
         metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         invalid = sum(t.parse.value == "invalid" for tr in trajectories for t in tr.turns)
         turns = sum(len(tr.turns) for tr in trajectories)
@@ -328,6 +332,12 @@ class Learner:
         self._done = (msg.step, sorted((t.episode_id, t.seat) for t in trajectories), result)
         self._write_live(None if self.frozen else version, msg.step, cut_after=msg.step)  # a successor starts after it
         return result
+
+    def adam_at(self, step: int) -> AdamParams:
+        """The optimizer's settings at ``step`` (the learning rate on its schedule)."""
+        if not self.lr_decay_steps:
+            return self.adam
+        return msgspec.structs.replace(self.adam, lr=self.adam.lr * max(0.0, 1.0 - (step - 1) / self.lr_decay_steps))
 
     async def _update(self, step: int, datums: list, critic: bool) -> tuple[int, dict[str, float]]:
         """``epochs`` passes over ``datums``, each shuffled (seeded by the job's seed, the step
@@ -358,7 +368,7 @@ class Learner:
                 normalizer=float(max(n_tokens, 1)), value_normalizer=float(max(n_values, 1)),
             ))
             assert isinstance(fb, ForwardBackwardResult)
-            opt = await self.scheduler.request(OptimStep(adapter=self.policy, params=self.adam))
+            opt = await self.scheduler.request(OptimStep(adapter=self.policy, params=self.adam_at(step)))
             assert isinstance(opt, OptimStepResult)
             version = opt.version
             for k, v in fb.metrics.items():
