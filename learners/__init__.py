@@ -59,8 +59,6 @@ from learners.offline import pair_datums, preference_pairs, sft_datums
 from learners.preferences import chunked_token_logprobs, dpo, ipo
 
 __all__ = [
-    "all_actions_datums",
-    "all_actions_weights",
     "ADVANTAGES",
     "LOSSES",
     "Advantages",
@@ -71,6 +69,8 @@ __all__ = [
     "Loss",
     "LossKind",
     "LossOutput",
+    "all_actions_datums",
+    "all_actions_weights",
     "assemble",
     "chunked_token_logprobs",
     "compute_loss",
