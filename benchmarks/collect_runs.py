@@ -31,7 +31,9 @@ def run_row(folder: Path) -> dict:
             "commit": summary.get("commit"),
             "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
                        "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
-                       "steps": cfg["train"]["steps"]},
+                       "steps": cfg["train"]["steps"], "lr_schedule": cfg["train"].get("lr_schedule", "constant"),
+                       "all_actions": cfg["train"].get("all_actions", 0.0),
+                       "opponents": {p["name"]: p.get("opponents", {}) for p in cfg.get("policies", [])}},
             "wall_s": summary["wall_s"], "median_s_per_step": phases,
             "first_eval": summary["first_eval"], "last_eval": summary["last_eval"]}
 

@@ -262,12 +262,12 @@ class TrainConfig(_Config):
     grad_clip: Coef = 1.0
     """Global gradient-norm clip; 0 disables."""
     all_actions: Coef = 0.0
-    """Weight of the exact all-actions policy gradient, for a game whose exact measure gives
-    payoffs (Kuhn poker): each step every legal move's canonical reply at every decision is
-    scored and pushed by ``pi(a|s) (Q(s, a) - V(s))`` against the policy's opponent mix
+    """Weight of the exact all-actions update, for a game whose evaluation hook gives an exact
+    payoff (``ExactMeasure.payoff``): each step every legal move's canonical reply at every
+    decision is scored and moved by its value against the policy's opponent mix
     (``best_response``, ``random``, ``self``, ``past`` selves weighted by the league's
-    matchmaking, other policies), beside the sampled episodes' loss; 0 disables it
-    (:mod:`learners.all_actions`)."""
+    matchmaking, other policies; the rule: ``all_actions_rule``), beside the sampled episodes'
+    loss; 0 disables it (:mod:`learners.all_actions`)."""
     all_actions_rule: Literal["neurd", "gradient"] = "neurd"
     """How the all-actions term weighs each move: ``neurd`` (Neural Replicator Dynamics: its
     value's advantage over the decision's mean, which moves a nearly pure policy too) or
