@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from games.evaluation import DecisionPoint, Distribution, ExactMeasure
-from learners.all_actions import all_actions_datums, all_actions_weights
 from opentinker.config import JobConfig, opponent_pool
 from opentinker.rollout.matchmaking import WinRates, pfsp_weights
 from protocols.messages import Datum
@@ -87,6 +86,8 @@ async def all_actions_terms(cfg: JobConfig, step: int, m: ExactMeasure, score: S
     """For every policy with ``train.all_actions`` > 0: its datums (one per decision and legal
     move) and metrics ``train/<policy>/all_actions/payoff`` (the payoff against its mix) and
     ``/canonical_mass``."""
+    from learners.all_actions import all_actions_datums, all_actions_weights  # (the learners package imports torch)
+
     assert m.payoff is not None, "the config check requires an exact payoff"
     datums: dict[str, list[Datum]] = {}
     metrics: dict[str, float] = {}
