@@ -2,17 +2,17 @@
 saved adapter, or a run folder's first policy) or the base model.
 
 Every game runs, the built-in ones and bridged PettingZoo envs alike (``opentinker play
-pettingzoo.classic.connect_four_v3``). The person sees their seat's observation text (the
-env's own; the legal moves are in it, or listed from ``info["legal_moves"]``) and types a
-reply. A reply the game would count as invalid is refused and asked again: it is first played
-on a trial env, rebuilt by replaying the game's steps from the same seed (``copy.deepcopy``
-is not enough: PettingZoo's classic envs pickle as their constructor arguments, so a copy is a
-fresh, unreset env); the real env is stepped only with a valid reply. End of input stops
-cleanly. The other seats reply as in training: each keeps a
+pettingzoo.classic.<env>``, any importable AEC env constructor). The person sees their seat's
+observation text (the env's own; the legal moves are in it, or listed from
+``info["legal_moves"]``) and types a reply. A reply the game would count as invalid is refused
+and asked again: it is first played on a trial env, rebuilt by replaying the game's steps from
+the same seed (``copy.deepcopy`` is not enough: PettingZoo's classic envs pickle as their
+constructor arguments, so a copy is a fresh, unreset env); the real env is stepped only with a
+valid reply. End of input stops cleanly. The other seats reply as in training: each keeps a
 :class:`~opentinker.rollout.render.SeatRenderer` and samples through the scheduler (a job with
 only its scheduler, in this process), seeded per (game, seat, turn) like an episode's samples.
-Game ``i`` (from 0) resets with seed ``--seed + i``; the person's seat alternates between
-games unless ``--seat`` fixes it.
+Game ``i`` (from 0) resets with seed ``--seed + i``; the person's seat alternates between games
+unless ``--seat`` fixes it.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def play(game: str, agent: str = "base", *, seat: str | None = None, n_games: in
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("game", help="a game name (opentinker games) or a PettingZoo env module, "
-                        "e.g. pettingzoo.classic.connect_four_v3")
+                        "e.g. pettingzoo.classic.<env>")
     parser.add_argument("--agent", default="base", metavar="PATH|base",
                         help="a saved adapter, a run folder (its first policy) or base (default)")
     parser.add_argument("--seat", help="your seat, e.g. player_0 (default: alternating from game to game)")
