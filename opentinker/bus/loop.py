@@ -17,13 +17,16 @@ import gc
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from opentinker.bus.auth import release_context
 from protocols.codec import BIG_BUFFERS, gc_pause, gc_resume
+
+if TYPE_CHECKING:
+    from opentinker.bus.held import HeldWatch
 
 T = TypeVar("T")
 
@@ -134,13 +137,18 @@ class SocketReader:
 
     With ``bounds``, a message over them is not kept whole (:func:`recv_bounded`):
     ``on_cut(first_frames, cut)`` is called for it instead (``on_cut`` is required then).
+    With ``watch`` (a bound socket's :class:`~opentinker.bus.held.HeldWatch`, which needs
+    ``bounds``), every message read is reported to it, and it checks on the same loop.
     """
 
     def __init__(self, sock: zmq.Socket, on_frames: Callable[[list[zmq.Frame]], None],
                  loop: asyncio.AbstractEventLoop | None = None, *, bounds: Bounds | None = None,
-                 on_cut: Callable[[list[zmq.Frame], Cut], None] | None = None) -> None:
+                 on_cut: Callable[[list[zmq.Frame], Cut], None] | None = None,
+                 watch: HeldWatch | None = None) -> None:
         if bounds is not None and on_cut is None:
             raise ValueError("a SocketReader with bounds needs on_cut")
+        if watch is not None and bounds is None:
+            raise ValueError("a SocketReader with a watch needs bounds")
         self.sock = sock
         self.on_frames = on_frames
         self.bounds = bounds
@@ -150,6 +158,9 @@ class SocketReader:
         self._draining = False
         self._paused = False
         self._fd = sock.getsockopt(zmq.FD)
+        self.watch = watch
+        if watch is not None:
+            watch.start(self.loop)
         self.loop.add_reader(self._fd, self.drain)
         self.kick()  # messages may have arrived before the reader was attached
 
@@ -169,6 +180,8 @@ class SocketReader:
         self._paused = False
         try:
             frames, cut = recv_bounded(self.sock, self.bounds, NOBLOCK, self._pause)
+            if self.watch is not None:
+                self.watch.read(frames, cut)
             if cut is None:
                 self.on_frames(frames)
             else:
@@ -217,6 +230,8 @@ class SocketReader:
             self.kick()
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         if not self.sock.closed:
             self.loop.remove_reader(self._fd)
             self.sock.close(linger=0)

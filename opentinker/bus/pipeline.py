@@ -19,9 +19,11 @@ from opentinker.bus.common import (
     bind_guarded,
     configure,
     cut_error,
+    frame_cap,
     read_bounds,
     server_side,
 )
+from opentinker.bus.held import watch
 from opentinker.bus.loop import NOBLOCK, recv_bounded, send_frames
 from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
 from protocols.messages import Message
@@ -80,14 +82,22 @@ class Puller:
         self._bounds = read_bounds(self.limits)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._log = LogEvery(log)
+        self._watch = watch(self._plain, self.endpoint, "puller", self.counters, max_bytes=self.max_bytes,
+                            frame_cap=frame_cap(self.max_bytes), ctx=ctx)
+        """What libzmq holds for each pusher, bounded (:mod:`opentinker.bus.held`); it checks on
+        the loop of the first :meth:`recv`."""
 
     async def recv(self) -> Message:
+        if self._watch is not None:
+            self._watch.start(asyncio.get_running_loop())
         while True:
             try:  # through a blocking view of the socket, frame by frame (zmq.asyncio takes all)
                 frames, cut = recv_bounded(self._plain, self._bounds, NOBLOCK)
             except zmq.Again:
                 await self._sock.poll(flags=zmq.POLLIN)
                 continue
+            if self._watch is not None:
+                self._watch.read(frames, cut)
             if cut is not None:
                 _, err = cut_error(frames[0] if frames else None, cut, self.limits, self.counters)
                 self._log.warning("drop", "puller %s: dropped a message: %s", self.endpoint, err.message)
@@ -102,5 +112,7 @@ class Puller:
             return msg
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._guard.close()
         self._sock.close(linger=0)

@@ -63,10 +63,12 @@ from opentinker.bus.common import (
     bind_guarded,
     configure,
     cut_error,
+    frame_cap,
     plain_context,
     read_bounds,
     server_side,
 )
+from opentinker.bus.held import watch
 from opentinker.bus.loop import Cut, SocketReader, run_eager
 from opentinker.bus.stream import DEFAULT_BACKLOG, Emitter, Outbox, Parked, wants_stream
 from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
@@ -218,8 +220,10 @@ class Server:
                                   self.curve_users)
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        held = watch(sock, self.endpoint, self.name, self.counters, max_bytes=self.max_bytes,
+                     frame_cap=frame_cap(self.max_bytes), router=True)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
-                                on_cut=self._on_cut)
+                                on_cut=self._on_cut, watch=held)
         self._outbox = Outbox(self._loop, self._route, self.counters, self.stream_backlog)
         self._parked = Parked(self._loop, self._route, self._peers.__contains__, self.counters,
                               limit=self.max_inflight)

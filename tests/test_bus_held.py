@@ -1,0 +1,212 @@
+"""What libzmq holds for a bound socket's connections is bounded (issue #14,
+:mod:`opentinker.bus.held`): an authenticated peer that writes ZMTP itself and never sends a
+message's last frame is cut once it holds more than the per-connection bound, many peers
+together are cut down to the total bound, a well-behaved peer's traffic is accounted to the
+byte and never cut, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from conftest import run, until
+
+from opentinker.bus import Client, Puller, Pusher, Server
+from opentinker.bus.auth import run_secret, run_user, secure_client
+from opentinker.bus.common import frame_cap
+from opentinker.bus.held import (
+    SLACK,
+    HeldWatch,
+    per_connection_bound,
+    supported,
+    wire_bytes,
+)
+from protocols.codec import Limits
+from protocols.messages import PROTOCOL_VERSION, Ack, Heartbeat
+
+pytestmark = pytest.mark.skipif(not supported(), reason="TCP_INFO byte counts are Linux's")
+
+MAX_BYTES = 1 << 20
+LIMITS = Limits(max_bytes=MAX_BYTES)
+PER = per_connection_bound(MAX_BYTES, frame_cap(MAX_BYTES))
+MIB = b"\0" * (1 << 20)
+
+
+def _command(name: bytes, data: bytes) -> bytes:
+    body = bytes([len(name)]) + name + data
+    return bytes([0x04, len(body)]) + body if len(body) < 256 else b"\x06" + struct.pack(">Q", len(body)) + body
+
+
+def _exactly(s: socket.socket, n: int) -> bytes:
+    """``n`` bytes (a socket with a timeout ignores ``MSG_WAITALL``)."""
+    got = b""
+    for _ in range(n):
+        if len(got) == n:
+            break
+        more = s.recv(n - len(got))
+        assert more, f"connection closed after {len(got)} of {n} bytes"
+        got += more
+    return got
+
+
+def _read_command(s: socket.socket) -> bytes:
+    flags = _exactly(s, 1)[0]
+    size = _exactly(s, 1)[0] if flags & 0x02 == 0 else struct.unpack(">Q", _exactly(s, 8))[0]
+    return _exactly(s, size)
+
+
+def zmtp_plain(endpoint: str, socket_type: bytes) -> socket.socket:
+    """A peer that speaks ZMTP 3.0 with PLAIN itself (the run's user and secret, so it is
+    authenticated), as a ``socket_type`` socket: unlike libzmq, it can send a message's frames
+    and never its last one."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"PLAIN".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+    assert _exactly(s, 64)[12:17] == b"PLAIN"
+    user, secret = run_user().encode(), run_secret()
+    s.sendall(_command(b"HELLO", bytes([len(user)]) + user + bytes([len(secret)]) + secret))
+    assert _read_command(s).startswith(b"\x07WELCOME")
+    s.sendall(_command(b"INITIATE", b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type))
+    assert _read_command(s).startswith(b"\x05READY")
+    return s
+
+
+def send_unfinished(s: socket.socket, mib: int) -> None:
+    """``mib`` frames of 1 MiB, each with MORE set: a message that never ends."""
+    for _ in range(mib):
+        s.sendall(b"\x03" + struct.pack(">Q", len(MIB)) + MIB)
+
+
+def cut_off(s: socket.socket) -> bool:
+    """Whether the other side closed the connection (within the socket's timeout)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionError:
+        return True
+
+
+async def ack_server(ctx: zmq.asyncio.Context, name: str) -> tuple[Server, str, HeldWatch]:
+    """A server of ``LIMITS`` answering ``Ack``; its endpoint and its watch."""
+
+    async def handler(msg):
+        return Ack()
+
+    server = Server(handler, name=name, limits=LIMITS, heartbeat_s=None)
+    ep = await server.start(ctx)
+    assert server._io.watch is not None
+    return server, ep, server._io.watch
+
+
+def test_wire_bytes_counts_each_frames_zmtp_header():
+    frames = [zmq.Frame(b"id"), zmq.Frame(b"x" * 255), zmq.Frame(b"x" * 256)]
+    assert wire_bytes(frames) == 2 + 2 + 255 + 2 + 256 + 9
+    assert wire_bytes(frames, skip=1) == 255 + 2 + 256 + 9
+
+
+def test_an_unfinished_message_over_the_bound_is_cut_and_the_server_serves_on(caplog):
+    """An authenticated peer sends 3x the per-connection bound of frames and never the last:
+    within two checks of passing the bound its connection is cut (counted, one log line),
+    while a well-behaved peer's messages near ``max_bytes`` are accounted to the byte and never
+    cut, and its requests are answered afterwards."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server, ep, watch = await ack_server(ctx, "held")
+        assert watch.per_connection == PER and watch.total == 4 * PER
+        client = Client(ctx, ep, name="good", heartbeat_s=None)
+        assert isinstance(await client.request(Heartbeat(seq=1), 5), Heartbeat)
+        attacker = await asyncio.to_thread(zmtp_plain, ep, b"DEALER")
+        sender = asyncio.create_task(asyncio.to_thread(send_unfinished, attacker, 3 * PER >> 20))
+        for i in range(8):  # while it sends: messages of 0.9 MiB from a libzmq peer (each refused: no Hello)
+            good = ctx.socket(zmq.DEALER)
+            secure_client(good)
+            good.connect(ep)
+            await good.send_multipart([msgspec.msgpack.encode([PROTOCOL_VERSION, i, 1]),
+                                       msgspec.msgpack.encode({"type": "Ack"}), b"\0" * 900_000])
+            assert await good.poll(5000)
+            await good.recv_multipart()
+            held = watch.held()
+            assert held and min(held.values()) == 0  # the good peers: every byte read was a message
+            good.close(0)
+        await sender
+        await until(lambda: server.counters["dropped/held_connections"] == 1, "the cut", n=1000)
+        assert server.counters["dropped/held_bytes"] > PER
+        assert await asyncio.to_thread(cut_off, attacker)
+        assert max(watch.held().values(), default=0) < SLACK
+        assert isinstance(await client.request(Heartbeat(seq=2), 5), Heartbeat)
+        assert server.counters["error/internal"] == 0
+        attacker.close()
+        client.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    with caplog.at_level(logging.WARNING, logger="opentinker.bus.held"):
+        run(main(), timeout=60)
+    cuts = [r.getMessage() for r in caplog.records if "cut the connection" in r.getMessage()]
+    assert len(cuts) == 1 and "unfinished message" in cuts[0], cuts
+
+
+def test_peers_each_under_the_bound_are_cut_down_to_the_total():
+    """Seven peers each hold 3 MiB unfinished (under the per-connection bound of 4 MiB), 21 MiB
+    in all against a total bound of 16 MiB: two are cut, and the five left (15 MiB) keep their
+    connections."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server, ep, watch = await ack_server(ctx, "held_total")
+        peers = [await asyncio.to_thread(zmtp_plain, ep, b"DEALER") for _ in range(7)]
+        for p in peers:
+            await asyncio.to_thread(send_unfinished, p, 3)
+        await until(lambda: server.counters["dropped/held_connections"] >= 1, "a cut", n=1000)
+        for _ in range(5):  # a few more checks: nothing more is cut once the rest fit
+            await asyncio.sleep(watch.interval_s)
+        held = watch.held()
+        assert server.counters["dropped/held_connections"] == 2
+        assert len(held) == 5 and sum(held.values()) <= watch.total
+        closed = [await asyncio.to_thread(cut_off_soon, p) for p in peers]
+        assert sum(closed) == 2
+        for p in peers:
+            p.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main(), timeout=60)
+
+
+def cut_off_soon(s: socket.socket) -> bool:
+    """Whether the connection is closed, looking for at most 0.2 s."""
+    s.settimeout(0.2)
+    try:
+        return cut_off(s)
+    except TimeoutError:
+        return False
+
+
+def test_a_pullers_pushers_are_watched_too():
+    """A puller (a learner's trajectory intake) cuts a pusher that holds an unfinished message
+    over the bound, and takes the next well-behaved message."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        puller = Puller(ctx, limits=LIMITS)
+        receiving = asyncio.create_task(puller.recv())
+        attacker = await asyncio.to_thread(zmtp_plain, puller.endpoint, b"PUSH")
+        await asyncio.to_thread(send_unfinished, attacker, 2 * PER >> 20)
+        await until(lambda: puller.counters["dropped/held_connections"] == 1, "the cut", n=1000)
+        assert await asyncio.to_thread(cut_off, attacker)
+        pusher = Pusher(ctx, puller.endpoint)
+        sent = Heartbeat(seq=5)
+        await pusher.send(sent)
+        assert await asyncio.wait_for(receiving, 5) == sent
+        attacker.close()
+        pusher.close()
+        puller.close()
+        ctx.destroy(0)
+
+    run(main(), timeout=60)
