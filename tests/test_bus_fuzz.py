@@ -1,10 +1,12 @@
 """Fuzz the server with 10,000 frames (seeded): random bytes and mutations of valid messages,
 including one of each hostile class of issue #14 (huge array ranks, a buffer named twice, deep
 nesting, too many frames, an oversized body), an outsider without the run's secret, and a
-flood of sessions (one name, and a new name each time) into a table of 16, with a valid
-request every 200 frames that must succeed. Every error counter ends above zero, the outsider
-never gets a session or a reply, the flood only ever evicts idle sessions (never the busy
-ones, never a ``busy`` refusal), and the server is still serving."""
+flood of sessions (one name, and a new name each time) into a table of 16, and an
+authenticated peer that writes ZMTP itself and never ends its message, with a valid request
+every 200 frames that must succeed. Every error counter ends above zero, the outsider never
+gets a session or a reply, the flood only ever evicts idle sessions (never the busy ones,
+never a ``busy`` refusal), the unfinished message's connection is cut, and the server is still
+serving."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
-from conftest import run
+from conftest import run, until
+from test_bus_held import send_unfinished, supported, zmtp_plain
 
 from opentinker.bus.auth import secure_client
 from opentinker.bus import Client, Server
@@ -152,6 +155,11 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
             except zmq.Again:
                 pass
 
+        # And a peer with the secret that sends 4 MiB of one message and never its last frame.
+        unfinished = None
+        if supported():
+            unfinished = await asyncio.to_thread(zmtp_plain, ep, b"DEALER")
+            await asyncio.to_thread(send_unfinished, unfinished, 4, 64 * 1024)
         outsider_sends(encode(Hello(version=PROTOCOL_VERSION, peer="outsider"), 1))
         await greeted.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="fuzzer"), 1))
         await asyncio.wait_for(greeted.recv_multipart(), 10)
@@ -192,6 +200,9 @@ def test_ten_thousand_bad_frames_never_stop_the_server():
         assert names["good"] == 1 and names["fuzzer"] == 1 and "outsider" not in names  # the busy ones kept theirs
         assert len(server._peers) == MAX_PEERS and server.counters["peer_evicted"] == N_FRAMES // FLOOD_EVERY + 2 - MAX_PEERS
         assert server.counters["error/busy"] == 0
+        if unfinished is not None:
+            await until(lambda: server.counters["dropped/held_connections"] == 1, "the unfinished message's cut")
+            unfinished.close()
         print({k: v for k, v in sorted(server.counters.items()) if k.startswith(("error/", "recv/"))})
         for s in (greeted, stranger, outsider, *flood):
             s.close(0)

@@ -77,10 +77,11 @@ def zmtp_plain(endpoint: str, socket_type: bytes) -> socket.socket:
     return s
 
 
-def send_unfinished(s: socket.socket, mib: int) -> None:
-    """``mib`` frames of 1 MiB, each with MORE set: a message that never ends."""
-    for _ in range(mib):
-        s.sendall(b"\x03" + struct.pack(">Q", len(MIB)) + MIB)
+def send_unfinished(s: socket.socket, mib: int, frame: int = 1 << 20) -> None:
+    """``mib`` MiB in frames of ``frame`` bytes, each with MORE set: a message that never ends."""
+    data = MIB[:frame]
+    for _ in range((mib << 20) // frame):
+        s.sendall(b"\x03" + struct.pack(">Q", len(data)) + data)
 
 
 def cut_off(s: socket.socket) -> bool:
