@@ -5,6 +5,7 @@ ratings), the JSON report's provenance, and the one-line errors (exit 2)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -60,6 +61,9 @@ def test_eval_a_run_folder_writes_the_table_and_json(kuhn_run, tmp_path, capsys)
     assert code == 0
     printed = capsys.readouterr().out
     assert "chips/hand (95% CI)" in printed and "base model" in printed and "exploitability" in printed
+    # Off a terminal, the games are counted in plain lines, up to all of them.
+    counts = [tuple(map(int, c)) for c in re.findall(r"^  games (\d+)/(\d+) \(\d+ s\)$", printed, re.M)]
+    assert len(counts) >= 2 and counts[-1][0] == counts[-1][1] > 0, printed
     report = json.loads(out.read_text())
     assert report["game"] == "kuhn_poker_v0" and report["kind"] == "run" and report["model"] == "tiny-random"
     assert report["seed"] == 5 and report["games_per_stratum"] == 2 and report["unit"] == "chips"

@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from opentinker.control.checkpoints import LEAGUE_STATE
 
 
 DEFAULT_MODEL = "smollm2-135m"
+OnEpisodes = Callable[[int, int], None]
+"""``on_episodes(done, total)``: evaluation games finished so far, of how many."""
 
 
 class CliError(Exception):
@@ -189,14 +192,16 @@ def parse_opponents(spec: str | None, game: str, ev: games.GameEval, taken: set[
     return list(dict.fromkeys(labels)), adapters
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the evaluation ``args`` describe; returns the report (metrics and provenance)."""
+def evaluate(args: argparse.Namespace, on_episodes: OnEpisodes | None = None) -> dict[str, Any]:
+    """Run the evaluation ``args`` describe; returns the report (metrics and provenance).
+    ``on_episodes(done, total)`` is called as the env runners finish games."""
     import os
 
     from opentinker.bus.common import RemoteError
     from opentinker.control.runtime import Job
     from opentinker.engine.model_specs import resolve_model
     from opentinker.machine import machine
+    from opentinker.progress import EpisodeFeed
 
     t0 = time.perf_counter()
     taken: set[str] = set()
@@ -230,7 +235,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 versions = job.coordinator("load_adapters", tmp, 0)
             except (RemoteError, ValueError, OSError) as e:  # e.g. an adapter of another base model
                 raise CliError(f"cannot load the adapters: {getattr(getattr(e, 'error', None), 'message', e)}") from None
-            metrics = job.coordinator("evaluate", 0, True, n)
+            feed = None if on_episodes is None else EpisodeFeed(lambda done, total, _train: on_episodes(done, total))
+            try:
+                metrics = job.coordinator("evaluate", 0, True, n, "" if feed is None else feed.endpoint)
+            finally:
+                if feed is not None:
+                    feed.close()
         finally:
             job.shutdown()
     keep = [f"eval/{p}/vs_{o}/" for p in source.adapters for o in opponents]
@@ -304,6 +314,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="evaluate on a shared scheduler (opentinker serve): its bus endpoint or service file")
 
 
+def _with_progress(console: Any, what: str, work: Callable[[OnEpisodes], Any]) -> Any:
+    """``work(on_episodes)`` with its games shown: a progress bar on a terminal; elsewhere (a
+    log file, nohup, CI) a plain line at start and at every tenth of the games."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    if not console.is_terminal:
+        t0, shown = time.perf_counter(), {"total": 0, "tenth": -1}
+        console.print(f"{what}", highlight=False)
+
+        def plain(done: int, total: int) -> None:
+            if total != shown["total"]:
+                shown.update(total=total, tenth=-1)
+            tenth = 10 * done // total if total else 0
+            if tenth > shown["tenth"]:
+                shown["tenth"] = tenth
+                console.print(f"  games {done}/{total} ({time.perf_counter() - t0:.0f} s)", highlight=False)
+
+        return work(plain)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as progress:
+        task = progress.add_task(what, total=None)
+        return work(lambda done, total: progress.update(task, completed=done, total=total))
+
+
 def main(args: argparse.Namespace) -> int:
     """``opentinker eval``: exit 0, or 2 with one line on stderr when it cannot start."""
     from rich.console import Console
@@ -315,8 +356,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not 1 <= args.games_per_stratum <= 1000:
             raise CliError(f"--games-per-stratum: between 1 and 1000, got {args.games_per_stratum}")
-        with console.status(f"evaluating {escape(args.path)}"):
-            report = evaluate(args)
+        report = _with_progress(console, f"evaluating {escape(args.path)}", lambda cb: evaluate(args, cb))
     except CliError as e:
         print(f"opentinker eval: {escape_controls(str(e))}", file=sys.stderr)
         return 2
