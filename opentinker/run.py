@@ -47,6 +47,7 @@ from opentinker.eval.report import (
     ratings_table,
     summary_table,
 )
+from opentinker.files import write_atomic
 from opentinker.machine import git_commit, machine
 from opentinker.progress import EpisodeFeed
 from opentinker.training import trajectory_log
@@ -71,10 +72,7 @@ def save_learner_states(states: dict[str, dict[str, Any]], adapters: dict[str, s
     """Write each policy's learner state to ``<adapter folder>/learner_state.json`` (atomically:
     a temporary file, then a rename)."""
     for policy, state in states.items():
-        final = Path(adapters[policy]) / LEARNER_STATE
-        tmp = final.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, final)
+        write_atomic(Path(adapters[policy]) / LEARNER_STATE, json.dumps(state, indent=1))
 
 
 def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, dict[str, Any]]:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from opentinker.files import write_atomic
 
 MANIFEST = "manifest.json"
 MAX_WEIGHT = 1e4
@@ -50,10 +51,7 @@ def write_manifest(folder: Path) -> Path:
     SHA-256 (written last, to a temporary name, then renamed)."""
     files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
-    return folder / MANIFEST
+    return write_atomic(folder / MANIFEST, json.dumps({"files": files}, indent=1))
 
 
 def _json(path: Path, problems: list[str]) -> Any:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opentinker.control.checkpoint_checks import verify, write_manifest
+from opentinker.files import write_atomic
 
 if TYPE_CHECKING:
     from opentinker.config import JobConfig
@@ -152,9 +153,7 @@ def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     again); returns them (:func:`metrics_rows`: a bad line is an error and nothing is
     rewritten). The file is rewritten atomically."""
     rows = metrics_rows(path, step)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 

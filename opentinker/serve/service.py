@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.bus.auth import Credentials, run_secret, run_user
+from opentinker.files import write_atomic
 from opentinker.logs import escape_controls
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,7 @@ class ServiceInfo:
     def write(self, path: Path) -> None:
         """Write atomically, readable by this user only."""
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(asdict(self), indent=1), mode=0o600)
 
     @classmethod
     def read(cls, path: Path) -> ServiceInfo:

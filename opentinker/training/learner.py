@@ -35,7 +35,6 @@ import asyncio
 import collections
 import json
 import logging
-import os
 import resource
 import time
 from collections.abc import Mapping
@@ -60,6 +59,7 @@ from opentinker.bus import LOOPBACK, Client, LoopThread, Puller, Server
 from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split_async
 from opentinker.config import JobConfig
+from opentinker.files import write_atomic
 from opentinker.training import trajectory_log
 from protocols.messages import (
     AdamParams,
@@ -206,12 +206,10 @@ class Learner:
             return
         path = Path(self.state_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
         done = None if self._done is None else {"step": self._done[0], "held": self._done[1],
                                                 "result": msgspec.to_builtins(self._done[2])}
-        tmp.write_text(json.dumps({"version": version, "last_step": last_step, "cut_after": cut_after,
-                                   "learner": self.state_dict(), "done": done}))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"version": version, "last_step": last_step, "cut_after": cut_after,
+                                       "learner": self.state_dict(), "done": done}))
 
     async def _restore(self) -> None:
         """Take over from a learner whose process died: its state as written last (a step's

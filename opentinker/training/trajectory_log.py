@@ -13,13 +13,13 @@ has trained; offline jobs (:mod:`opentinker.training.offline`) read them back as
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from opentinker.files import replaced
 from protocols.messages import ParseOutcome, PolicyRef, StopReason, Trajectory, Turn
 
 
@@ -134,17 +134,11 @@ def truncate(path: str | Path, step: int) -> int:
     line included). ``ValueError`` naming the file and line of a malformed record (nothing is
     rewritten then)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     dropped = 0
-    try:
-        with open(tmp, "wb") as out:
-            for _, line, rec in _records(path):
-                if rec is not None and rec.step <= step:
-                    out.write(line + b"\n")
-                else:
-                    dropped += 1
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    with replaced(path, binary=True) as out:
+        for _, line, rec in _records(path):
+            if rec is not None and rec.step <= step:
+                out.write(line + b"\n")
+            else:
+                dropped += 1
     return dropped

@@ -1,0 +1,37 @@
+"""Files written whole or not at all: a run's state (learner states, metrics rewritten on
+resume, checkpoint manifests, a service's credentials) must never be left half written by a
+crash or a full disk, since ``--resume`` and the checks of a checkpoint read them back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+@contextlib.contextmanager
+def replaced(path: str | Path, *, binary: bool = False, mode: int = 0o666) -> Iterator[IO[Any]]:
+    """Write ``path`` atomically: the block writes to a new temporary file beside it (created
+    with ``mode``, less the umask), which replaces ``path`` once the block ends; if the block
+    raises, the temporary file is removed and ``path`` is untouched. Writers in other threads or
+    processes never share a temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | Path, text: str, *, mode: int = 0o666) -> Path:
+    """Write ``text`` to ``path`` atomically (:func:`replaced`); returns ``path``."""
+    with replaced(path, mode=mode) as f:
+        f.write(text)
+    return Path(path)
