@@ -27,14 +27,16 @@ from opentinker.config import JobConfig, league_pool
 from opentinker.control.all_actions import Scored, all_actions_terms
 from opentinker.control.checkpoints import LEAGUE_STATE
 from opentinker.control.delivery import deliver, gather_or_cancel
+from opentinker.control.perf import engine_metrics
 from opentinker.eval.evaluation import (
     BARE,
     SPELLINGS,
+    game_result,
+    pairing_metrics,
     policy_from_logprobs,
     policy_sequences,
-    stratified_mean_ci,
 )
-from opentinker.eval.ratings import RunningRatings, bradley_terry, outcomes_of
+from opentinker.eval.ratings import RunningRatings, rating_metrics
 from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
 from opentinker.rollout.matchmaking import WinRates
 from opentinker.rollout.render import ChatTokenizer
@@ -63,14 +65,6 @@ log = logging.getLogger(__name__)
 EVAL_STEP_BASE = 1 << 40  # episode ids of evaluations live far above training ids
 RATING_ANCHOR = "random"
 """The player every rating is relative to (it plays every game)."""
-
-
-def game_result(rewards: dict[str, float], seat: str) -> int:
-    """0 (won), 1 (drawn) or 2 (lost) for ``seat``: won when its reward exceeds the mean
-    reward of the other seats."""
-    mine = rewards[seat]
-    others = float(np.mean([r for a, r in rewards.items() if a != seat]))
-    return 0 if mine > others else 1 if mine == others else 2
 
 
 class Coordinator:
@@ -301,24 +295,6 @@ class Coordinator:
         ``hands`` and, in a competitive game, ``wins`` / ``draws`` / ``losses``."""
         return self.loop.run(self._evaluate(step, head_to_head, hands_per_stratum, progress))
 
-    def _score(self, policy: str, specs: list[EpisodeSpec], summaries: list[EpisodeSummary]) -> dict[str, float]:
-        """A pairing's metrics (without the ``eval/<policy>/vs_<opponent>/`` prefix). A game
-        is won when the policy's reward exceeds the mean of the other seats' (drawn when equal)."""
-        strata: dict[int, list[float]] = {}
-        invalid = turns = 0
-        outcome = np.zeros(3, dtype=np.int64)  # wins, draws, losses
-        for spec, s in zip(specs, summaries):
-            seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
-            strata.setdefault(spec.group_id, []).append(s.rewards[seat])
-            invalid += s.invalid.get(seat, 0)
-            turns += s.turns.get(seat, 0)
-            outcome[game_result(s.rewards, seat)] += 1
-        mean, ci = stratified_mean_ci(list(strata.values()))
-        out = {self.game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs))}
-        if self.game_eval.competitive:
-            out.update(wins=float(outcome[0]), draws=float(outcome[1]), losses=float(outcome[2]))
-        return out
-
     async def _evaluate(self, step: int, head_to_head: bool, n: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         out: dict[str, float] = {}
@@ -353,7 +329,7 @@ class Coordinator:
         by_id = {s.episode_id: s for s in summaries}
         for name, jobs, all_specs in plan:
             for (label, _, _), specs in zip(jobs, all_specs):
-                scores = self._score(name, specs, [by_id[s.episode_id] for s in specs])
+                scores = pairing_metrics(self.game_eval, name, specs, [by_id[s.episode_id] for s in specs])
                 out.update({f"eval/{name}/vs_{label}/{k}": v for k, v in scores.items()})
         if self.cfg.eval.exact:
             for measures in await asyncio.gather(*(self._exact_measures(p.name) for p in self.cfg.policies)):
@@ -363,24 +339,12 @@ class Coordinator:
         return out
 
     def _rate(self, ev: dict[str, float], step: int) -> dict[str, float]:
-        """Ratings of every player of this evaluation's pairings (a competitive game): the
-        Bradley-Terry fit of these games (log-odds, ``random`` = 0, 95% bootstrap interval)
-        and the running openskill table after them (relative to ``random``)."""
+        """Ratings of every player of this evaluation's pairings (:func:`rating_metrics`), in
+        a competitive game whose config asks for them."""
         if not (self.cfg.eval.ratings and self.game_eval.competitive):
             return {}
-        outcomes = outcomes_of(ev)
-        if not outcomes:
-            return {}
-        self.ratings.update(outcomes)
-        out: dict[str, float] = {}
-        bt = bradley_terry(outcomes, anchor=RATING_ANCHOR, n_boot=self.cfg.eval.rating_bootstrap,
-                           seed=(self.cfg.seed + step) & 0xFFFFFFFF)
-        for name, (r, lo, hi) in bt.items():
-            out.update({f"ratings/bt/{name}": r, f"ratings/bt/{name}/lo": lo, f"ratings/bt/{name}/hi": hi})
-        for row in self.ratings.table():
-            out[f"ratings/openskill/{row['name']}"] = row["mu"]
-            out[f"ratings/openskill/{row['name']}/sigma"] = row["sigma"]
-        return out
+        return rating_metrics(ev, self.ratings, anchor=RATING_ANCHOR, n_boot=self.cfg.eval.rating_bootstrap,
+                              seed=(self.cfg.seed + step) & 0xFFFFFFFF)
 
     async def _exact_measures(self, policy: str) -> dict[str, float]:
         """The game's exact measures of ``policy`` (``eval/<policy>/<measure>``), from the
@@ -543,26 +507,3 @@ class Coordinator:
     def recent_transcripts(self) -> list[str]:
         return list(self.transcripts)
 
-
-def engine_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
-    """``perf/engine/*`` of one rollout from the scheduler's counters before and after it:
-    rows per step, prefill and decode tokens per second of forward time, the prefix-cache hit
-    rate, and the gauges at its end (adapters resident and spilled, KV bytes in use). Empty
-    when the scheduler runs the PEFT path."""
-    if "engine/steps" not in after:
-        return {}
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("engine/")}
-    fwd_s = d["engine/forward_ms"] / 1000
-    out = {
-        "perf/engine/steps": float(d["engine/steps"]),
-        "perf/engine/rows_per_step": d["engine/rows"] / d["engine/steps"] if d["engine/steps"] else 0.0,
-        "perf/engine/prefill_tokens": float(d["engine/prefill_tokens"]),
-        "perf/engine/decode_tokens": float(d["engine/decode_tokens"]),
-        "perf/engine/prefill_tokens_per_s": d["engine/prefill_tokens"] / fwd_s if fwd_s else 0.0,
-        "perf/engine/decode_tokens_per_s": d["engine/decode_tokens"] / fwd_s if fwd_s else 0.0,
-        "perf/engine/prefix_hit_rate": (d["engine/cached_prompt_tokens"] / d["engine/prompt_tokens"]
-                                        if d["engine/prompt_tokens"] else 0.0),
-    }
-    for key in ("adapters_resident", "adapters_spilled", "kv_bytes_in_use", "adapter_bytes_resident"):
-        out[f"perf/engine/{key}"] = float(after.get(f"engine/{key}", 0))
-    return out

@@ -1,7 +1,8 @@
 """Evaluation helpers: stratified intervals, and a policy's exact measures (a game's hook).
 
 * :func:`stratified_mean_ci`: the mean over equally weighted strata (start x seat) and its 95%
-  normal interval, ``1.96 * sqrt(sum_h s_h^2 / n_h) / H``.
+  normal interval, ``1.96 * sqrt(sum_h s_h^2 / n_h) / H``; :func:`pairing_metrics`: one
+  pairing's games as metrics (that mean and interval, invalid rate, wins / draws / losses).
 * :func:`policy_sequences` / :func:`policy_from_logprobs`: an LLM's probability of each legal
   move at each decision a game's :class:`~games.evaluation.ExactMeasure` lists comes from the
   teacher-forced log-probs of the canonical one-word replies (with the stop token), summed
@@ -18,8 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-from games.evaluation import DecisionPoint
+from games.evaluation import DecisionPoint, GameEval
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
+from protocols.messages import EpisodeSpec, EpisodeSummary, PolicyKind
 
 
 def stratified_mean_ci(strata: Sequence[Sequence[float]], z: float = 1.96) -> tuple[float, float]:
@@ -34,6 +36,37 @@ def stratified_mean_ci(strata: Sequence[Sequence[float]], z: float = 1.96) -> tu
         return mean, float("nan")
     var = sum(s.var(ddof=1) / len(s) for s in strata) / H**2
     return mean, z * math.sqrt(var)
+
+
+def game_result(rewards: dict[str, float], seat: str) -> int:
+    """0 (won), 1 (drawn) or 2 (lost) for ``seat``: won when its reward exceeds the mean
+    reward of the other seats."""
+    mine = rewards[seat]
+    others = float(np.mean([r for a, r in rewards.items() if a != seat]))
+    return 0 if mine > others else 1 if mine == others else 2
+
+
+def pairing_metrics(game_eval: GameEval, policy: str, specs: Sequence[EpisodeSpec],
+                    summaries: Sequence[EpisodeSummary]) -> dict[str, float]:
+    """One pairing's metrics from its games (``specs[i]`` played as ``summaries[i]``; the
+    policy's seat is the one its adapter held), without the ``eval/<policy>/vs_<opponent>/``
+    prefix: the game's unit (stratified over ``EpisodeSpec.group_id``), ``ci95``,
+    ``invalid_rate``, ``hands`` and, in a competitive game, ``wins`` / ``draws`` / ``losses``
+    (:func:`game_result`)."""
+    strata: dict[int, list[float]] = {}
+    invalid = turns = 0
+    outcome = np.zeros(3, dtype=np.int64)  # wins, draws, losses
+    for spec, s in zip(specs, summaries):
+        seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
+        strata.setdefault(spec.group_id, []).append(s.rewards[seat])
+        invalid += s.invalid.get(seat, 0)
+        turns += s.turns.get(seat, 0)
+        outcome[game_result(s.rewards, seat)] += 1
+    mean, ci = stratified_mean_ci(list(strata.values()))
+    out = {game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs))}
+    if game_eval.competitive:
+        out.update(wins=float(outcome[0]), draws=float(outcome[1]), losses=float(outcome[2]))
+    return out
 
 
 SPELLINGS = ("{}", "{}.", "{cap}", "{cap}.")

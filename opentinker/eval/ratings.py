@@ -136,6 +136,25 @@ def outcomes_of(ev: Mapping[str, float]) -> list[Outcome]:
     return out
 
 
+def rating_metrics(ev: Mapping[str, float], table: RunningRatings, *, anchor: str, n_boot: int,
+                   seed: int) -> dict[str, float]:
+    """The ratings of every player of an evaluation's pairings (``ev``'s ``eval/<a>/vs_<b>/wins``
+    ...): ``table`` updated with them, then ``ratings/bt/<name>`` (the Bradley-Terry fit of
+    these games, logits relative to ``anchor``, with ``/lo`` and ``/hi`` from ``n_boot``
+    bootstrap fits) and ``ratings/openskill/<name>`` (mu, ``/sigma``) of the running table."""
+    outcomes = outcomes_of(ev)
+    if not outcomes:
+        return {}
+    table.update(outcomes)
+    out: dict[str, float] = {}
+    for name, (r, lo, hi) in bradley_terry(outcomes, anchor=anchor, n_boot=n_boot, seed=seed).items():
+        out.update({f"ratings/bt/{name}": r, f"ratings/bt/{name}/lo": lo, f"ratings/bt/{name}/hi": hi})
+    for row in table.table():
+        out[f"ratings/openskill/{row['name']}"] = row["mu"]
+        out[f"ratings/openskill/{row['name']}/sigma"] = row["sigma"]
+    return out
+
+
 def win_probability(r_a: float, r_b: float) -> float:
     """P(a beats b) under Bradley-Terry with ratings in logits (a draw counted as half)."""
     d = r_a - r_b
