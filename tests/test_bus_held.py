@@ -12,6 +12,7 @@ import socket
 import struct
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -19,7 +20,7 @@ from conftest import run, until
 
 from opentinker.bus import Client, Puller, Pusher, Server
 from opentinker.bus.auth import run_secret, run_user, secure_client
-from opentinker.bus.common import frame_cap
+from opentinker.bus.common import CurveKeys, frame_cap
 from opentinker.bus.held import (
     SLACK,
     HeldWatch,
@@ -28,7 +29,7 @@ from opentinker.bus.held import (
     wire_bytes,
 )
 from protocols.codec import Limits
-from protocols.messages import PROTOCOL_VERSION, Ack, Heartbeat
+from protocols.messages import PROTOCOL_VERSION, Ack, Heartbeat, LogprobsResult
 
 pytestmark = pytest.mark.skipif(not supported(), reason="TCP_INFO byte counts are Linux's")
 
@@ -108,6 +109,44 @@ def test_wire_bytes_counts_each_frames_zmtp_header():
     frames = [zmq.Frame(b"id"), zmq.Frame(b"x" * 255), zmq.Frame(b"x" * 256)]
     assert wire_bytes(frames) == 2 + 2 + 255 + 2 + 256 + 9
     assert wire_bytes(frames, skip=1) == 255 + 2 + 256 + 9
+    # CURVE: a MESSAGE command of 33 bytes more around each frame
+    assert wire_bytes(frames, skip=1, curve=True) == (255 + 33 + 9) + (256 + 33 + 9)
+    assert wire_bytes([zmq.Frame(b"x" * 222)], curve=True) == 222 + 33 + 2
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_a_long_lived_connection_is_accounted_to_the_byte(curve):
+    """What libzmq read from a client's connection less the wire bytes of its messages is its
+    handshake, and stays exactly that over 1,500 requests of small and large frames (on CURVE
+    too, where each frame travels in a MESSAGE command): no drift that a long-lived connection
+    could add up to a cut."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+
+        async def handler(msg):
+            return Ack()
+
+        keys = CurveKeys.generate() if curve else None
+        server = Server(handler, name="accounted", heartbeat_s=None, keys=keys)
+        ep = await server.start(ctx)
+        watch = server._io.watch
+        assert watch is not None and watch.curve is curve
+        client = Client(ctx, ep, name="long", heartbeat_s=None,
+                        keys=CurveKeys.generate().client_of(keys) if curve else None)
+        assert isinstance(await client.request(Heartbeat(seq=0), 10), Heartbeat)
+        (first,) = watch.excess().values()
+        assert 0 < first < 4096  # the handshake
+        for i in range(1500):
+            msg = Heartbeat(seq=i) if i % 10 else LogprobsResult(logprobs=[np.full(1000 + i, i, np.float32)],
+                                                                 adapter_version=i)
+            await client.request(msg, 10)
+        assert list(watch.excess().values()) == [first]
+        client.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main(), timeout=120)
 
 
 def test_an_unfinished_message_over_the_bound_is_cut_and_the_server_serves_on(caplog):

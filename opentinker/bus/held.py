@@ -58,13 +58,19 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "TCP_INFO")
 
 
-def wire_bytes(frames: list[zmq.Frame], skip: int = 0) -> int:
+CURVE_FRAME = 33
+"""Bytes CURVE adds to each frame: a MESSAGE command (``\\x07MESSAGE``, an 8-byte nonce, a
+16-byte MAC and a flags byte around the data), itself sent as a ZMTP frame."""
+
+
+def wire_bytes(frames: list[zmq.Frame], skip: int = 0, curve: bool = False) -> int:
     """Bytes ``frames`` took on the wire: each frame's data and its ZMTP header (2 bytes up to
-    255 bytes of data, else 9). The first ``skip`` frames are not counted (a ROUTER's routing
-    id frame is made by the receiver, not sent)."""
+    255 bytes, else 9), on CURVE of the MESSAGE command that carries it. The first ``skip``
+    frames are not counted (a ROUTER's routing id frame is made by the receiver, not sent)."""
+    extra = CURVE_FRAME if curve else 0
     n = 0
     for f in frames[skip:]:
-        size = len(f)
+        size = len(f) + extra
         n += size + (2 if size < 256 else 9)
     return n
 
@@ -134,7 +140,7 @@ class HeldWatch:
 
     def __init__(self, sock: zmq.Socket, name: str, counters: dict, *, per_connection: int,
                  total: int, interval_s: float = DEFAULT_INTERVAL_S, router: bool = False,
-                 ctx: zmq.Context | None = None) -> None:
+                 curve: bool = False, ctx: zmq.Context | None = None) -> None:
         if per_connection < 1 or total < per_connection:
             raise ValueError(f"HeldWatch: need 1 <= per_connection <= total, got {per_connection}, {total}")
         self.name = name
@@ -143,6 +149,7 @@ class HeldWatch:
         self.total = total
         self.interval_s = interval_s
         self.router = router
+        self.curve = curve
         self._conns: dict[int, _Conn] = {}
         self._sock = sock
         address = f"inproc://opentinker-held-{id(self):x}"
@@ -182,9 +189,10 @@ class HeldWatch:
             return
         skip = 1 if self.router else 0
         if cut is None:
-            nbytes = wire_bytes(frames, skip)
+            nbytes = wire_bytes(frames, skip, self.curve)
         else:  # only the totals are known: 2 header bytes a frame (short frames), at least
-            nbytes = cut.nbytes - (len(frames[0]) if skip else 0) + 2 * (cut.parts - skip)
+            per_frame = 2 + (CURVE_FRAME if self.curve else 0)
+            nbytes = cut.nbytes - (len(frames[0]) if skip else 0) + per_frame * (cut.parts - skip)
         self.delivered(frames[0], nbytes)
 
     def delivered(self, first: zmq.Frame, nbytes: int) -> None:
@@ -228,8 +236,9 @@ class HeldWatch:
             else:
                 self._conns.pop(fd, None)
 
-    def held(self) -> dict[int, int]:
-        """Bytes libzmq holds for each watched connection now (descriptor -> bytes)."""
+    def excess(self) -> dict[int, int]:
+        """For each watched connection now (descriptor -> bytes): what libzmq read from it less
+        the wire bytes of the messages read from it (its handshake, and what it holds)."""
         self._events()
         out = {}
         for fd, conn in list(self._conns.items()):
@@ -237,8 +246,15 @@ class HeldWatch:
             if got is None:
                 self._conns.pop(fd, None)
                 continue
-            conn.held = max(0, got - conn.delivered - SLACK)
-            out[fd] = conn.held
+            out[fd] = got - conn.delivered
+        return out
+
+    def held(self) -> dict[int, int]:
+        """Bytes libzmq holds for each watched connection now (descriptor -> bytes): its
+        :meth:`excess` less :data:`SLACK`, at least 0."""
+        out = {}
+        for fd, excess in self.excess().items():
+            self._conns[fd].held = out[fd] = max(0, excess - SLACK)
         return out
 
     def check(self) -> list[int]:
@@ -313,11 +329,11 @@ def per_connection_bound(max_bytes: int, frame_cap: int) -> int:
 
 
 def watch(sock: zmq.Socket, endpoint: str, name: str, counters: dict, *, max_bytes: int, frame_cap: int,
-          router: bool = False, ctx: zmq.Context | None = None) -> HeldWatch | None:
+          router: bool = False, curve: bool = False, ctx: zmq.Context | None = None) -> HeldWatch | None:
     """A :class:`HeldWatch` for ``sock`` bound at ``endpoint`` with the default bounds (per
     connection :func:`per_connection_bound`, four times that in all); None where nothing can be
     watched (not Linux, not ``tcp://``)."""
     if not supported() or not endpoint.startswith("tcp://"):
         return None
     per = per_connection_bound(max_bytes, frame_cap)
-    return HeldWatch(sock, name, counters, per_connection=per, total=4 * per, router=router, ctx=ctx)
+    return HeldWatch(sock, name, counters, per_connection=per, total=4 * per, router=router, curve=curve, ctx=ctx)

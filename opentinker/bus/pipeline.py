@@ -83,7 +83,7 @@ class Puller:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._log = LogEvery(log)
         self._watch = watch(self._plain, self.endpoint, "puller", self.counters, max_bytes=self.max_bytes,
-                            frame_cap=frame_cap(self.max_bytes), ctx=ctx)
+                            frame_cap=frame_cap(self.max_bytes), curve=keys is not None, ctx=ctx)
         """What libzmq holds for each pusher, bounded (:mod:`opentinker.bus.held`); it checks on
         the loop of the first :meth:`recv`."""
 

@@ -221,7 +221,7 @@ class Server:
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         held = watch(sock, self.endpoint, self.name, self.counters, max_bytes=self.max_bytes,
-                     frame_cap=frame_cap(self.max_bytes), router=True)
+                     frame_cap=frame_cap(self.max_bytes), router=True, curve=self.keys is not None)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
                                 on_cut=self._on_cut, watch=held)
         self._outbox = Outbox(self._loop, self._route, self.counters, self.stream_backlog)
