@@ -35,6 +35,7 @@ import socket
 import struct
 import sys
 import termios
+import threading
 from dataclasses import dataclass
 
 import zmq
@@ -135,12 +136,18 @@ class HeldWatch:
     The socket's reader calls :meth:`delivered` for every message it reads (its first frame,
     its wire bytes); :meth:`check` is called each ``interval_s`` on the reader's thread. The
     watch owns a monitor socket on ``sock`` (libzmq allows one per socket), made in ``ctx``
-    (default: the socket's context; a shadow socket has none).
+    (default: the socket's context; a shadow socket has none); make it before ``sock`` binds,
+    so no connection is accepted unseen.
+
+    ``follows_reader``: the reader reads only when its owner asks (a puller's ``recv()``),
+    and tells the watch with :meth:`reader_waits`; between checks in which it never waited,
+    complete messages may be queued for it, so nothing is cut then (it is not the peers that
+    stopped). A reader that drains as messages come (a server's) needs no such care.
     """
 
     def __init__(self, sock: zmq.Socket, name: str, counters: dict, *, per_connection: int,
                  total: int, interval_s: float = DEFAULT_INTERVAL_S, router: bool = False,
-                 curve: bool = False, ctx: zmq.Context | None = None) -> None:
+                 curve: bool = False, follows_reader: bool = False, ctx: zmq.Context | None = None) -> None:
         if per_connection < 1 or total < per_connection:
             raise ValueError(f"HeldWatch: need 1 <= per_connection <= total, got {per_connection}, {total}")
         self.name = name
@@ -155,11 +162,17 @@ class HeldWatch:
         address = f"inproc://opentinker-held-{id(self):x}"
         sock.monitor(address, _EVENTS)
         self._monitor = zmq.Context.shadow((ctx or sock.context).underlying).socket(zmq.PAIR)
+        # libzmq's I/O thread sends events with a blocking send: a full queue (a loop held up
+        # while connections come and go) would stall every socket of the context. Events are
+        # a few dozen bytes; the loop reads them as they come.
+        self._monitor.setsockopt(zmq.RCVHWM, 0)
         self._monitor.connect(address)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._monitor_fd: int | None = None
         self._closed = False
+        self.follows_reader = follows_reader
+        self._reader_waiting = self._reader_waited = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Check every ``interval_s`` on ``loop`` (the reader's) until :meth:`close`."""
@@ -203,7 +216,8 @@ class HeldWatch:
             return
         conn = self._conns.get(fd)
         if conn is None:
-            conn = self._accepted(fd)
+            self._events()  # its ACCEPTED event may not have been read yet
+            conn = self._conns.get(fd) or self._accepted(fd)
             if conn is None:
                 return
         conn.delivered += nbytes
@@ -231,8 +245,10 @@ class HeldWatch:
                 continue
             event, fd = struct.unpack("=HI", frames[0][:6])
             if event == zmq.EVENT_ACCEPTED:
-                self._conns.pop(fd, None)
-                self._accepted(fd)
+                known = self._conns.get(fd)
+                if known is None or known.addrs != _peer(fd):  # not this connection, already seen
+                    self._conns.pop(fd, None)
+                    self._accepted(fd)
             else:
                 self._conns.pop(fd, None)
 
@@ -246,6 +262,9 @@ class HeldWatch:
             if got is None:
                 self._conns.pop(fd, None)
                 continue
+            # What was read of a connection never falls short of its messages: more (messages of
+            # a closed connection read after its descriptor went to a new one) is no credit.
+            conn.delivered = min(conn.delivered, got)
             out[fd] = got - conn.delivered
         return out
 
@@ -257,11 +276,21 @@ class HeldWatch:
             self._conns[fd].held = out[fd] = max(0, excess - SLACK)
         return out
 
+    def reader_waits(self, waiting: bool) -> None:
+        """The reader (``follows_reader``) now waits for a message, or stopped waiting."""
+        self._reader_waiting = waiting
+        self._reader_waited = self._reader_waited or waiting
+
     def check(self) -> list[int]:
         """One check: cut the connections holding too much (see the module's docstring).
         Returns the descriptors cut."""
         self.held()
         conns = self._conns
+        if self.follows_reader and not self._reader_waited:  # messages may be waiting for the reader
+            for c in conns.values():
+                c.prev_held, c.seen_messages = 0, c.messages
+            return []
+        self._reader_waited = self._reader_waiting
         # Held at this check and the last, with no message read from it in between.
         stalled = {fd: c for fd, c in conns.items() if c.messages == c.seen_messages and c.held and c.prev_held}
         cut = [fd for fd, c in stalled.items() if c.held > self.per_connection and c.prev_held > self.per_connection]
@@ -277,8 +306,9 @@ class HeldWatch:
         return [fd for fd in cut if self._cut(fd)]
 
     def _cut(self, fd: int) -> bool:
-        conn = self._conns.pop(fd)
+        conn = self._conns[fd]
         if _peer(fd) != conn.addrs:  # closed meanwhile and the number reused: start it afresh,
+            del self._conns[fd]
             fresh = self._accepted(fd)  # counting nothing as held so far
             got = received(fd)
             if fresh is not None and got is not None:
@@ -293,6 +323,7 @@ class HeldWatch:
             return False
         finally:
             s.detach()
+        del self._conns[fd]
         self.counters["dropped/held_connections"] += 1
         self.counters["dropped/held_bytes"] += conn.held
         who = f"{conn.addrs[1][0]}:{conn.addrs[1][1]}"
@@ -304,7 +335,24 @@ class HeldWatch:
         return True
 
     def close(self) -> None:
-        """Stop watching (call before the socket closes)."""
+        """Stop watching (call before the socket closes), from any thread: the watch's own
+        loop, while it runs, does the work."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _running_on(loop):
+            done = threading.Event()
+
+            def on_loop() -> None:
+                try:
+                    self._close()
+                finally:
+                    done.set()
+
+            loop.call_soon_threadsafe(on_loop)
+            if done.wait(10):
+                return
+        self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -322,6 +370,13 @@ class HeldWatch:
         self._conns.clear()
 
 
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def per_connection_bound(max_bytes: int, frame_cap: int) -> int:
     """What one connection may hold: a message in flight up to the frame cap, one complete
     message the reader has not been handed yet (``max_bytes``), and 1 MiB."""
@@ -329,11 +384,13 @@ def per_connection_bound(max_bytes: int, frame_cap: int) -> int:
 
 
 def watch(sock: zmq.Socket, endpoint: str, name: str, counters: dict, *, max_bytes: int, frame_cap: int,
-          router: bool = False, curve: bool = False, ctx: zmq.Context | None = None) -> HeldWatch | None:
+          router: bool = False, curve: bool = False, follows_reader: bool = False,
+          ctx: zmq.Context | None = None) -> HeldWatch | None:
     """A :class:`HeldWatch` for ``sock`` bound at ``endpoint`` with the default bounds (per
     connection :func:`per_connection_bound`, four times that in all); None where nothing can be
     watched (not Linux, not ``tcp://``)."""
     if not supported() or not endpoint.startswith("tcp://"):
         return None
     per = per_connection_bound(max_bytes, frame_cap)
-    return HeldWatch(sock, name, counters, per_connection=per, total=4 * per, router=router, curve=curve, ctx=ctx)
+    return HeldWatch(sock, name, counters, per_connection=per, total=4 * per, router=router, curve=curve,
+                     follows_reader=follows_reader, ctx=ctx)

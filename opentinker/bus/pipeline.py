@@ -77,19 +77,39 @@ class Puller:
         self.max_bytes = self.limits.max_bytes
         self.counters = Counters()
         self._sock = configure(ctx.socket(zmq.PULL), hwm=hwm, max_bytes=self.max_bytes, keys=keys, server=True)
-        self._guard = bind_guarded(self._sock, endpoint, "puller", self.counters, keys)
         self._plain = zmq.Socket.shadow(self._sock.underlying)
+        self._watch = watch(self._plain, endpoint, "puller", self.counters, max_bytes=self.max_bytes,
+                            frame_cap=frame_cap(self.max_bytes), curve=keys is not None, follows_reader=True, ctx=ctx)
+        """What libzmq holds for each pusher, bounded (:mod:`opentinker.bus.held`), watched from
+        before the bind; it checks on the loop the puller is made on (or of its first
+        :meth:`recv`), and only while :meth:`recv` is being called."""
+        try:
+            self._guard = bind_guarded(self._sock, endpoint, "puller", self.counters, keys)
+        except zmq.ZMQError:
+            if self._watch is not None:
+                self._watch.close()
+            raise
+        if self._watch is not None:
+            try:
+                self._watch.start(asyncio.get_running_loop())
+            except RuntimeError:  # made outside a loop: the first recv() starts it
+                pass
         self._bounds = read_bounds(self.limits)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._log = LogEvery(log)
-        self._watch = watch(self._plain, self.endpoint, "puller", self.counters, max_bytes=self.max_bytes,
-                            frame_cap=frame_cap(self.max_bytes), curve=keys is not None, ctx=ctx)
-        """What libzmq holds for each pusher, bounded (:mod:`opentinker.bus.held`); it checks on
-        the loop of the first :meth:`recv`."""
 
     async def recv(self) -> Message:
-        if self._watch is not None:
-            self._watch.start(asyncio.get_running_loop())
+        watch = self._watch
+        if watch is None:
+            return await self._recv()
+        watch.start(asyncio.get_running_loop())
+        watch.reader_waits(True)
+        try:
+            return await self._recv()
+        finally:
+            watch.reader_waits(False)
+
+    async def _recv(self) -> Message:
         while True:
             try:  # through a blocking view of the socket, frame by frame (zmq.asyncio takes all)
                 frames, cut = recv_bounded(self._plain, self._bounds, NOBLOCK)

@@ -216,12 +216,18 @@ class Server:
         # A reply to a peer whose queue is full fails (EAGAIN) instead of vanishing: partials
         # are then dropped and counted, a final reply waits for room (Parked).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys, self.accounts,
-                                  self.curve_users)
+        # Watched from before the bind: no connection is accepted unseen.
+        held = watch(sock, self._bind_to, self.name, self.counters, max_bytes=self.max_bytes,
+                     frame_cap=frame_cap(self.max_bytes), router=True, curve=self.keys is not None)
+        try:
+            self._auth = bind_guarded(sock, self._bind_to, self.name, self.counters, self.keys, self.accounts,
+                                      self.curve_users)
+        except zmq.ZMQError:
+            if held is not None:
+                held.close()
+            raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        held = watch(sock, self.endpoint, self.name, self.counters, max_bytes=self.max_bytes,
-                     frame_cap=frame_cap(self.max_bytes), router=True, curve=self.keys is not None)
         self._io = SocketReader(sock, self._on_frames, self._loop, bounds=read_bounds(self.limits, router=True),
                                 on_cut=self._on_cut, watch=held)
         self._outbox = Outbox(self._loop, self._route, self.counters, self.stream_backlog)

@@ -247,6 +247,13 @@ class Learner:
         out.update({f"client/{k}": v for k, v in self.scheduler.counters.items()})
         return out
 
+    async def _close_puller(self) -> None:
+        """On the loop: the puller's watch and socket are the loop's (uvloop is not thread-safe)."""
+        task = getattr(self, "_recv_task", None)
+        if task is not None:
+            task.cancel()
+        self.puller.close()
+
     async def _receive(self) -> None:
         while True:
             msg = await self.puller.recv()
@@ -418,6 +425,6 @@ class Learner:
     def stop(self) -> None:
         if hasattr(self, "loop"):
             self.loop.run(self.server.stop())
-            self.puller.close()
+            self.loop.run(self._close_puller())
             self.scheduler.close()
             self.loop.stop()
