@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from conftest import run, until
 
-from opentinker.bus import Client, LoopThread, Puller, Pusher, Server
+from opentinker.bus import Client, LoopThread, Puller, Pusher, RemoteError, Server
 from opentinker.bus.auth import run_secret, run_user, secure_client
 from opentinker.bus.common import CurveKeys, frame_cap
 from opentinker.bus.held import (
@@ -117,9 +117,9 @@ def test_wire_bytes_counts_each_frames_zmtp_header():
 @pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
 def test_a_long_lived_connection_is_accounted_to_the_byte(curve):
     """What libzmq read from a client's connection less the wire bytes of its messages is its
-    handshake, and stays exactly that over 1,500 requests of small and large frames (on CURVE
-    too, where each frame travels in a MESSAGE command): no drift that a long-lived connection
-    could add up to a cut."""
+    handshake, and stays exactly that over 1,500 requests of small and large frames and a few
+    over the server's limits (read frame by frame and dropped; on CURVE too, where each frame
+    travels in a MESSAGE command): no drift that a long-lived connection could add up to a cut."""
 
     async def main():
         ctx = zmq.asyncio.Context()
@@ -128,7 +128,8 @@ def test_a_long_lived_connection_is_accounted_to_the_byte(curve):
             return Ack()
 
         keys = CurveKeys.generate() if curve else None
-        server = Server(handler, name="accounted", heartbeat_s=None, keys=keys)
+        server = Server(handler, name="accounted", heartbeat_s=None, keys=keys,
+                        limits=Limits(max_bytes=1 << 20, max_buffers=8))
         ep = await server.start(ctx)
         watch = server._io.watch
         assert watch is not None and watch.curve is curve
@@ -141,6 +142,12 @@ def test_a_long_lived_connection_is_accounted_to_the_byte(curve):
             msg = Heartbeat(seq=i) if i % 10 else LogprobsResult(logprobs=[np.full(1000 + i, i, np.float32)],
                                                                  adapter_version=i)
             await client.request(msg, 10)
+            if i % 300 == 0:  # over the limits: 21 arrays (too many frames), 3 x 400 KB (too many bytes)
+                for n, size in ((21, 50 + i), (3, 100_000)):
+                    with pytest.raises(RemoteError, match="too_large"):
+                        await client.request(LogprobsResult(logprobs=[np.zeros(size, np.float32)] * n,
+                                                            adapter_version=i), 10)
+        assert server.counters["dropped/too_many_frames"] == 5 and server.counters["dropped/too_many_bytes"] == 5
         assert list(watch.excess().values()) == [first]
         client.close()
         await server.stop()

@@ -203,9 +203,8 @@ class HeldWatch:
         skip = 1 if self.router else 0
         if cut is None:
             nbytes = wire_bytes(frames, skip, self.curve)
-        else:  # only the totals are known: 2 header bytes a frame (short frames), at least
-            per_frame = 2 + (CURVE_FRAME if self.curve else 0)
-            nbytes = cut.nbytes - (len(frames[0]) if skip else 0) + per_frame * (cut.parts - skip)
+        else:  # the reader's own count; a ROUTER's routing id was never on the wire
+            nbytes = (cut.wire_curve if self.curve else cut.wire) - wire_bytes(frames[:skip], 0, self.curve)
         self.delivered(frames[0], nbytes)
 
     def delivered(self, first: zmq.Frame, nbytes: int) -> None:

@@ -81,11 +81,20 @@ class Bounds(NamedTuple):
 class Cut(NamedTuple):
     """A message :func:`recv_bounded` did not keep whole: ``why`` (``frames``: more than
     ``Bounds.parts``; ``bytes``: more than ``Bounds.nbytes``), and how many frames and bytes it
-    had in all (every frame read, the dropped ones freed as they were read)."""
+    had in all (every frame read, the dropped ones freed as they were read), and the bytes it
+    took on the wire: each frame with its ZMTP header (``wire``), and on CURVE inside its
+    MESSAGE command (``wire_curve``; see :func:`~opentinker.bus.held.wire_bytes`)."""
 
     why: str
     parts: int
     nbytes: int
+    wire: int = 0
+    wire_curve: int = 0
+
+
+def _on_wire(size: int) -> tuple[int, int]:
+    """Wire bytes of one frame of ``size`` bytes: plain, and on CURVE (33 bytes more)."""
+    return size + (2 if size < 256 else 9), size + 33 + (2 if size < 223 else 9)
 
 
 _DISCARD = bytearray()
@@ -116,20 +125,27 @@ def recv_bounded(sock: zmq.Socket, bounds: Bounds, flags: int = 0,
             return parts, None
     why = "bytes" if size > max_bytes else "frames"
     n, more = len(parts), f.more
+    wire = wire_curve = 0
+    for f in parts:
+        w, wc = _on_wire(len(f))
+        wire, wire_curve = wire + w, wire_curve + wc
     del parts[bounds.keep:]
     del f
     recv_into = getattr(sock, "recv_into", None)  # pyzmq >= 26.4
     while more:
         if recv_into is not None:
-            size += recv_into(_DISCARD, flags=flags)
+            one = recv_into(_DISCARD, flags=flags)
             more = sock.getsockopt(RCVMORE)
         else:
             f = sock.recv(flags, copy=False)
-            size += len(f)
+            one = len(f)
             more = f.more
             del f
+        size += one
+        w, wc = _on_wire(one)
+        wire, wire_curve = wire + w, wire_curve + wc
         n += 1
-    return parts, Cut(why, n, size)
+    return parts, Cut(why, n, size, wire, wire_curve)
 
 
 class SocketReader:
