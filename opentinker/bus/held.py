@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from opentinker.bus.loop import Cut
+from opentinker.bus.loop import Cut, frame_wire
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +59,11 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "TCP_INFO")
 
 
-CURVE_FRAME = 33
-"""Bytes CURVE adds to each frame: a MESSAGE command (``\\x07MESSAGE``, an 8-byte nonce, a
-16-byte MAC and a flags byte around the data), itself sent as a ZMTP frame."""
-
-
 def wire_bytes(frames: list[zmq.Frame], skip: int = 0, curve: bool = False) -> int:
-    """Bytes ``frames`` took on the wire: each frame's data and its ZMTP header (2 bytes up to
-    255 bytes, else 9), on CURVE of the MESSAGE command that carries it. The first ``skip``
-    frames are not counted (a ROUTER's routing id frame is made by the receiver, not sent)."""
-    extra = CURVE_FRAME if curve else 0
-    n = 0
-    for f in frames[skip:]:
-        size = len(f) + extra
-        n += size + (2 if size < 256 else 9)
-    return n
+    """Bytes ``frames`` took on the wire (:func:`~opentinker.bus.loop.frame_wire` each). The
+    first ``skip`` frames are not counted (a ROUTER's routing id frame is made by the
+    receiver, not sent)."""
+    return sum(frame_wire(len(f), curve) for f in frames[skip:])
 
 
 def _borrow(fd: int) -> socket.socket | None:

@@ -83,7 +83,7 @@ class Cut(NamedTuple):
     ``Bounds.parts``; ``bytes``: more than ``Bounds.nbytes``), and how many frames and bytes it
     had in all (every frame read, the dropped ones freed as they were read), and the bytes it
     took on the wire: each frame with its ZMTP header (``wire``), and on CURVE inside its
-    MESSAGE command (``wire_curve``; see :func:`~opentinker.bus.held.wire_bytes`)."""
+    MESSAGE command (``wire_curve``; :func:`frame_wire`)."""
 
     why: str
     parts: int
@@ -92,9 +92,17 @@ class Cut(NamedTuple):
     wire_curve: int = 0
 
 
-def _on_wire(size: int) -> tuple[int, int]:
-    """Wire bytes of one frame of ``size`` bytes: plain, and on CURVE (33 bytes more)."""
-    return size + (2 if size < 256 else 9), size + 33 + (2 if size < 223 else 9)
+CURVE_FRAME = 33
+"""Bytes CURVE adds to each frame: a MESSAGE command (``\\x07MESSAGE``, an 8-byte nonce, a
+16-byte MAC and a flags byte around the data), itself sent as a ZMTP frame."""
+
+
+def frame_wire(size: int, curve: bool = False) -> int:
+    """Bytes one frame of ``size`` bytes takes on the wire: its data and its ZMTP header (2
+    bytes up to 255 bytes, else 9), on CURVE of the MESSAGE command that carries it."""
+    if curve:
+        size += CURVE_FRAME
+    return size + (2 if size < 256 else 9)
 
 
 _DISCARD = bytearray()
@@ -127,8 +135,7 @@ def recv_bounded(sock: zmq.Socket, bounds: Bounds, flags: int = 0,
     n, more = len(parts), f.more
     wire = wire_curve = 0
     for f in parts:
-        w, wc = _on_wire(len(f))
-        wire, wire_curve = wire + w, wire_curve + wc
+        wire, wire_curve = wire + frame_wire(len(f)), wire_curve + frame_wire(len(f), True)
     del parts[bounds.keep:]
     del f
     recv_into = getattr(sock, "recv_into", None)  # pyzmq >= 26.4
@@ -142,8 +149,7 @@ def recv_bounded(sock: zmq.Socket, bounds: Bounds, flags: int = 0,
             more = f.more
             del f
         size += one
-        w, wc = _on_wire(one)
-        wire, wire_curve = wire + w, wire_curve + wc
+        wire, wire_curve = wire + frame_wire(one), wire_curve + frame_wire(one, True)
         n += 1
     return parts, Cut(why, n, size, wire, wire_curve)
 
