@@ -473,7 +473,7 @@ def test_twins_outlive_a_cancelled_leader_and_leave_when_cancelled(hosts):
         eng.run_until_done(twins[:2])
     finally:
         eng.max_batch_tokens = budget
-    assert eng._n_twins == 0 and not eng.running and not eng.waiting
+    assert eng.scheduler._n_twins == 0 and not eng.running and not eng.waiting
     for t in twins[:2]:
         alone = _alone(eng, None, prompt, params, t.seed)
         assert t.out_tokens == alone.out_tokens
@@ -511,16 +511,16 @@ def test_paused_rows_sit_steps_out_and_draw_what_they_draw_alone(hosts):
 
 def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(sched, monkeypatch):
     engine = sched.host.engine
-    real = engine._forward
+    real = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky(plan):
+    def flaky(batch):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault in a forward")
-        return real(plan)
+        return real(batch)
 
-    monkeypatch.setattr(engine, "_forward", flaky)
+    monkeypatch.setattr(engine.runner, "execute", flaky)
 
     async def body(c):
         with pytest.raises(RemoteError, match="injected fault"):

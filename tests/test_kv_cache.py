@@ -39,10 +39,11 @@ def _state(m: BlockManager, *allocs: Allocation) -> tuple[object, ...]:
 
 def test_pool_shapes_and_bytes() -> None:
     pool = KVPool(2, 3, 8, block_size=4, num_blocks=5, dtype=torch.float32)
-    assert pool.k.shape == (2, 20, 3, 8) and pool.v.shape == (2, 20, 3, 8)
-    assert pool.k[1].shape == (20, 3, 8)
+    # 20 slots of 5 blocks, and the scratch slot that padding rows of a captured decode step write
+    assert pool.k.shape == (2, 21, 3, 8) and pool.v.shape == (2, 21, 3, 8) and pool.scratch_slot == 20
+    assert pool.k[1].shape == (21, 3, 8)
     assert pool.bytes_per_block == 2 * 2 * 4 * 3 * 8 * 4 == 1536
-    assert pool.nbytes == 5 * 1536
+    assert pool.nbytes == 5 * 1536 + 2 * 2 * 3 * 8 * 4
     assert KVPool.block_bytes(2, 3, 8, 4, torch.bfloat16) == 768
 
 

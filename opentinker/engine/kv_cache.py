@@ -85,7 +85,8 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        """Allocate ``k`` and ``v``, each ``[num_layers, num_blocks * block_size, Hkv, D]``.
+        """Allocate ``k`` and ``v``, each ``[num_layers, num_blocks * block_size + 1, Hkv, D]``
+        (the last slot is :attr:`scratch_slot`).
 
         Allocated empty, so on a CPU the operating system backs only the pages that KV is
         written to (memory grows with the KV in use, not the budget). The only slot ever read
@@ -100,7 +101,10 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * block_size
-        shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
+        self.scratch_slot = self.num_slots
+        """One slot past the blocks, never read: the padding rows of a captured decode step
+        write their keys and values there."""
+        shape = (num_layers, self.num_slots + 1, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, 0].zero_()

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from opentinker.engine.kv_cache import Allocation
 from protocols.messages import SamplingParams, StopReason
@@ -63,8 +62,11 @@ class Sequence:
     version: int = -1
     """The adapter's version at admission (-1: the base model)."""
     alloc: Allocation | None = None
-    slots_S: torch.Tensor | None = None
+    slots_S: np.ndarray | None = None
     """``int64[S]`` pool slot of every position it may fill (prompt + max_tokens), fixed at admission."""
+    row_slot: int = -1
+    """Its slot in the running batch, ``[0, max_rows)``, while admitted (-1 otherwise): the
+    model runner keeps its sampling parameters and block table there."""
     twins: list[Sequence] = field(default_factory=list)
     """Waiting rows with this row's namespace and prompt, admitted while it computes that
     prompt: they take its prompt's keys, values and last logits instead of computing them."""
