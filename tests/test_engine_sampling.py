@@ -51,17 +51,19 @@ def _chi2(counts_N: torch.Tensor, probs_N: torch.Tensor) -> float:
     return float(((counts_N.double() - expected_N) ** 2 / expected_N).sum())
 
 
-@pytest.mark.parametrize("slice_rows", [0, 5])
+@pytest.mark.parametrize("tile", [0, 1000])
 @pytest.mark.parametrize("device", _DEVICES)
 def test_a_row_draws_the_same_alone_among_others_and_in_any_order(
-        device: str, slice_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``slice_rows``: the noise drawn for 5 rows at a time (0: the default, all 32 at once here)."""
+        device: str, tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tile``: the noise drawn in vocabulary tiles of at most 1000 columns (5 tiles of 820
+    here; 0: the default, one tile)."""
     gen = torch.Generator().manual_seed(0)
     B, V = 32, 4099  # odd V: rows straddle vector and thread-chunk boundaries differently
-    if slice_rows:
+    if tile:
         import opentinker.engine.sampling as sampling_mod
 
-        monkeypatch.setattr(sampling_mod, "_NOISE_ELEMS", slice_rows * V)
+        monkeypatch.setattr(sampling_mod, "_TILE", tile)
+        assert len(sampling_mod._tiles(V)) == 5
     logits_B_V = (torch.randn(B, V, generator=gen) * 3).to(device)
     params = _mixed_params(B, V, gen)
     seeds = [_SEEDS[i % len(_SEEDS)] + 1000 * (i // len(_SEEDS)) for i in range(B)]

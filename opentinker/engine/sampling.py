@@ -15,11 +15,46 @@ vocabulary id and finalized once more. The top 23 bits give ``u = (m + 0.5) / 2*
 in float32 and strictly inside (0, 1). Nothing depends on the batch, so a seeded row draws
 the same tokens alone, among other rows, or after joining a running batch.
 
-Overflow. The hash runs on int64 tensors holding uint32 values. Multipliers are stored as
-signed 32-bit constants (``c - 2**32`` when ``c >= 2**31``), so every product has magnitude
-below ``2**32 * 2**31 = 2**63`` and never overflows; masking with ``0xFFFFFFFF`` (two's
-complement) then yields exactly the uint32 product mod ``2**32``. Shifts act on values in
-``[0, 2**32)`` only, so arithmetic and logical shifts agree.
+Shape of a draw (:func:`draw`). The row keys of the whole batch are hashed once; then the
+vocabulary is cut into ``n = ceil(V / _TILE)`` column tiles of equal width (chosen from V
+alone). Per tile: the noise, ``x = logits / T``, the tile's log-sum-exp, and ``max(x + g)``
+with its index; the tiles are combined by one ``argmax`` over the tiles' maxima (the first
+maximum wins, so ties go to the lower vocabulary id, exactly as a full-row ``argmax``) and
+one ``logsumexp`` over their log-sum-exps. So the number of ATen ops (kernels) depends on V
+and the top-k/top-p flags, never on B, and the tokens are bitwise those of
+``argmax(kept + g)`` over the whole row. The plain path (no top-k, no top-p) makes no host
+sync and branches on nothing but shapes and host flags: it can be captured in a CUDA graph
+(after one eager call, which fills the per-(V, device) caches and compiles the kernel).
+
+Fused CUDA path. On CUDA with Triton, one kernel (:func:`_gumbel_max_kernel`) does hash ->
+uniform -> Gumbel -> add -> running argmax and the log-sum-exp for a (row, vocabulary chunk)
+per program, reading the logits once in their own dtype; three small torch ops combine the
+chunks. It is a function of (seed, position, logits) only, like the torch path, and is
+written to draw the torch CUDA path's tokens bit for bit: the integer hash and ``u`` are
+exact, the division is ``div_rn`` (IEEE, as torch's), the Gumbel logs are libdevice's
+``logf`` without flush-to-zero and without fma contraction (as nvcc builds torch's ``log``).
+Whether it is bitwise equal to the torch CUDA path is checked by ``tests/test_sampling_ops.py``
+on a GPU (not yet run: written on a CPU machine, tested under ``TRITON_INTERPRET=1``). Its
+log-sum-exp (fast ``exp``) matches to ~1e-6, not bitwise. Neither CUDA path is bitwise equal
+to the CPU path: the integer hash and ``u`` are, but CPU (Sleef) and CUDA ``log`` may differ
+by an ulp on the same float, so a near-tie may resolve differently. ``_FUSED_ON_CUDA = False``
+sends CUDA through the torch path.
+
+Overflow. The torch hash runs on int64 tensors holding uint32 values. Multipliers are stored
+as signed 32-bit constants (``c - 2**32`` when ``c >= 2**31``), so every product has
+magnitude below ``2**32 * 2**31 = 2**63`` and never overflows; masking with ``0xFFFFFFFF``
+(two's complement) then yields exactly the uint32 product mod ``2**32``. Shifts act on values
+in ``[0, 2**32)`` only, so arithmetic and logical shifts agree. The Triton kernel uses uint32
+arithmetic (wrapping multiply, logical shifts): the same values.
+
+Memory. The torch path's scratch is per tile: the int64 hash and one int64 shift buffer (16
+bytes an element), then float32 noise, the tempered logits and log-sum-exp's temporary
+(12 bytes an element); the plain path never holds a ``[B, V]`` float32 tensor. With
+``_TILE = 2**14`` columns that is ``16 * B * 16384`` bytes at most: 64 MiB at B = 256 (62 MB
+at V = 151,936, tiles of 15,194), and it grows linearly with B (the price of an op count
+independent of B). Top-k/top-p rows add the ``[B, V]`` tempered logits and the truncated copy
+(8 bytes an element) and :func:`truncate`'s sorts. The fused kernel's scratch is
+``[B, n_chunks]``.
 
 Deviations and hazards.
 * Ties. Both cuts are value thresholds: every token equal to the k-th value, or to the token
@@ -28,17 +63,20 @@ Deviations and hazards.
   ``_truncate``'s nucleus depends on an unstable sort and ours does not (bf16 logits tie).
 * Top-p reads the sorted prefix from one ``topk`` of ``_PREFIX`` entries and fully sorts only
   the rows whose nucleus is longer (a full sort of a 32 x 49k batch costs ~50-100 ms on this
-  CPU). Finding those rows is a host sync, one per step that has a top-p row.
+  CPU). Finding those rows is a host sync, one per step that has a top-p row; top-k with
+  ``max_top_k >= V`` costs another. Those paths are not graph-capturable.
 * Resolution. ``u`` has 23 bits, so ``g`` lies in [-2.81, 16.64]: a token ``e**19.45``
   (3e8) times less likely than the row's best is never drawn.
 * Batch invariance rests on elementwise kernels giving an element the same bits wherever it
   sits in the batch: tested on this CPU build (vector and scalar tails agree), expected of
   CUDA (every element runs the same code). Per-row reductions (log-sum-exp) may reorder
-  with the batch shape, so log-probs are compared to 1e-6, not bitwise.
+  with the batch shape, so log-probs are compared to 1e-6, not bitwise; the tiled
+  log-sum-exp (a ``logsumexp`` of per-tile ones) differs from a one-pass one by rounding.
 * The row key has 32 bits: two (seed, position) pairs share a noise vector with probability
   2**-32 (harmless: their draws are then merely not independent of each other).
 * Near-ties in ``logits / T + g`` resolve to the lower id; NaN logits are not checked (a
-  check would cost a device sync every step).
+  check would cost a device sync every step): the torch path draws the first NaN, as
+  ``argmax`` does; the fused kernel treats a NaN as ``+inf``. The log-prob is NaN either way.
 """
 
 from __future__ import annotations
@@ -51,14 +89,18 @@ import torch
 
 from protocols.messages import SamplingParams
 
+from opentinker.engine.gumbel_kernel import _BLOCK, _CHUNK, _gumbel_max_fused, _interpret, triton  # noqa: F401
+
 _MASK32 = 0xFFFF_FFFF
 _M1 = 0x7FEB352D  # lowbias32 multipliers (Wellons, hash-prospector), as signed 32-bit
 _M2 = 0x846CA68B - (1 << 32)
 _SALTS = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1)  # domain separation
-_NOISE_ELEMS = 1 << 18
-"""Elements of Gumbel noise drawn at once (rows per slice = this // V, at least 1)."""
+_TILE = 1 << 14
+"""Most vocabulary columns per tile of the torch path (tiles: ``ceil(V / _TILE)``)."""
 _PREFIX = 1024
 """Sorted entries per row read by ``topk`` before falling back to a full sort for top-p."""
+_FUSED_ON_CUDA = True
+"""CUDA logits go through the Triton kernel when Triton imports (False: the torch path)."""
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -148,28 +190,113 @@ def _nucleus_cut(sorted_B_K: torch.Tensor, lse_B: torch.Tensor, top_p_B: torch.T
     return cut_B, done_B
 
 
-def _draw(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
-          top_p_B: torch.Tensor, seed_B: torch.Tensor, position_B: torch.Tensor,
-          max_top_k: int, any_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sample` without validation; the flags are host-side bounds (see :func:`truncate`)."""
-    x_B_V = logits_B_V.float() / temperature_B.float()[:, None]
-    lse_B = torch.logsumexp(x_B_V, dim=-1)  # log-probs are taken before truncation
-    kept_B_V = x_B_V
+# ------------------------------------------------------------------ noise + argmax, torch
+
+
+def _tiles(vocab_size: int) -> list[tuple[int, int]]:
+    """Column ranges ``[c0, c1)`` of the torch path: ``ceil(V / _TILE)`` tiles of equal width
+    (the last one shorter), a function of V alone."""
+    n = -(-vocab_size // _TILE)
+    width = -(-vocab_size // n)
+    return [(c0, min(vocab_size, c0 + width)) for c0 in range(0, vocab_size, width)]
+
+
+@functools.lru_cache(maxsize=8)
+def _tile_starts(vocab_size: int, tile: int, device: torch.device) -> torch.Tensor:
+    """``int64[n]`` first column of each tile, cached per device (``tile`` is ``_TILE``, in the
+    key because tests vary it)."""
+    return torch.tensor([c0 for c0, _ in _tiles(vocab_size)], dtype=torch.int64, device=device)
+
+
+def _tempered(logits_B_W: torch.Tensor, temperature_B1: torch.Tensor) -> torch.Tensor:
+    """``float32`` ``logits / T``; bf16/fp16 logits are widened inside the division (exact, so
+    the same bits as ``logits.float() / T``)."""
+    if logits_B_W.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        logits_B_W = logits_B_W.float()
+    return torch.div(logits_B_W, temperature_B1)
+
+
+def _gumbel_max_torch(logits_B_V: torch.Tensor, temperature_B1: torch.Tensor,
+                      keys_B1: torch.Tensor, x_B_V: torch.Tensor | None,
+                      kept_B_V: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax(kept + g), logsumexp(x))`` per row, in column tiles (see the module docstring).
+
+    ``x_B_V``/``kept_B_V``: the tempered logits and their truncation, when top-k/top-p made
+    them; None on the plain path, which tempers each tile of ``logits_B_V`` itself."""
+    V = logits_B_V.shape[1]
+    vkeys_V = _vocab_keys(V, logits_B_V.device)
+    best, arg, lse = [], [], []
+    for c0, c1 in _tiles(V):
+        # -log(-log(u)) without the last negation: kept + (-t) and kept - t are the same float
+        t_B_W = _unit(_mix32_(keys_B1 ^ vkeys_V[c0:c1])).log_().neg_().log_()
+        x_B_W = (_tempered(logits_B_V[:, c0:c1], temperature_B1) if x_B_V is None
+                 else x_B_V[:, c0:c1])
+        lse.append(torch.logsumexp(x_B_W, dim=-1))
+        y_B_W = x_B_W if kept_B_V is None else kept_B_V[:, c0:c1]
+        best_B, arg_B = torch.sub(y_B_W, t_B_W, out=t_B_W).max(dim=-1)  # first max on ties
+        best.append(best_B)
+        arg.append(arg_B)
+        del t_B_W, x_B_W, y_B_W
+    tile_B1 = torch.stack(best, dim=1).argmax(dim=1, keepdim=True)  # first tile on ties
+    arg_B_N = torch.stack(arg, dim=1).add_(_tile_starts(V, _TILE, logits_B_V.device))
+    return arg_B_N.gather(1, tile_B1)[:, 0], torch.logsumexp(torch.stack(lse, dim=1), dim=1)
+
+
+# ------------------------------------------------------------------ draw
+
+
+def draw(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
+         top_p_B: torch.Tensor, seed_B: torch.Tensor, position_B: torch.Tensor,
+         max_top_k: int, any_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` without validation: ``(tokens_B int64, logprobs_B float32)``.
+
+    ``max_top_k`` (>= every ``top_k_B``; 0: no row uses top-k) and ``any_top_p`` (some
+    ``top_p_B < 1``) are host-side flags (see :func:`truncate`). Every row is drawn at once:
+    the ATen ops (GPU kernels) launched depend on V, the flags and the device, never on B.
+    With ``max_top_k == 0 and not any_top_p`` there is no host sync and no branch on data, so
+    the call can be captured in a CUDA graph (warm it up once first, to fill the caches);
+    top-k/top-p add :func:`truncate`'s documented syncs.
+    """
+    B, V = logits_B_V.shape
+    if V == 0:
+        raise ValueError("logits_B_V has an empty vocabulary")
+    temperature_B = temperature_B.float()
+    T_B1 = temperature_B[:, None]
+    empty = logits_B_V.new_empty(0)
+    x_B_V = kept_B_V = empty
     if max_top_k > 0 or any_top_p:
+        x_B_V = _tempered(logits_B_V, T_B1)
         kept_B_V = truncate(x_B_V, top_k_B, top_p_B.float(), max_top_k, any_top_p)
-    B, V = x_B_V.shape
-    # The noise in slices of rows: the hash's int64 scratch is 20 bytes per element, 40 MB for
-    # 32 rows of a 49k vocabulary at once, the largest transient of a decode step on a small
-    # model; slices of ~256k elements hold it to ~5 MB (rows are independent: same draws).
-    step = max(1, _NOISE_ELEMS // max(V, 1))
-    tokens = []
-    for r0 in range(0, B, step):
-        r1 = min(B, r0 + step)
-        g_R_V = uniforms(seed_B[r0:r1], position_B[r0:r1], V).log_().neg_().log_().neg_()
-        tokens.append(g_R_V.add_(kept_B_V[r0:r1]).argmax(-1))
-        del g_R_V
-    tokens_B = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-    return tokens_B, x_B_V.gather(1, tokens_B[:, None])[:, 0] - lse_B
+    tokens_B, lse_B = gumbel_max(logits_B_V, temperature_B, seed_B, position_B, x_B_V, kept_B_V)
+    x_tok_B = _tempered(logits_B_V.gather(1, tokens_B[:, None]), T_B1)[:, 0]  # x_B_V's bits
+    return tokens_B, x_tok_B - lse_B
+
+
+def _gumbel_max(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, seed_B: torch.Tensor,
+                position_B: torch.Tensor, x_B_V: torch.Tensor, kept_B_V: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax(kept + g), logsumexp(x))`` per row, g the (seed, position) Gumbel noise: the
+    rows' keys hashed once, then the fused kernel (CUDA) or the tiles (elsewhere). ``x_B_V`` and
+    ``kept_B_V`` are empty on the plain path (the tiles temper the logits themselves)."""
+    keys_B = _row_keys(seed_B.long(), position_B.long())
+    x = x_B_V if x_B_V.numel() else None
+    kept = kept_B_V if kept_B_V.numel() else None
+    if logits_B_V.is_cuda and _FUSED_ON_CUDA and triton is not None:
+        return _gumbel_max_fused(logits_B_V, temperature_B, keys_B, kept)
+    return _gumbel_max_torch(logits_B_V, temperature_B[:, None], keys_B[:, None], x, kept)
+
+
+# One op to the dispatcher (a decode step's op count is its kernels on CUDA; see
+# opentinker/engine/model/ops.py): noise, argmax and log-sum-exp of every row.
+_LIB = torch.library.Library("opentinker", "FRAGMENT")
+_LIB.define("gumbel_max(Tensor logits, Tensor temperature, Tensor seed, Tensor position, Tensor x, Tensor kept) "
+            "-> (Tensor, Tensor)")
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("gumbel_max", _gumbel_max, _key)
+gumbel_max = torch.ops.opentinker.gumbel_max.default
+
+
+_draw = draw  # the name before it was public
 
 
 def sample(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
@@ -202,7 +329,7 @@ def sample(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch
                                      "top_k_B must be >= 0", "position_B must be >= 0")):
         if flag:
             raise ValueError(msg)
-    return _draw(logits_B_V, temperature_B, top_k_B, top_p_B, seed_B, position_B,
+    return draw(logits_B_V, temperature_B, top_k_B, top_p_B, seed_B, position_B,
                  int(stats[4]), bool(stats[5]))
 
 
@@ -273,5 +400,5 @@ class SamplingBatch:
         if logits_B_V.dim() != 2 or logits_B_V.shape[0] != self.seed_B.shape[0]:
             raise ValueError(f"logits_B_V must have shape ({self.seed_B.shape[0]}, V), "
                              f"got {tuple(logits_B_V.shape)}")
-        return _draw(logits_B_V, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B,
+        return draw(logits_B_V, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B,
                      self.position_B, self.max_top_k, self.any_top_p)
