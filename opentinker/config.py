@@ -157,6 +157,9 @@ class ModelConfig(_Config):
     """Tokens per KV block: a turn recomputes at most this many tokens it could have reused."""
     max_batch_tokens: Annotated[int, Meta(ge=1, le=MAX_BATCH_TOKENS)] = 2048
     """Tokens one engine step computes at most (prefill chunks + one per decoding row)."""
+    cuda_graphs: bool = True
+    """On CUDA (with triton), replay the engine's decode steps from CUDA graphs captured per
+    batch-size bucket; ``false`` runs every step eagerly (for debugging). No effect on CPU."""
 
 
 class PolicyConfig(_Config):

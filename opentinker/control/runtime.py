@@ -277,7 +277,8 @@ class Job:
                         "read_roots": [p.init for p in cfg.policies if p.init],  # warm starts: read only
                         "max_new_tokens": max(DEFAULT_MAX_NEW_TOKENS, cfg.sampling.max_tokens),
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
-                                           "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype}}
+                                           "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype,
+                                           "cuda_graphs": m.cuda_graphs}}
         if cfg.runtime.scheduler:
             from opentinker.serve.service import attach
 

@@ -49,7 +49,7 @@ class ModelHost:
         insists on it (``UnsupportedArchitecture`` otherwise); ``"peft"`` is the PEFT path
         (whole-request batches, no prefix reuse). ``engine_options`` go to
         :class:`~opentinker.engine.step_loop.Engine` (``kv_budget_bytes``, ``block_size``,
-        ``max_batch_tokens``, ``max_rows``, ``lora_method``), plus ``dtype`` (``"float32"`` or
+        ``max_batch_tokens``, ``max_rows``, ``lora_method``, ``cuda_graphs``), plus ``dtype`` (``"float32"`` or
         ``"bfloat16"``: base weights and activations; LoRA weights and optimizer states stay
         fp32) and ``device_budget_bytes`` (weights + KV + adapters with optimizer states;
         adapters beyond it spill to host memory)."""

@@ -197,7 +197,7 @@ class ModelRunner:
             return []
         logits_D_V = decoder.logits(h_N_H.index_select(0, sample_idx_R)).index_select(0, logit_row_D)
         params = [s.params for s in drawing]
-        tokens_D, logp_D = sampling._draw(
+        tokens_D, logp_D = sampling.draw(
             logits_D_V, self.temperature_P.index_select(0, draw_slot_D), self.top_k_P.index_select(0, draw_slot_D),
             self.top_p_P.index_select(0, draw_slot_D), self.seed_P.index_select(0, draw_slot_D), draw_pos_D,
             max(p.top_k for p in params), any(p.top_p < 1 for p in params))
@@ -273,12 +273,23 @@ class DecodeGraphs:
                              ctx_len, np.ones(B, dtype=np.int64), np.ones(B, dtype=np.int64), triton=True)
         lora = SlotLora.per_token(r.registry.slots, r.scales(), adapter_slot) if r.registry.slots.capacity else None
         h = decoder(ids, pos, attn, lora)
-        return sampling._draw(decoder.logits(h), r.temperature_P.index_select(0, row_slot),
+        return sampling.draw(decoder.logits(h), r.temperature_P.index_select(0, row_slot),
                               r.top_k_P.index_select(0, row_slot), r.top_p_P.index_select(0, row_slot),
                               r.seed_P.index_select(0, row_slot), pos + 1, 0, False)
 
     def _capture(self, B: int) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
         self._fill(B, None)
+        if self.runner.device.type != "cuda":
+            # No graphs off CUDA: a "replay" runs the same body on the static buffers, so the
+            # buffers, buckets and padding rows are tested on CPU (triton's interpreter).
+            tokens = torch.empty(B, dtype=torch.int64)
+            logp = torch.empty(B, dtype=torch.float32)
+
+            def replay() -> None:
+                t, lp = self._body(B)
+                tokens.copy_(t)
+                logp.copy_(lp)
+            return replay, tokens, logp
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile the kernels and settle the allocator first
