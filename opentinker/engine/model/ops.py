@@ -17,7 +17,8 @@ Two layouts, chosen by the caller (the model runner) per forward:
 * **chunks** (composite): the tokens gathered into ``[C, Lt]`` chunks of one adapter each
   (:func:`.slot_lora.chunk_plan`): ``index_T`` (clamped flat token per entry), ``chunk_slot_C``,
   ``s0`` (the first chunk's slot when the chunks' slots are consecutive, read as a view; else
-  -1) and ``scale`` = ``[C, Lt, 1]`` weights (alpha / r, 0 on padding entries); ``u`` is
+  -1), ``in_order`` (the entries are the flat tokens in order, no padding: x and y are read
+  and written as views, no gather or scatter) and ``scale`` = ``[C, Lt, 1]`` weights (alpha / r, 0 on padding entries); ``u`` is
   ``[C, Lt, G*R]`` in x's dtype.
 """
 
@@ -32,11 +33,11 @@ __all__ = ["lora_expand_", "lora_shrink", "paged_decode"]
 
 _LIB = torch.library.Library("opentinker", "DEF")
 _LIB.define("lora_shrink(Tensor x, Tensor A, Tensor slot_N, Tensor scale, Tensor index_T, Tensor chunk_slot_C, "
-            "int s0, int Lt) -> Tensor")
+            "int s0, int Lt, bool in_order) -> Tensor")
 _LIB.define("lora_expand_(Tensor(a!) y, Tensor u, Tensor B, Tensor slot_N, Tensor index_T, Tensor chunk_slot_C, "
-            "int s0, int col) -> ()")
+            "int s0, int col, bool in_order) -> ()")
 _LIB.define("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor ctx_len, "
-            "Tensor ctx_slots, Tensor ctx_mask, int block_size, float sm_scale) -> Tensor")
+            "Tensor ctx_slots, Tensor? ctx_mask, int block_size, float sm_scale) -> Tensor")
 
 
 def _take(t: torch.Tensor, chunk_slot_C: torch.Tensor, s0: int) -> torch.Tensor:
@@ -45,32 +46,37 @@ def _take(t: torch.Tensor, chunk_slot_C: torch.Tensor, s0: int) -> torch.Tensor:
 
 
 def _lora_shrink(x: torch.Tensor, A: torch.Tensor, slot_N: torch.Tensor, scale: torch.Tensor,
-                 index_T: torch.Tensor, chunk_slot_C: torch.Tensor, s0: int, Lt: int) -> torch.Tensor:
+                 index_T: torch.Tensor, chunk_slot_C: torch.Tensor, s0: int, Lt: int, in_order: bool) -> torch.Tensor:
     """``u = scale * x A[slot]^T`` for every token: ``x_N_in``, ``A_S_GR_in`` -> ``u`` (module doc)."""
     if index_T.numel() == 0:
         return triton_ops.lora_shrink(x, A, slot_N, scale)
-    x_C_Lt_in = x.index_select(0, index_T).view(chunk_slot_C.shape[0], Lt, -1)
+    C = chunk_slot_C.shape[0]
+    x_C_Lt_in = x.view(C, Lt, -1) if in_order else x.index_select(0, index_T).view(C, Lt, -1)
     return torch.bmm(x_C_Lt_in, _take(A, chunk_slot_C, s0).transpose(1, 2).to(x.dtype)).mul_(scale)
 
 
 def _lora_expand_(y: torch.Tensor, u: torch.Tensor, B: torch.Tensor, slot_N: torch.Tensor, index_T: torch.Tensor,
-                  chunk_slot_C: torch.Tensor, s0: int, col: int) -> None:
+                  chunk_slot_C: torch.Tensor, s0: int, col: int, in_order: bool) -> None:
     """``y[n] += u[n, col:col+R] B[slot_n]^T`` in place: ``y_N_out``, ``B_S_out_R``."""
     R = B.shape[2]
     if index_T.numel() == 0:
         triton_ops.lora_expand_(y, u[:, col:col + R], B, slot_N)
         return
     u_j = u if u.shape[-1] == R else u[:, :, col:col + R]
-    out = torch.bmm(u_j, _take(B, chunk_slot_C, s0).transpose(1, 2).to(u.dtype))
-    y.index_add_(0, index_T, out.view(-1, y.shape[1]))
+    B_C_R_out = _take(B, chunk_slot_C, s0).transpose(1, 2).to(u.dtype)
+    if in_order:
+        y.view(chunk_slot_C.shape[0], -1, y.shape[1]).baddbmm_(u_j, B_C_R_out)
+    else:
+        y.index_add_(0, index_T, torch.bmm(u_j, B_C_R_out).view(-1, y.shape[1]))
 
 
 def _paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                  ctx_len: torch.Tensor, ctx_slots: torch.Tensor, ctx_mask: torch.Tensor, block_size: int,
+                  ctx_len: torch.Tensor, ctx_slots: torch.Tensor, ctx_mask: torch.Tensor | None, block_size: int,
                   sm_scale: float) -> torch.Tensor:
     """One query per row over its context: ``q_G_Hq_D`` -> ``o_G_Hq_D``. Triton reads the
     contexts through ``block_table``/``ctx_len``; the composite gathers ``ctx_slots_GC``
-    (padding entries at slot 0, hidden by ``ctx_mask_G_1_1_C``) and folds the query heads that
+    (padding entries at slot 0, hidden by ``ctx_mask_G_1_1_C``; None when every context is
+    ``C`` long) and folds the query heads that
     share a KV head into SDPA's query axis, so each KV head is read once."""
     if ctx_slots.numel() == 0:
         return triton_ops.paged_decode_attention(q, k_pool, v_pool, block_table, ctx_len, block_size, sm_scale)

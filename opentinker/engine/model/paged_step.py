@@ -114,8 +114,8 @@ class StepAttention(Attention):
             inside = j_C[None] < cl_dev[:, None]
             slots = torch.where(inside, slots[:, :Cg], 0)
             causal = False
-            if is_decode:
-                mask = inside[:, None, None]  # [G, 1, 1, Cg]: the real context
+            if is_decode:  # [G, 1, 1, Cg]: the real context (None when it hides nothing: SDPA is faster)
+                mask = None if bool((cl == Cg).all()) else inside[:, None, None]
             elif bool((ql == cl).all()) and bool((cl == Cg).all()):
                 mask, causal = None, True  # a fresh prefill of equal rows: exactly causal
             else:

@@ -55,6 +55,8 @@ class ChunkPlan:
     s0: int
     """The first chunk's slot when the chunks' slots are ``s0, s0 + 1, ...`` (read as a view),
     else -1."""
+    in_order: bool = False
+    """The entries are the flat tokens ``0 .. N-1`` in order, no padding (x and y as views)."""
 
 
 def chunk_plan(token_slot_N: np.ndarray, rank: int) -> ChunkPlan:
@@ -90,7 +92,8 @@ def chunk_plan(token_slot_N: np.ndarray, rank: int) -> ChunkPlan:
         offset += int(c) * Lt
     s0 = int(chunk_slot[0])
     consecutive = bool((chunk_slot == s0 + np.arange(C)).all())
-    return ChunkPlan(index, chunk_slot, C, Lt, s0 if consecutive else -1)
+    in_order = len(index) == len(token_slot_N) and bool((index == np.arange(len(index))).all())
+    return ChunkPlan(index, chunk_slot, C, Lt, s0 if consecutive else -1, in_order)
 
 
 class SlotLora:
@@ -99,13 +102,15 @@ class SlotLora:
     projection, whatever the rows and adapters."""
 
     def __init__(self, store: LoraSlots, scale: torch.Tensor, slot_N: torch.Tensor,
-                 index_T: torch.Tensor, chunk_slot_C: torch.Tensor, s0: int = -1, Lt: int = 1) -> None:
+                 index_T: torch.Tensor, chunk_slot_C: torch.Tensor, s0: int = -1, Lt: int = 1,
+                 in_order: bool = False) -> None:
         """Per token (triton): ``slot_N`` and ``scale`` = ``float32[S]``, ``index_T`` and
         ``chunk_slot_C`` empty. In chunks (composite): :class:`ChunkPlan`'s ``index_T``
         (clamped), ``chunk_slot_C``, ``s0``, ``Lt`` and ``scale`` = ``[C, Lt, 1]`` weights
         (see :mod:`.ops`)."""
         self.store, self.scale, self.slot_N = store, scale, slot_N
         self.index_T, self.chunk_slot_C, self.s0, self.Lt = index_T, chunk_slot_C, s0, Lt
+        self.in_order = in_order
         self._shared: tuple[int, tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -121,7 +126,8 @@ class SlotLora:
         ``chunk_slot_C`` are on the device: padding entries read token 0 at weight 0."""
         weight = (index_T >= 0).view(plan.C, plan.Lt, 1).to(dtype) * scale_S.index_select(0, chunk_slot_C).to(
             dtype)[:, None, None]
-        return cls(store, weight, index_T.new_empty(0), index_T.clamp(min=0), chunk_slot_C, plan.s0, plan.Lt)
+        return cls(store, weight, index_T.new_empty(0), index_T.clamp(min=0), chunk_slot_C, plan.s0, plan.Lt,
+                   plan.in_order)
 
     def touches(self, layer: int, module: str) -> bool:
         """The store holds LoRA for ``module`` (the same answer for every layer and batch)."""
@@ -139,8 +145,8 @@ class SlotLora:
             u = sh[3]
         else:
             u = ops.lora_shrink(x_N_in, self.store.A[(layer, group)], self.slot_N, self.scale, self.index_T,
-                                self.chunk_slot_C, self.s0, self.Lt)
+                                self.chunk_slot_C, self.s0, self.Lt, self.in_order)
             self._shared = (layer, group, x_N_in, u)
         ops.lora_expand_(y_N_out, u, self.store.B[(layer, module)], self.slot_N, self.index_T, self.chunk_slot_C,
-                         self.s0, j * self.store.rank)
+                         self.s0, j * self.store.rank, self.in_order)
         return y_N_out
