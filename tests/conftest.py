@@ -35,9 +35,9 @@ def chat_tok(tiny_path):
 
 @pytest.fixture()
 def scheduler(tiny_path):
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
 
-    s = Scheduler(tiny_path, threads=1, device=DEVICE)  # 2 torch threads spin on a busy 2-core box
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)  # 2 torch threads spin on a busy 2-core box
     s.start()
     yield s
     s.stop()
@@ -147,9 +147,9 @@ def one_request_per_batch(monkeypatch):
     sampling independent of arrival times: what differs then is only what a resume restores."""
     from opentinker.engine import service
 
-    init = service.Scheduler.__init__
+    init = service.SchedulerService.__init__
 
     def alone(self, *args, **kwargs):
         init(self, *args, **{**kwargs, "max_batch_rows": 1, "batch_window_s": 0.0})
 
-    monkeypatch.setattr(service.Scheduler, "__init__", alone)
+    monkeypatch.setattr(service.SchedulerService, "__init__", alone)

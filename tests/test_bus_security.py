@@ -466,9 +466,9 @@ BAD_PROMPTS = {
 
 @pytest.fixture(params=["auto", "peft"])
 def any_scheduler(request, tiny_path):
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
 
-    s = Scheduler(tiny_path, threads=1, device=DEVICE, engine=request.param)
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, engine=request.param)
     s.start()
     yield s
     s.stop()

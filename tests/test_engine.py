@@ -187,9 +187,9 @@ def test_a_kv_budget_too_small_for_one_request_is_refused(tiny_path):
 
 @pytest.fixture()
 def sched(tiny_path):
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
 
-    s = Scheduler(tiny_path, threads=1, device=DEVICE, engine="own", fair_window_s=0.5,
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, engine="own", fair_window_s=0.5,
                   engine_options={"kv_budget_bytes": 16 << 20, "block_size": 4})
     s.start()
     yield s

@@ -117,7 +117,7 @@ params = SamplingParams(max_tokens=5, temperature=0.8)
 out = []
 for graphs in (False, True):
     h = host(graphs)
-    rows = h.runner.sample(["a0", None, "a1"], prompts, [params] * 3, [11, 12, 13])
+    rows = h.inference.sample(["a0", None, "a1"], prompts, [params] * 3, [11, 12, 13])
     out.append(rows)
     if graphs:
         assert h.engine.runner.graphs.replays >= 4, h.engine.runner.graphs.replays

@@ -40,9 +40,9 @@ WAIT_S = 20.0
 @pytest.fixture(scope="module")
 def sched(tiny_path):
     """One scheduler for the module, with an adapter trained one step away from the base."""
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
 
-    s = Scheduler(tiny_path, threads=1, device=DEVICE)
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)
     s.start()
     with SyncClient(s.endpoint, name="setup") as c:
         c.request(CreateAdapter(name=ADAPTER, spec=LoraSpec(rank=4)), WAIT_S)

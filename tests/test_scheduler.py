@@ -179,9 +179,9 @@ def test_prefix_sharing_and_dedup_are_exact(tiny_path, chat_tok):
 
 @pytest.fixture()
 def peft_scheduler(tiny_path):
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
 
-    s = Scheduler(tiny_path, threads=1, device=DEVICE, engine="peft")
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, engine="peft")
     s.start()
     yield s
     s.stop()

@@ -75,13 +75,13 @@ def hostile(rng: np.random.Generator, run_dir: str, outside: str, n: int):
 
 @pytest.mark.slow
 def test_fuzzing_a_real_scheduler_never_stops_it(tiny_path, tmp_path):
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
 
     run_dir, outside = tmp_path / "run", tmp_path / "outside"
     run_dir.mkdir()
     outside.mkdir()
     (run_dir / "link").symlink_to(outside)
-    s = Scheduler(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)])
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)])
     s.start()
     seq = np.arange(1, 7, dtype=np.int32)
     try:

@@ -453,7 +453,7 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
 
     from conftest import DEVICE, run, with_client
     from opentinker.bus import RemoteError
-    from opentinker.engine.service import Scheduler
+    from opentinker.engine.service import SchedulerService
     from protocols.messages import CreateAdapter, ErrorCode, LoadAdapter, LoraSpec, SaveAdapter
 
     run_dir, outside, warm = tmp_path / "run", tmp_path / "outside", tmp_path / "warm"
@@ -461,7 +461,7 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
     outside.mkdir()
     (outside / "secret_folder").mkdir()
     (run_dir / "link").symlink_to(outside)
-    s = Scheduler(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)], read_roots=[str(warm)])
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)], read_roots=[str(warm)])
     s.start()
     try:
         async def body(c):

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from opentinker.bus.auth import Credentials, run_secret, run_user
 from opentinker.bus.common import RemoteError
 from opentinker.bus.sync import SyncClient
-from opentinker.engine.service import Scheduler
+from opentinker.engine.service import SchedulerService
 from opentinker.engine.tenants import Tenants
 from protocols.messages import (
     AdamParams,
@@ -63,7 +63,7 @@ def _refused(c: SyncClient, msg, code: str, words: str) -> None:
 
 
 def test_jobs_are_tenants_with_their_own_names_folders_and_credentials(tiny_path, tmp_path):
-    s = Scheduler(tiny_path, tenants=Tenants())
+    s = SchedulerService(tiny_path, tenants=Tenants())
     ep = s.start()
     try:
         with SyncClient(ep, "owner") as owner:
@@ -128,7 +128,7 @@ def test_jobs_are_tenants_with_their_own_names_folders_and_credentials(tiny_path
 
 
 def test_a_wrong_job_secret_gets_nothing(tiny_path):
-    s = Scheduler(tiny_path, tenants=Tenants())
+    s = SchedulerService(tiny_path, tenants=Tenants())
     ep = s.start()
     try:
         with SyncClient(ep, "owner") as owner:
@@ -147,7 +147,7 @@ def test_a_job_is_opened_only_where_the_scheduler_sees_its_folders(tiny_path, tm
     outside the job's roots is refused too. ``attach`` writes and removes the probe itself."""
     from opentinker.serve.service import ServiceInfo, attach
 
-    s = Scheduler(tiny_path, tenants=Tenants())
+    s = SchedulerService(tiny_path, tenants=Tenants())
     ep = s.start()
     root = tmp_path / "runs"
     root.mkdir()
@@ -183,7 +183,7 @@ def test_a_scheduler_on_curve_takes_each_job_by_its_key(tiny_path):
     from protocols.messages import CloseJob, CreateAdapter, ListAdapters, LoraSpec
 
     server, owner = zmq.curve_keypair(), zmq.curve_keypair()
-    s = Scheduler(tiny_path, tenants=Tenants(owner_curve=owner[0].decode()),
+    s = SchedulerService(tiny_path, tenants=Tenants(owner_curve=owner[0].decode()),
                   curve_keys=CurveKeys(public=server[0], secret=server[1]))
     ep = s.start()
     z = server[0].decode()
@@ -399,7 +399,7 @@ def test_a_shared_schedulers_forward_backward_runs_in_parts_with_the_same_result
     probe = LogprobsRequest(adapter="main", sequences=[d.tokens for d in datums[:2]])
     results = {}
     for shared in (False, True):
-        s = Scheduler(tiny_path, tenants=Tenants() if shared else None, engine_options={"max_batch_tokens": 64})
+        s = SchedulerService(tiny_path, tenants=Tenants() if shared else None, engine_options={"max_batch_tokens": 64})
         ep = s.start()
         try:
             with SyncClient(ep, "owner") as c:
@@ -423,7 +423,7 @@ def test_a_shared_schedulers_forward_backward_runs_in_parts_with_the_same_result
 def test_backlogged_jobs_get_compute_in_proportion_to_their_priorities(tiny_path):
     """Two jobs that keep the scheduler busy, priorities 1 and 3: while both wait, their compute
     counters split about 1 : 3 (a proportion of compute time, not a timing)."""
-    s = Scheduler(tiny_path, tenants=Tenants(), fair_window_s=30.0, engine_options={"max_rows": 16})  # saturated: 48 rows asked
+    s = SchedulerService(tiny_path, tenants=Tenants(), fair_window_s=30.0, engine_options={"max_rows": 16})  # saturated: 48 rows asked
     ep = s.start()
     prompts = [np.arange(3 + i, 40 + i, dtype=np.int32) for i in range(4)]
     params = SamplingParams(max_tokens=24, seed=1)

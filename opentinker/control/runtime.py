@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _KINDS = {
-    "scheduler": "opentinker.engine.service:Scheduler",
+    "scheduler": "opentinker.engine.service:SchedulerService",
     "env_runner": "opentinker.rollout.env_runner:EnvRunner",
     "learner": "opentinker.training.learner:Learner",
     "coordinator": "opentinker.control.coordinator:Coordinator",

@@ -6,7 +6,7 @@ scheduler calls it from its single compute thread):
 
 * the adapter registry (:mod:`opentinker.engine.registry`): the base model, create, drop,
   snapshot, versions;
-* the model runner (:mod:`opentinker.engine.runner`): mixed-adapter sampling, teacher-forced
+* the inference API (:mod:`opentinker.engine.inference`): mixed-adapter sampling, teacher-forced
   log-probs, critic values;
 * the trainer (:mod:`opentinker.engine.trainer`): ``forward_backward`` with a loss from
   ``learners``, AdamW ``optim_step``;
@@ -31,7 +31,7 @@ from opentinker.engine.registry import (
     AdapterState,
     UnknownAdapterError,
 )
-from opentinker.engine.runner import ModelRunner
+from opentinker.engine.inference import Inference
 from opentinker.engine.step_loop import Engine
 from opentinker.engine.trainer import Trainer, drain
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
@@ -71,8 +71,8 @@ class ModelHost:
                     raise
         if self.engine is None:
             self.registry = AdapterRegistry(model_path, device=device, threads=threads)
-        self.runner = ModelRunner(self.registry, self.engine)
-        self.trainer = Trainer(self.registry, self.runner)
+        self.inference = Inference(self.registry, self.engine)
+        self.trainer = Trainer(self.registry, self.inference)
         self.device = self.registry.device
         self.model_path = model_path
 
@@ -97,11 +97,11 @@ class ModelHost:
     @property
     def share_prefix(self) -> bool:
         """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
-        return self.runner.share_prefix
+        return self.inference.share_prefix
 
     @share_prefix.setter
     def share_prefix(self, value: bool) -> None:
-        self.runner.share_prefix = value
+        self.inference.share_prefix = value
 
     def _select(self, adapter: str | None):
         return self.registry.select(adapter)
@@ -124,14 +124,14 @@ class ModelHost:
     # Compute.
     def sample(self, adapters: Sequence[str | None], prompts: Sequence[np.ndarray],
                params: Sequence[SamplingParams], seeds: Sequence[int]) -> list[SampledRow]:
-        return self.runner.sample(adapters, prompts, params, seeds)
+        return self.inference.sample(adapters, prompts, params, seeds)
 
     def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64,
                  temperature: float = 1.0, tail: int = 0) -> list[np.ndarray]:
-        return self.runner.logprobs(adapter, seqs, chunk, temperature, tail)
+        return self.inference.logprobs(adapter, seqs, chunk, temperature, tail)
 
     def values(self, adapter: str, seqs: Sequence[np.ndarray], chunk: int = 64) -> list[np.ndarray]:
-        return self.runner.values(adapter, seqs, chunk)
+        return self.inference.values(adapter, seqs, chunk)
 
     def forward_backward(self, adapter: str, datums: Sequence[Datum], loss: str, loss_config: Mapping[str, float],
                          normalizer: float, chunk: int = 64, value_normalizer: float = 0.0,

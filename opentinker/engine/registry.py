@@ -3,7 +3,7 @@
 :class:`AdapterRegistry` holds the base model (PEFT injects the LoRA layers into it in
 place), each adapter's parameters (:class:`AdapterState`: its portable parameter table, its
 AdamW, its version) and the adapter lifecycle: create, drop, snapshot (a frozen copy). The
-model runner (:mod:`opentinker.engine.runner`), the trainer (:mod:`opentinker.engine.trainer`)
+inference API (:mod:`opentinker.engine.inference`), the trainer (:mod:`opentinker.engine.trainer`)
 and the adapter files (:mod:`opentinker.engine.adapter_io`) read and change adapters only
 through it.
 """

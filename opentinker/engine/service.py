@@ -173,7 +173,7 @@ def confined(path: str, roots: Sequence[str] | None) -> str:
 
 
 STOP_TIMEOUT_S = 60.0
-"""How long :meth:`Scheduler.stop` waits for the compute thread's current work."""
+"""How long :meth:`SchedulerService.stop` waits for the compute thread's current work."""
 
 DEFAULT_MAX_NEW_TOKENS = 8192
 """The scheduler's own bound on ``SamplingParams.max_tokens`` (below the model's context)."""
@@ -240,7 +240,7 @@ class _Job:
     """The job it came from on a shared scheduler (its compute time is charged to it)."""
 
 
-class Scheduler:
+class SchedulerService:
     """Owns a :class:`~opentinker.engine.host.ModelHost` and serves it on the bus."""
 
     def __init__(
@@ -645,7 +645,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
             self._stop = True
             self._cv.notify_all()
         if self.host is not None:
-            self.host.runner.interrupt.set()
+            self.host.inference.interrupt.set()
         if hasattr(self, "loop"):
             self.loop.run(self.server.stop())
             self.loop.stop()

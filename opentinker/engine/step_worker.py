@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from opentinker.engine.runner import sampled_row
+from opentinker.engine.inference import sampled_row
 from opentinker.engine.sequence import Sequence
 from protocols.messages import (
     DropAdapter,
@@ -50,7 +50,7 @@ from protocols.messages import (
 )
 
 if TYPE_CHECKING:
-    from opentinker.engine.service import Scheduler, _Job
+    from opentinker.engine.service import SchedulerService, _Job
 
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class JobShare:
 class StepWorker:
     """Runs the scheduler's engine and operations on the compute thread."""
 
-    def __init__(self, scheduler: Scheduler, train_share: float = 0.5, fair_window_s: float = 10.0,
+    def __init__(self, scheduler: SchedulerService, train_share: float = 0.5, fair_window_s: float = 10.0,
                  anticipate_s: float = 0.25) -> None:
         if not 0.0 < train_share < 1.0:
             raise ValueError(f"train_share must be in (0, 1), got {train_share}")
@@ -244,7 +244,7 @@ class StepWorker:
         m: SampleRequest = job.msg  # type: ignore[assignment]
         host = self.s.host
         try:
-            host.runner.check_sample([m.adapter] * len(m.prompts), m.prompts, [m.params] * len(m.prompts))
+            host.inference.check_sample([m.adapter] * len(m.prompts), m.prompts, [m.params] * len(m.prompts))
             seqs = [self.engine.add(m.adapter, p, m.params, m.params.seed + i, owner=job) for i, p in enumerate(m.prompts)]
         except (ValueError, KeyError) as e:  # one bad request never fails its batch-mates
             self.s._reply(job, e)

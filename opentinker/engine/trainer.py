@@ -2,7 +2,7 @@
 on one adapter of the registry.
 
 Log-probs for training are computed only at the positions the loss needs: the transformer
-body runs on the whole sequence (through the model runner, shared prefixes once), the 49k-row
+body runs on the whole sequence (through the inference API, shared prefixes once), the 49k-row
 vocabulary projection only on the hidden states that predict a loss token. A loss that needs
 the reference (a KL penalty, DPO) gets the base model's log-probs at the same positions,
 computed with the adapter off and no gradient. An adapter's critic
@@ -29,7 +29,7 @@ from learners import (
 )
 from opentinker.engine import value_head
 from opentinker.engine.registry import AdapterRegistry, AdapterState
-from opentinker.engine.runner import ModelRunner, scaled
+from opentinker.engine.inference import Inference, scaled
 from opentinker.engine.shared_forward import project_logprobs
 from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, gather
 from protocols.messages import AdamParams, Datum
@@ -40,9 +40,9 @@ T = TypeVar("T")
 class Trainer:
     """Gradients and optimizer steps for the registry's trainable adapters."""
 
-    def __init__(self, registry: AdapterRegistry, runner: ModelRunner) -> None:
+    def __init__(self, registry: AdapterRegistry, inference: Inference) -> None:
         self.registry = registry
-        self.runner = runner
+        self.inference = inference
         self.device = registry.device
 
     def check_datums(self, datums: Sequence[Datum], needs: Sequence[str] = ("mask",)) -> None:
@@ -148,9 +148,9 @@ class Trainer:
             ref_N = None
             if want_ref:
                 with torch.no_grad(), self.registry.select(None):
-                    ref_N = self.runner.logp_at(seqs, masks, self.runner.share_prefix, temperature=temperature).logp_N
+                    ref_N = self.inference.logp_at(seqs, masks, self.inference.share_prefix, temperature=temperature).logp_N
             with self.registry.select(adapter), grad_on(state):
-                hidden = self.runner.hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
+                hidden = self.inference.hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
                 if len(hidden.tokens_U) == 0:
                     continue
                 total_loss = torch.zeros((), device=self.device)

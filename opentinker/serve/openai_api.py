@@ -315,7 +315,7 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
     """The OpenAI-compatible app in front of the scheduler at bus ``endpoint``.
 
     Args:
-        endpoint: the scheduler's bus endpoint (what ``Scheduler.start()`` returned).
+        endpoint: the scheduler's bus endpoint (what ``SchedulerService.start()`` returned).
         model_path: the model folder the scheduler serves (for its tokenizer and chat template).
         api_key: when set, every route needs ``Authorization: Bearer <api_key>``.
         timeout_s: the bound on one bus request; a sample still running then is cancelled.

@@ -1,6 +1,6 @@
 """``opentinker serve``: one long-lived scheduler that many jobs share, and how a job finds it.
 
-The service is a :class:`~opentinker.engine.service.Scheduler` with tenants
+The service is a :class:`~opentinker.engine.service.SchedulerService` with tenants
 (:mod:`opentinker.engine.tenants`) and, beside it, the OpenAI-compatible HTTP endpoint
 (:mod:`opentinker.serve.openai_api`). It writes a *service file* (JSON, mode 0600 in a folder
 of mode 0700: ``$OPENTINKER_HOME/service.json``, by default ``~/.opentinker/service.json``)
@@ -203,14 +203,14 @@ class ServiceCore:
     def start(self) -> str:
         from opentinker.bus import LOOPBACK
         from opentinker.bus.common import CurveKeys, tcp_endpoint
-        from opentinker.engine.service import Scheduler
+        from opentinker.engine.service import SchedulerService
         from opentinker.engine.tenants import Tenants
 
         c = self.curve
         keys = CurveKeys(public=c["server_public"].encode(), secret=c["server_secret"].encode()) if c else None
         host = self.bus_host
         endpoint = tcp_endpoint(host) if host else LOOPBACK
-        self.scheduler = Scheduler(self.model_path, device=self.device, endpoint=endpoint, curve_keys=keys,
+        self.scheduler = SchedulerService(self.model_path, device=self.device, endpoint=endpoint, curve_keys=keys,
                                    tenants=Tenants(self.owner_priority, owner_curve=c["owner_public"] if c else ""),
                                    **self.scheduler_args)
         endpoint = self.scheduler.start()
@@ -297,7 +297,7 @@ class Service:
             reach puts the bus on CURVE (keys made at start, in the service file), so that
             jobs on those machines can attach with a copy of the service file.
         bus_curve: CURVE on loopback too.
-        scheduler: further :class:`~opentinker.engine.service.Scheduler` arguments.
+        scheduler: further :class:`~opentinker.engine.service.SchedulerService` arguments.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",

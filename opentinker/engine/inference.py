@@ -1,5 +1,6 @@
-"""The model runner: sampling, teacher-forced log-probs and critic values on the registry's
-model, in one forward pass per batch.
+"""The inference API: sampling, teacher-forced log-probs and critic values on the registry's
+model, in one forward pass per batch (the engine's step loop samples where the own forward
+runs; its tensors are :mod:`opentinker.engine.model_runner`'s).
 
 Sampling mixes adapters in one batch through PEFT's ``adapter_names``
 (:func:`opentinker.engine.peft_sampler.sample_rows`). Log-probs are computed only at the
@@ -41,7 +42,7 @@ class Interrupted(RuntimeError):
     """A call cut short because its process is stopping."""
 
 
-class ModelRunner:
+class Inference:
     """Runs the registry's model: ``sample``, ``logprobs``, ``values`` (no gradients) and the
     hidden-state and log-prob passes the trainer differentiates."""
 
