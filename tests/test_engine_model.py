@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -16,13 +18,12 @@ from opentinker.engine.model import (
     LoraBatch,
     LoraStackCache,
     LoraWeights,
-    PagedAttention,
-    PagedLayout,
     UnsupportedArchitecture,
     spec_from_hf_config,
 )
 from opentinker.engine.model.decoder import rope_inv_freq
 from opentinker.engine.model.lora_slots import LoraSlots
+from opentinker.engine.model.paged_step import StepAttention
 from protocols.messages import LoraSpec
 
 V = 320
@@ -162,18 +163,13 @@ def test_paged_chunked_prefill_and_decode_equal_dense() -> None:
             ids = torch.cat([seqs[r][a:e] for r, a, e in step])
             pos = torch.cat([torch.arange(a, e) for r, a, e in step])
             slots = torch.cat([tables[r][torch.arange(a, e) // bs] * bs + torch.arange(a, e) % bs for r, a, e in step])
-            C = max(e for _, _, e in step)
-            ctx_pos = torch.arange(C)
-            ctx = torch.stack([torch.where(ctx_pos < e, tables[r][ctx_pos // bs % 8] * bs + ctx_pos % bs, -1)
-                               for r, _, e in step])
             lens = [e - a for _, a, e in step]
             starts = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
-            if len(step) == 3 and lens[0] > 1:  # a padding token outside every row: never written
-                ids, pos = torch.cat([ids, ids[:1]]), torch.cat([pos, pos[:1]])
-                slots = torch.cat([slots, torch.tensor([-1])])
-            layout = PagedLayout(slots, starts, lens, [e for _, _, e in step], ctx)
-            assert [g.Lg for g in layout.groups] == ([1, max(lens)] if 1 in lens and max(lens) > 1 else [max(lens)])
-            h = dec(ids, pos, PagedAttention(k_pool, v_pool, layout))
+            ends = np.array([e for _, _, e in step])
+            attn = StepAttention(k_pool, v_pool, bs, slots, tables[[r for r, _, _ in step]], torch.from_numpy(ends),
+                                 np.array(lens), ends)
+            assert [g.Lg for g in attn.groups] == ([1, max(lens)] if 1 in lens and max(lens) > 1 else [max(lens)])
+            h = dec(ids, pos, attn)
             for (r, a, e), off in zip(step, starts):
                 got[r][a:e] = h[off:off + e - a]
         ids, mask = _batch([12, 9, 7], 12, left=False)
@@ -540,16 +536,16 @@ def test_paged_in_order_groups_equal_dense() -> None:
             ids = torch.cat([seqs[r][a:e] for r, a, e in step])
             pos = torch.cat([torch.arange(a, e) for r, a, e in step])
             slots = torch.cat([tables[r][torch.arange(a, e) // bs] * bs + torch.arange(a, e) % bs for r, a, e in step])
-            C = max(e for _, _, e in step)
-            ctx = torch.stack([tables[r][torch.arange(C) // bs] * bs + torch.arange(C) % bs for r, _, _ in step])
             lens = [e - a for _, a, e in step]
             starts = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
-            layout = PagedLayout(slots, starts, lens, [e for _, _, e in step], ctx)
-            (grp,) = layout.groups
-            assert grp.in_order
+            ends = np.array([e for _, _, e in step])
+            attn = StepAttention(k_pool, v_pool, bs, slots, tables[[r for r, _, _ in step]], torch.from_numpy(ends),
+                                 np.array(lens), ends)
+            (grp,) = attn.groups
+            assert grp.q_index_GL is None  # the flat tokens in order: no gather or scatter of q and o
             assert grp.causal == (i == 0)
-            assert (grp.sdpa_mask is None) == (i in (0, 2, 3))
-            h = dec(ids, pos, PagedAttention(k_pool, v_pool, layout))
+            assert (grp.mask is None) == (i in (0, 2, 3))
+            h = dec(ids, pos, attn)
             for (r, a, e), off in zip(step, starts):
                 got[r][a:e] = h[off:off + e - a]
         ref = dec(torch.stack(seqs).reshape(-1), torch.arange(10).repeat(3), DenseAttention(3, 10)).view(3, 10, -1)

@@ -5,7 +5,7 @@ must be chosen before triton is first imported (its standard library is built th
 of this file therefore skips the kernel tests in-process and reruns them in one subprocess
 started with ``TRITON_INTERPRET=1`` (:func:`test_kernels_under_the_interpreter`). Plus: the
 references against the engine's own torch paths (LoraBatch on a LoraSlots store,
-PagedAttention), one launch with a grid from shapes only, an ahead-of-time compile of every
+StepAttention), one launch with a grid from shapes only, an ahead-of-time compile of every
 kernel for sm_90 through ptxas (no GPU needed), and the module without triton installed."""
 
 from __future__ import annotations
@@ -204,19 +204,19 @@ def test_paged_decode_attention_matches_reference(interp, Hq, Hkv, D, block_size
     assert _big(out.float() - ref.float()) < tol
 
 
-def test_paged_reference_equals_paged_attention() -> None:
-    """The reference is the engine's PagedAttention on decode rows (GQA as repeat_kv)."""
-    from opentinker.engine.model import PagedAttention, PagedLayout
+def test_paged_reference_equals_step_attention() -> None:
+    """The reference is the engine's StepAttention on decode rows (GQA as repeat_kv)."""
+    import numpy as np
+
+    from opentinker.engine.model import StepAttention
 
     ctx, bs, Hq, Hkv, D = [5, 17, 8, 1], 8, 6, 2, 16
     q, k, v, bt, ctx_t = _paged_case(len(ctx), Hq, Hkv, D, bs, ctx, torch.float32, seed=3)
     last = torch.tensor([int(bt[b, (c - 1) // bs]) * bs + (c - 1) % bs for b, c in enumerate(ctx)])
-    C = max(ctx)
-    ctx_slots = torch.stack([bt[b].clamp(min=0).long().repeat_interleave(bs)[:C] * bs + torch.arange(C) % bs
-                             for b in range(len(ctx))])
-    layout = PagedLayout(last, list(range(len(ctx))), [1] * len(ctx), ctx, ctx_slots)
+    attn = StepAttention([k.clone()], [v.clone()], bs, last, bt, ctx_t.long(), np.ones(len(ctx), dtype=np.int64),
+                         np.array(ctx))
     with torch.no_grad():
-        engine = PagedAttention([k.clone()], [v.clone()], layout)(0, q.contiguous(), k[last], v[last])
+        engine = attn(0, q.contiguous(), k[last], v[last])
     ref = T.paged_decode_attention_ref(q, k, v, bt, ctx_t, bs, D**-0.5)
     assert _big(engine - ref) < 1e-5
 

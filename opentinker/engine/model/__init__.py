@@ -2,19 +2,21 @@
 and two attention backends (dense padded batches for training, a paged KV pool for serving).
 
 Build a :class:`Decoder` (``from_pretrained`` a safetensors folder, or ``from_hf_model``), then
-per forward an attention backend (:class:`DenseAttention` or :class:`PagedAttention` with a
-:class:`PagedLayout`) and optionally a :class:`LoraBatch`; ``decoder(ids_N, pos_N, attn, lora)``
+per forward an attention backend (:class:`DenseAttention`, or :class:`StepAttention` over the
+engine's KV pool) and optionally a :class:`LoraBatch` (or the engine's
+:class:`~.slot_lora.SlotLora`); ``decoder(ids_N, pos_N, attn, lora)``
 gives final hidden states and ``decoder.logits(h_R_H)`` the vocabulary projection of the rows
 needed. :class:`UnsupportedArchitecture` means: use the PEFT path.
 """
 
-from .attention import Attention, DenseAttention, DenseCache, PagedAttention, PagedLayout
+from .attention import Attention, DenseAttention, DenseCache
+from .paged_step import StepAttention
 from .config import DecoderSpec, RopeScaling, UnsupportedArchitecture, spec_from_hf_config
 from .decoder import Decoder
 from .lora import DEFAULT_METHOD, LoraBatch, LoraStackCache, LoraWeights, peft_name
 
 __all__ = [
-    "Attention", "DenseAttention", "DenseCache", "PagedAttention", "PagedLayout",
+    "Attention", "DenseAttention", "DenseCache", "StepAttention",
     "DecoderSpec", "RopeScaling", "UnsupportedArchitecture", "spec_from_hf_config",
     "Decoder", "DEFAULT_METHOD", "LoraBatch", "LoraStackCache", "LoraWeights", "peft_name",
 ]

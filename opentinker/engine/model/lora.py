@@ -57,7 +57,7 @@ import main; main()"``, one thread's CPU time, min of 7), 32 rows x 64 tokens (a
     4    32x1      7.0 ms      5.1 ms             2.7 ms          5.6 ms
     16   32x1     25.9 ms     16.9 ms             7.1 ms         16.5 ms
 
-One engine step (``PagedLayout``/``PagedAttention`` over a block-size-8 slot pool, LoRA, the
+One engine step (paged attention over a block-size-8 slot pool, LoRA, the
 vocabulary projection of the 32 sampled rows), before (``segments``, MKL linears) and after
 (``bgmv``, oneDNN linears, the paged shortcuts), ms of wall time, min of 3-6 (1 thread: also
 its CPU time)::
