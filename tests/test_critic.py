@@ -114,7 +114,7 @@ def _fix_old_values(host, name: str, datums: list[Datum]) -> list[Datum]:
 def test_value_head_starts_at_zero_and_values_are_the_head_on_the_state_before_each_token(host) -> None:
     host.create_adapter("fresh", CRITIC)
     named = host.adapters["fresh"].named
-    assert named["value_head.weight"].shape == (1, host.registry.inner().lm_head.weight.shape[1])
+    assert named["value_head.weight"].shape == (1, host.registry.lm_head.weight.shape[1])
     seqs = [d.tokens for d in _datums()]
     assert all(not v.any() for v in host.values("fresh", seqs))  # zero-initialised: no baseline
     host.drop_adapter("fresh")
@@ -123,8 +123,7 @@ def test_value_head_starts_at_zero_and_values_are_the_head_on_the_state_before_e
     got = host.values("crit_a", seqs)
     with torch.no_grad(), host._select("crit_a"):
         for tokens, row in zip(seqs, got):
-            h_T_H = host.registry.inner().model(input_ids=torch.as_tensor(tokens, dtype=torch.long, device=host.device)[None]
-                                    ).last_hidden_state[0]
+            h_T_H = host.registry.hidden(torch.as_tensor(tokens, dtype=torch.long, device=host.device)[None])[0][0]
             v_T = value_head.apply(named := host.adapters["crit_a"].named, h_T_H).cpu().numpy()
             assert row.dtype == np.float32 and row.shape == tokens.shape
             assert row[0] == 0.0  # no state precedes the first token
@@ -159,8 +158,7 @@ def test_value_loss_gradient_is_exact_and_reaches_the_head_and_the_lora_weights(
 
     with host._select("crit_g"), grad_on(state):
         for d in datums:
-            h_T_H = host.registry.inner().model(input_ids=torch.as_tensor(d.tokens, dtype=torch.long, device=host.device)[None]
-                                    ).last_hidden_state[0]
+            h_T_H = host.registry.hidden(torch.as_tensor(d.tokens, dtype=torch.long, device=host.device)[None])[0][0]
             pos = np.nonzero(d.loss_inputs["value_mask"])[0]
             v = value_head.apply(state.named, h_T_H[pos - 1])
             r = torch.as_tensor(d.loss_inputs["value_targets"][pos], device=host.device)

@@ -125,14 +125,13 @@ class Inference:
         """Log-probs (and optionally entropies) at the masked positions of ``seqs`` with the
         active adapter, of ``softmax(logits / temperature)`` (see
         :func:`opentinker.engine.shared_forward.selected_logprobs`)."""
-        inner = self.registry.inner()
-        return selected_logprobs(inner.model, scaled(inner.lm_head, temperature), seqs, masks,
+        return selected_logprobs(self.registry.hidden, scaled(self.registry.lm_head, temperature), seqs, masks,
                                  self.registry.pad_id, self.device, share, entropy=entropy,
                                  entropy_grad=entropy_grad)
 
     def hidden_at(self, seqs: Seq[np.ndarray], masks: Seq[np.ndarray]) -> Hidden:
         """Final hidden states before the masked positions, with the active adapter."""
-        return selected_hidden(self.registry.inner().model, seqs, masks, self.registry.pad_id, self.device,
+        return selected_hidden(self.registry.hidden, seqs, masks, self.registry.pad_id, self.device,
                                self.share_prefix)
 
     @torch.no_grad()
@@ -162,7 +161,7 @@ class Inference:
         ``softmax(logits / temperature)``; with ``tail`` > 0 of the last ``tail`` tokens only
         (the others 0): the vocabulary projection runs at those positions alone."""
         self.registry.check_tokens(seqs, "LogprobsRequest.sequences")
-        head = scaled(self.registry.inner().lm_head, temperature)
+        head = scaled(self.registry.lm_head, temperature)
         return self._along(adapter, seqs, lambda h: project_logprobs(
             head, h, torch.arange(len(h.tokens_U), device=self.device))[0], chunk, tail)
 

@@ -23,9 +23,7 @@ import contextlib
 import json
 import shutil
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -43,35 +41,6 @@ from opentinker.engine.registry import AdapterState, AdapterTable
 from protocols.messages import LoraSpec
 
 __all__ = ["LoraRegistry"]
-
-
-class _Body:
-    """``registry.inner().model``: the decoder body in transformers' calling convention, with
-    the registry's active adapter."""
-
-    def __init__(self, registry: LoraRegistry) -> None:
-        self.registry = registry
-
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, cache: DenseCache | None = None,
-                 use_cache: bool = False) -> SimpleNamespace:
-        """``last_hidden_state`` ``[B, L, H]`` and ``cache`` (a :class:`DenseCache` of past + new)."""
-        reg = self.registry
-        B, L = input_ids.shape
-        P = cache.length if cache is not None and len(cache) else 0
-        if position_ids is None:
-            position_ids = (P + torch.arange(L, device=input_ids.device))[None].expand(B, L)
-        attn = DenseAttention(B, L, attention_mask, cache)
-        decoder, _, weights = reg.decoder_for(reg.active)
-        lora = None if weights is None else LoraBatch([weights], [B * L])
-        h_N_H = decoder(input_ids.reshape(-1), position_ids.reshape(-1), attn, lora)
-        return SimpleNamespace(last_hidden_state=h_N_H.view(B, L, -1), cache=attn.cache if use_cache else None)
-
-
-@dataclass
-class _Inner:
-    model: _Body
-    lm_head: torch.nn.Module
 
 
 class LoraRegistry(AdapterTable):
@@ -106,7 +75,8 @@ class LoraRegistry(AdapterTable):
         self.base_fingerprint = adapter_io.fingerprint(self.decoder)
         """Identifies the base weights in saved adapters: the same value the PEFT registry
         computes for the same checkpoint (same tensor names), so adapters move between them."""
-        self._inner = _Inner(model=_Body(self), lm_head=_Head(self))
+        self.lm_head: torch.nn.Module = _Head(self)
+        """The active adapter's vocabulary projection (``h_R_H -> logits_R_V``)."""
         self.slots = LoraSlots(self.decoder.spec, torch.float32, self.device, budget=lambda: self.memory.budget_bytes)
         """Every resident LoRA adapter's matrices; its parameters are views into its slot."""
         self.memory = AdapterMemory(self.device, adapter_budget_bytes, pinned=lambda: self.pinned())
@@ -227,9 +197,22 @@ class LoraRegistry(AdapterTable):
         finally:
             self.active = before
 
-    def inner(self) -> _Inner:
-        """``.model`` (the body, transformers' calling convention) and ``.lm_head``."""
-        return self._inner
+    def hidden(self, input_ids_B_L: torch.Tensor, attention_mask_B_T: torch.Tensor | None = None,
+               position_ids_B_L: torch.Tensor | None = None, cache: DenseCache | None = None,
+               use_cache: bool = False) -> tuple[torch.Tensor, DenseCache | None]:
+        """Final hidden states ``h_B_L_H`` of the active adapter's decoder (the base with its
+        LoRA, or a full-parameter copy), called directly on a dense padded batch continuing
+        ``cache``; and, with ``use_cache``, the cache of past + new keys and values. The
+        trainer's and the log-probs' forward (:mod:`opentinker.engine.shared_forward`)."""
+        B, L = input_ids_B_L.shape
+        P = cache.length if cache is not None and len(cache) else 0
+        if position_ids_B_L is None:
+            position_ids_B_L = (P + torch.arange(L, device=input_ids_B_L.device))[None].expand(B, L)
+        attn = DenseAttention(B, L, attention_mask_B_T, cache)
+        decoder, _, weights = self.decoder_for(self.active)
+        lora = None if weights is None else LoraBatch([weights], [B * L])
+        h_N_H = decoder(input_ids_B_L.reshape(-1), position_ids_B_L.reshape(-1), attn, lora)
+        return h_N_H.view(B, L, -1), attn.cache if use_cache else None
 
     # ----------------------------------------------------------------------------- files
 

@@ -158,7 +158,6 @@ class ModelRunner:
         rows, n = batch.rows, np.asarray(batch.num_tokens, dtype=np.int64)
         start = np.array([s.num_computed for s in rows], dtype=np.int64)
         end = start + n
-        N, B = int(n.sum()), len(rows)
         ids = np.concatenate([np.asarray(s.tokens[a:b], dtype=np.int64) for s, a, b in zip(rows, start, end)])
         pos = np.concatenate([np.arange(a, b) for a, b in zip(start, end)])
         slot_map = np.concatenate([s.slots_S[a:b] for s, a, b in zip(rows, start, end)])

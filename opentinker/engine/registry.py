@@ -226,7 +226,17 @@ class AdapterRegistry(AdapterTable):
             p.requires_grad_(False)
         return contextlib.nullcontext()
 
-    def inner(self) -> torch.nn.Module:
-        """The causal LM (``.model`` body, ``.lm_head``): PEFT injects the LoRA layers into
-        ``self.base`` in place, so it computes with whichever adapter is active."""
-        return self.base
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """The vocabulary projection (``h_R_H -> logits_R_V``)."""
+        return self.base.lm_head
+
+    def hidden(self, input_ids_B_L: torch.Tensor, attention_mask_B_T: torch.Tensor | None = None,
+               position_ids_B_L: torch.Tensor | None = None, cache=None,
+               use_cache: bool = False) -> tuple[torch.Tensor, object]:
+        """Final hidden states ``h_B_L_H`` of the PEFT model's body with the active adapter
+        (PEFT injects the LoRA layers into ``self.base`` in place) continuing ``cache`` (a
+        transformers ``DynamicCache``), and with ``use_cache`` the cache of past + new."""
+        out = self.base.model(input_ids=input_ids_B_L, attention_mask=attention_mask_B_T,
+                              position_ids=position_ids_B_L, cache=cache, use_cache=use_cache)
+        return out.last_hidden_state, out.cache if use_cache else None

@@ -20,8 +20,8 @@ are ``index_select`` s, so gradients flow back into the shared levels.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from opentinker.engine.model import DenseCache
+
+HiddenFn = Callable[..., tuple[torch.Tensor, Any]]
+"""A registry's ``hidden(input_ids_B_L, attention_mask_B_T=None, position_ids_B_L=None,
+cache=None, use_cache=False) -> (h_B_L_H, cache)``."""
 
 
 def _lcp(seqs: Sequence[np.ndarray]) -> int:
@@ -146,7 +150,7 @@ class Hidden(NamedTuple):
 
 
 def selected_hidden(
-    body: torch.nn.Module,
+    body: HiddenFn,
     seqs: Sequence[np.ndarray],
     masks: Sequence[np.ndarray],
     pad_id: int,
@@ -156,8 +160,9 @@ def selected_hidden(
     """Final hidden states before the positions where ``masks[i]`` is nonzero (position 0
     never counts: nothing precedes it), running the shared prefix, contexts and tails once.
 
-    ``body`` maps ``input_ids`` to ``last_hidden_state`` (a Llama-style decoder with a KV
-    cache, whose output is after the final norm). ``share=False`` runs every row in full.
+    ``body`` is a registry's ``hidden``: the engine's own decoder called directly
+    (:meth:`~opentinker.engine.lora_registry.LoraRegistry.hidden`), or PEFT's model for the
+    families it does not run. ``share=False`` runs every row in full.
     """
     taken = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
     as64 = [np.asarray(s, dtype=np.int64) for s in seqs]
@@ -187,8 +192,8 @@ def selected_hidden(
     cache = None
     h1 = None
     if P > 0:
-        out = body(input_ids=torch.as_tensor(useqs[0][:P])[None].to(device), use_cache=True)
-        h1, cache = out.last_hidden_state[0], out.cache
+        h1, cache = body(torch.as_tensor(useqs[0][:P])[None].to(device), use_cache=True)
+        h1 = h1[0]
         if C > 1:
             cache.reorder_cache(torch.zeros(C, dtype=torch.long, device=device))
     ctx = [useqs[r][P : split[r]] for r in creps]
@@ -202,10 +207,7 @@ def selected_hidden(
             m[i, : len(c)] = 1
         att_C = torch.cat([att_C, m], 1)
         pos = (P + torch.arange(Lc))[None].expand(C, Lc)
-        cache = body(
-            input_ids=ids.to(device), attention_mask=att_C.to(device), position_ids=pos.to(device),
-            cache=cache, use_cache=True,
-        ).cache
+        _, cache = body(ids.to(device), att_C.to(device), pos.to(device), cache, use_cache=True)
     # Level 3: every distinct sequence's tail, in buckets of similar length so that short
     # tails are not padded to the longest (a two-turn sequence's tail holds a whole turn).
     tails = [s[c:] for s, c in zip(useqs, split)]
@@ -227,10 +229,7 @@ def selected_hidden(
                 sub = cache.index_select(idx)
             else:
                 sub = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx)) for k, v, *_ in cache])
-        out = body(
-            input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
-            cache=sub, use_cache=sub is not None,
-        ).last_hidden_state
+        out, _ = body(ids.to(device), att.to(device), pos.to(device), sub)
         for i, u in enumerate(bucket):
             h3[u] = out[i]
 
@@ -274,7 +273,7 @@ def project_logprobs(
 
 
 def selected_logprobs(
-    body: torch.nn.Module,
+    body: HiddenFn,
     lm_head: torch.nn.Module,
     seqs: Sequence[np.ndarray],
     masks: Sequence[np.ndarray],

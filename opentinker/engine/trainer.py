@@ -136,7 +136,7 @@ class Trainer:
         want_entropy = bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given
         acc = MetricSums()
         seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
-        lm_head = scaled(self.registry.inner().lm_head, temperature)
+        lm_head = scaled(self.registry.lm_head, temperature)
         state.pending_grad = True  # from the first part on: a call cut short leaves gradients to discard
         for i, part in enumerate(chunks(datums, chunk, max_tokens)):
             if i:
