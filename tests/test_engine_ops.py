@@ -146,3 +146,39 @@ def test_triton_kernels_and_decode_graph_buffers_draw_what_the_cpu_path_draws(ti
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.startswith("OK")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; run on a lent GPU)")
+def test_cuda_decode_step_syncs_only_to_read_its_tokens(tiny_path, monkeypatch):
+    """On CUDA a decode step (graph replay included) makes no host-device sync but the read
+    of the drawn tokens: ``torch.cuda.set_sync_debug_mode("error")`` raises at any other."""
+    import opentinker.engine.model_runner as mr
+
+    host = ModelHost(tiny_path, device="cuda", engine="own")
+    for k in range(2):
+        host.create_adapter(f"s{k}", LoraSpec(rank=8, target_modules=ALL, seed=k))
+    eng = host.engine
+    rng = np.random.default_rng(0)
+    seqs = [eng.add(f"s{i % 2}", rng.integers(5, 2000, size=11), SamplingParams(max_tokens=8), i) for i in range(5)]
+    for _ in range(3):
+        eng.step()  # prefill, then a decode step that captures the bucket's graph
+    real_read = mr._read
+    reads = []
+
+    def read(tokens_D, logp_D):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            reads.append(len(tokens_D))
+            return real_read(tokens_D, logp_D)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(mr, "_read", read)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        progressed, _ = eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(progressed) == 5 and reads == [5] and eng.stats.graph_steps >= 1
+    eng.cancel(seqs)
+    eng.step()

@@ -77,6 +77,7 @@ class ModelRunner:
         """What each row slot holds: (seq_id, block table written), None: nothing yet."""
         self._scale: tuple[tuple, torch.Tensor] | None = None
         self._pinned: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
         self.triton = dev.type == "cuda" and triton_ops.available(dev)
         """Decode attention and LoRA run as triton kernels (CUDA with triton)."""
         self.graphs = DecodeGraphs(self, int(max_rows)) if cuda_graphs and self.triton else None
@@ -129,16 +130,21 @@ class ModelRunner:
         return self._scale[1]
 
     def to_device(self, host: np.ndarray) -> torch.Tensor:
-        """One int64 host buffer to the device in one copy (through a reused pinned buffer on CUDA;
-        the step's read of its drawn tokens orders the next step's reuse after this copy)."""
+        """One int64 host buffer to the device in one copy, through a reused pinned buffer on
+        CUDA (refilled only once the previous copy out of it has completed)."""
         t = torch.from_numpy(host)
         if self.device.type != "cuda":
             return t
+        if self._copied is not None:  # no read of drawn tokens since the last copy (a prefill-only step)
+            self._copied.synchronize()
         if self._pinned is None or self._pinned.numel() < t.numel():
             self._pinned = torch.empty(max(t.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
         buf = self._pinned[:t.numel()]
         buf.copy_(t)
-        return buf.to(self.device, non_blocking=True)
+        out = buf.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
 
     # ------------------------------------------------------------------------------ the step
 
@@ -146,6 +152,12 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> Drawn:
         """Compute the batch's tokens; return ``(token, log-prob)`` per drawing row
         (:attr:`ScheduledBatch.drawing` order)."""
+        drawn = self._execute(batch)
+        if drawn:
+            self._copied = None  # reading the tokens waited for the device: the pinned buffer is free
+        return drawn
+
+    def _execute(self, batch: ScheduledBatch) -> Drawn:
         self._write_rows(batch)
         drawing = batch.drawing
         if (self.graphs is not None and batch.copy_key == "base" and batch.decode and not batch.twins
