@@ -261,9 +261,9 @@ def run_one(args: Args, method: str, K: int, batch: int) -> dict:
         row["kv_peak_bytes"] = sum(kv_peak_bytes(h, [f"a{i % K}" for i in rows], [prompts[i] for i in rows],
                                                  [params] * len(rows), [seeds[i] for i in rows]) for h, rows in calls)
         row["kv_peak_how"] = "max of blocks.stats().bytes_in_use over the steps of an untimed replay"
-        # Copies of the adapters' matrices beyond the adapters themselves: bgmv's cached stacks
-        # (used only for bf16 or adapters outside the slot store: 0 here).
-        row["lora_stack_bytes"] = sum(tensor_bytes([v for _, v in e._stacks._sets.values()]) for e in engines)
+        # Copies of the adapters' matrices beyond the adapters themselves: the stacks cached by the
+        # legacy LoRA methods (the fused ops read the slot store in place: 0 here).
+        row["lora_stack_bytes"] = sum(tensor_bytes([v for _, v in e.runner._stacks._sets.values()]) for e in engines)
         row["lora_store_bytes"] = sum(e.registry.slots.nbytes for e in engines)
         # The engine's memory target: peak <= (weights + K x adapter + KV in use) + 10%.
         need = row["weights_bytes"] + row["adapter_bytes"] + row["kv_peak_bytes"]

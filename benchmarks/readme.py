@@ -195,7 +195,7 @@ def render_threads(results: Path, rows: int = 32) -> str:
 
 
 MULTIPLEX_METHODS = {  # method: (label in the first batch's rows, label after)
-    "engine": (("the engine (continuous batching, batched LoRA `bgmv` on the slot store, "
+    "engine": (("the engine (continuous batching, fused LoRA ops on the slot store, "
                 "own forward)"), "the engine"),
     "peft_mixed": ("PEFT's mixed-adapter batch (the path before the engine; baseline)",
                    "PEFT's mixed-adapter batch"),
@@ -224,6 +224,18 @@ def render_multiplex(results: Path) -> str:
                          *(f"{c['tokens_per_s']:.1f}" for c in cells),
                          x(cells[-1]["vs_peft_mixed"]),
                          f"{cells[-1]['peak_bytes'] / 2**30:.2f} GiB", mem])
+    return table(header, rows)
+
+
+def render_engine_overhead(results: Path) -> str:
+    """Ops and time of one decode step per model, LoRA method, batch and adapter count."""
+    data = load(results, "engine_overhead")["rows"]
+    header = ["model", "LoRA", "batch", "adapters", "ops dispatched", "ATen ops (composites included)",
+              "step ms", "decode tokens/s", "vs `bgmv`"]
+    labels = {"slots": "fused ops (now)", "bgmv": "`bgmv` stacks (before; baseline)"}
+    rows = [[r["model"], labels.get(r["method"], r["method"]), str(r["batch"]), str(r["adapters"]), str(r["ops"]),
+             str(r["aten_ops"]), f"{r['step_ms']:.1f}", f"{r['decode_tokens_per_s']:.0f}",
+             x(r.get("speedup_vs_bgmv", 1.0))] for r in data]
     return table(header, rows)
 
 
@@ -409,6 +421,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "pipeline_pace": render_pipeline_pace,
     "threads": render_threads,
     "multiplex": render_multiplex,
+    "engine_overhead": render_engine_overhead,
     "rollout": render_rollout,
     "shared_forward": render_shared_forward,
     "bus": render_bus,

@@ -325,6 +325,7 @@ class DecodeGraphs:
         if B not in self.graphs:
             self.graphs[B] = self._capture(B)
         replay, tokens, logp = self.graphs[B]
+        r.scales()  # an adapter placed in a free slot since: its alpha / r, in place where the graph reads it
         self._fill(B, batch)
         replay()
         self.replays += 1
