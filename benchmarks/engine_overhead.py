@@ -54,6 +54,7 @@ class Args:
     threads: int = 2
     device: str = "cpu"
     dtype: str = "float32"
+    kv_budget_mb: int = 1024
     quick: bool = False
     json: str = ""
 
@@ -84,7 +85,7 @@ def _aten_ops(prof) -> int:
 def _host(args: Args, model: str, method: str, K: int, graphs: bool) -> ModelHost:
     host = ModelHost(resolve_model(model), threads=args.threads, device=args.device, engine="own",
                      engine_options={"lora_method": method, "max_rows": 256, "dtype": args.dtype,
-                                     "cuda_graphs": graphs, "kv_budget_bytes": 1 << 30})
+                                     "cuda_graphs": graphs, "kv_budget_bytes": args.kv_budget_mb << 20})
     gen = torch.Generator().manual_seed(0)
     for k in range(K):
         host.create_adapter(f"a{k}", LoraSpec(rank=8, alpha=16.0, target_modules=ALL, seed=k))

@@ -116,3 +116,16 @@ def test_rollout_benchmark(tmp_path, tiny_path):
             assert e["decode_tokens"] == x["reply_tokens"] and e["prefill_tokens"] == x["prefill_tokens"]
         else:
             assert x["prefill_tokens"] <= x["padded_prefill_tokens"]
+
+
+def test_engine_overhead_benchmark(tmp_path, tiny_path):
+    r = _run(["benchmarks/engine_overhead.py", "--quick"], tmp_path)
+    check_provenance(r, "engine_overhead.py")
+    rows = {(x["method"], x["batch"], x["adapters"]): x for x in r["rows"]}
+    assert set(rows) == {(m, b, k) for m in ("slots", "bgmv") for b in (4, 64) for k in (1, 16)}
+    fused = {x["ops"] for (m, _, _), x in rows.items() if m == "slots"}
+    assert len(fused) == 1  # one decode step's ops: the same for every batch and adapter count
+    assert all(x["aten_ops"] >= x["ops"] > 0 and x["step_ms"] > 0 for x in rows.values())
+    assert all(x["decode_tokens_per_s"] == pytest.approx(x["batch"] / x["step_ms"] * 1000) for x in rows.values())
+    for (m, b, k), x in rows.items():  # each row's ratio is to the bgmv row of its batch and adapters
+        assert x["speedup_vs_bgmv"] == pytest.approx(rows["bgmv", b, k]["step_ms"] / x["step_ms"])

@@ -296,7 +296,6 @@ for _key in ("CPU", "CUDA"):
 gumbel_max = torch.ops.opentinker.gumbel_max.default
 
 
-_draw = draw  # the name before it was public
 
 
 def sample(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,

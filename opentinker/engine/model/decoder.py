@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .attention import Attention
 from .config import DecoderSpec, spec_from_hf_config
 from .lora import LoraBatch
@@ -77,16 +78,25 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, att
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)``; on CPU in fp32 without autograd, large enough products run on
+    """``F.linear(x, w, b)``; without autograd one ``opentinker::linear`` op (:func:`_inference_linear`:
+    one kernel, whatever route it takes). With autograd (a trainer's forward) it is F.linear."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        return F.linear(x, w, b)
+    return ops.linear(x, w, b)
+
+
+def _inference_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` with no autograd; on CPU in fp32, large enough products run on
     oneDNN (unless ``torch.backends.mkldnn`` is disabled): about 2x MKL's speed on this AMD
     AVX-512 CPU, where MKL's sgemm takes its AVX2 path. Results differ from MKL's by summation
-    order only (relative ~1e-6). With autograd (a trainer's forward) it is always F.linear."""
+    order only (relative ~1e-6)."""
     if (x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-            and x.shape[0] * w.shape[0] * w.shape[1] >= ONEDNN_MIN_MACS
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
-            and _onednn_ok()):
+            and x.shape[0] * w.shape[0] * w.shape[1] >= ONEDNN_MIN_MACS and _onednn_ok()):
         return _onednn_linear(x, w, b, "none", [], "")
     return F.linear(x, w, b)
+
+
+ops.register_linear(_inference_linear)
 
 
 class _Linear(nn.Module):

@@ -29,13 +29,14 @@ import torch.nn.functional as F
 
 from . import triton_ops
 
-__all__ = ["lora_expand_", "lora_shrink", "paged_decode"]
+__all__ = ["linear", "lora_expand_", "lora_shrink", "paged_decode", "register_linear"]
 
 _LIB = torch.library.Library("opentinker", "DEF")
 _LIB.define("lora_shrink(Tensor x, Tensor A, Tensor slot_N, Tensor scale, Tensor index_T, Tensor chunk_slot_C, "
             "int s0, int Lt, bool in_order) -> Tensor")
 _LIB.define("lora_expand_(Tensor(a!) y, Tensor u, Tensor B, Tensor slot_N, Tensor index_T, Tensor chunk_slot_C, "
             "int s0, int col, bool in_order) -> ()")
+_LIB.define("linear(Tensor x, Tensor w, Tensor? b) -> Tensor")
 _LIB.define("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor ctx_len, "
             "Tensor ctx_slots, Tensor? ctx_mask, int block_size, float sm_scale) -> Tensor")
 
@@ -94,6 +95,16 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("lora_expand_", _lora_expand_, _key)
     _LIB.impl("paged_decode", _paged_decode, _key)
 
+
+
+def register_linear(fn) -> None:
+    """The decoder's no-grad linear (``y = x w^T + b``, one GEMM however it is routed: oneDNN or
+    MKL on CPU, cuBLAS on CUDA) as ``opentinker::linear``; :mod:`.decoder` registers it."""
+    for key in ("CPU", "CUDA"):
+        _LIB.impl("linear", fn, key)
+
+
+linear = torch.ops.opentinker.linear.default
 lora_shrink = torch.ops.opentinker.lora_shrink.default
 lora_expand_ = torch.ops.opentinker.lora_expand_.default
 paged_decode = torch.ops.opentinker.paged_decode.default

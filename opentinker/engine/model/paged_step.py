@@ -115,7 +115,8 @@ class StepAttention(Attention):
             slots = torch.where(inside, slots[:, :Cg], 0)
             causal = False
             if is_decode:  # [G, 1, 1, Cg]: the real context (None when it hides nothing: SDPA is faster)
-                mask = None if bool((cl == Cg).all()) else inside[:, None, None]
+                mask = inside[:, None, None]
+                mask = None if bool((cl == Cg).all()) else mask
             elif bool((ql == cl).all()) and bool((cl == Cg).all()):
                 mask, causal = None, True  # a fresh prefill of equal rows: exactly causal
             else:
