@@ -195,7 +195,7 @@ def render_threads(results: Path, rows: int = 32) -> str:
 
 
 MULTIPLEX_METHODS = {  # method: (label in the first batch's rows, label after)
-    "engine": (("the engine (continuous batching, fused LoRA ops on the slot store, "
+    "engine": (("the engine (continuous batching, batched LoRA `bgmv` on the slot store, "
                 "own forward)"), "the engine"),
     "peft_mixed": ("PEFT's mixed-adapter batch (the path before the engine; baseline)",
                    "PEFT's mixed-adapter batch"),
