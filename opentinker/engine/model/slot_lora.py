@@ -3,26 +3,26 @@
 many adapters share it.
 
 The decoder calls ``apply(layer, module, x_N_in, y_N_out)`` after each base projection, as it
-calls :class:`~.lora.LoraBatch` (the trainer's path, with gradients). Two backends, chosen per
-forward by the model runner:
+calls :class:`~.lora.LoraBatch` (the trainer's path, with gradients). Per LoRA layer that is
+one :func:`.ops.lora_shrink` per input group (q/k/v and gate/up read x once) and one
+:func:`.ops.lora_expand_` per projection: one op each to the dispatcher. Two layouts, chosen
+per forward by the model runner:
 
-* ``"triton"`` (CUDA): one shrink kernel per layer and input group, ``u_N_GR = scale[slot_n] *
-  x_n A[slot_n]^T`` over the group's stacked A ``[S, G*R, d_in]`` (q/k/v and gate/up read x
-  once), then one expand kernel per projection, ``y_n += u_n B[slot_n]^T``, reading the fp32
+* **per token** (CUDA with triton): ``u_N_GR = scale[slot_n] * x_n A[slot_n]^T`` over the
+  group's stacked A ``[S, G*R, d_in]``, then ``y_n += u_n B[slot_n]^T``, reading the fp32
   masters where they live through a per-token slot index (punica's / vLLM's sgmv
-  shrink-expand; :mod:`.triton_ops`). No gather, no cast copy, no per-adapter loop; a token
+  shrink-expand; :mod:`.triton_ops`): no gather, no cast copy, no per-adapter loop; a token
   with slot -1 (the bare base) adds nothing. Captured in the decode step's CUDA graph.
-* ``"torch"`` (CPU, or CUDA without triton): bgmv after punica: the tokens, grouped by slot (the
-  runner orders rows by slot), are gathered once per forward into a ``[C, Lt, d]`` batch (one
-  chunk of ``Lt`` tokens per row of it, each chunk of one adapter; ``Lt`` chosen on the host so
-  that short and long runs pad little), and per layer and group ONE ``bmm`` by the chunks'
+* **chunks** (CPU, or CUDA without triton): bgmv after punica: the tokens, grouped by slot
+  (the runner orders rows by slot), form a ``[C, Lt, d]`` batch (each chunk of ``Lt`` tokens of
+  one adapter; ``Lt`` chosen on the host by :func:`chunk_plan` so that short and long runs pad
+  little), read as a view when the tokens are in order; per group ONE ``bmm`` by the chunks'
   A (a view of consecutive slots, else one ``index_select``), scaled, then per projection one
-  ``bmm`` by B and one ``index_add_`` back into y. The same ten-odd ATen ops per layer and
-  group for any batch and any adapter count; only their shapes change.
+  ``bmm`` by B added back into y.
 
-Both backends compute PEFT's ``lora_B(lora_A(x)) * alpha / r`` (no dropout) in x's dtype
-(torch) or fp32 accumulation (triton); :mod:`tests.test_engine_ops` compares them with
-:class:`~.lora.LoraBatch`.
+Both compute PEFT's ``lora_B(lora_A(x)) * alpha / r`` (no dropout) in x's dtype (chunks) or with
+fp32 accumulation (triton): ``tests/test_triton_ops.py`` compares the kernels with
+:class:`~.lora.LoraBatch`, ``tests/test_engine_ops.py`` the engine's draws on both layouts.
 """
 
 from __future__ import annotations
