@@ -97,7 +97,7 @@ from protocols.messages import LoraSpec
 from .config import DecoderSpec, module_dims
 from .lora_slots import INPUT_GROUPS, LoraSlots
 
-__all__ = ["LoraWeights", "LoraBatch", "LoraStackCache", "MODULES", "METHODS", "peft_name", "DEFAULT_METHOD"]
+__all__ = ["LoraWeights", "LoraBatch", "LoraStackCache", "MODULES", "METHODS", "peft_name", "DEFAULT_METHOD", "chunk_length"]
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """LoRA-able projections, in the order PEFT meets them in a decoder layer."""
@@ -114,6 +114,20 @@ _CHUNK_COST = 1
 chunk batch). Fitted on CPU: a decode step with 17 rows on one adapter and 15 on others runs
 2x faster in chunks of 2 than padded to 17; a 500-token prefill chunk beside decode rows, 5x
 faster in chunks of 32."""
+
+
+def chunk_length(n_k: Sequence[int], rank: int) -> int:
+    """Tokens per chunk of bgmv's ``[C, Lt, d]`` batch, for adapters of ``n_k`` tokens each:
+    the longest adapter's count (one chunk each) unless shorter power-of-two chunks pad much
+    less, each costing ``_CHUNK_COST * rank`` padded token rows more."""
+    Lmax = max(n_k)
+    best: tuple[int, int] | None = None
+    for Lt in sorted({Lmax} | {1 << j for j in range(max(Lmax - 1, 1).bit_length()) if 1 << j < Lmax}):
+        C = sum(-(-int(n) // Lt) for n in n_k)
+        cost = C * Lt + (C * _CHUNK_COST * rank if Lt < Lmax else 0)
+        if best is None or cost < best[0]:
+            best = (cost, Lt)
+    return best[1]
 
 
 def peft_name(layer: int, module: str, ab: str) -> str:
@@ -380,13 +394,7 @@ class LoraBatch:
             per[k].append((s, e))
         n_k = [sum(e - s for s, e in r) for r in per]
         Lmax = max(n_k)
-        best: tuple[int, int] | None = None
-        for Lt in sorted({Lmax} | {1 << j for j in range(max(Lmax - 1, 1).bit_length()) if 1 << j < Lmax}):
-            C = sum(-(-n // Lt) for n in n_k)
-            cost = C * Lt + (C * _CHUNK_COST * self._rmax if Lt < Lmax else 0)
-            if best is None or cost < best[0]:
-                best = (cost, Lt)
-        Lt = best[1]
+        Lt = chunk_length(n_k, self._rmax)
         index: list[torch.Tensor] = []
         chunk_aid: list[int] = []
         padded = False

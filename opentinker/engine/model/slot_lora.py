@@ -33,14 +33,10 @@ import numpy as np
 import torch
 
 from . import ops
+from .lora import chunk_length
 from .lora_slots import LoraSlots
 
 __all__ = ["ChunkPlan", "SlotLora", "chunk_plan"]
-
-_CHUNK_COST = 1
-"""Padded token rows a chunk shorter than the longest run costs per unit of rank (the copy of
-its adapter's matrices into the chunk batch); fitted on CPU for :class:`~.lora.LoraBatch`."""
-
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -74,14 +70,7 @@ def chunk_plan(token_slot_N: np.ndarray, rank: int) -> ChunkPlan:
     starts = np.concatenate(([0], cut))
     ends = np.concatenate((cut, [len(tok)]))
     n_k = ends - starts
-    Lmax = int(n_k.max())
-    best: tuple[int, int] | None = None
-    for Lt in sorted({Lmax} | {1 << j for j in range(max(Lmax - 1, 1).bit_length()) if 1 << j < Lmax}):
-        C = int((-(-n_k // Lt)).sum())
-        cost = C * Lt + (C * _CHUNK_COST * rank if Lt < Lmax else 0)
-        if best is None or cost < best[0]:
-            best = (cost, Lt)
-    Lt = best[1]
+    Lt = chunk_length(n_k.tolist(), rank)
     chunks_k = -(-n_k // Lt)
     C = int(chunks_k.sum())
     index = np.full(C * Lt, -1, dtype=np.int64)
