@@ -118,7 +118,7 @@ def measure(args: Args, model: str, method: str, B: int, K: int, graphs: bool = 
     if eng.device.type == "cuda":
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         row.update(kernels=len(kernels), device_ms=sum(e.device_time for e in kernels) / 1000, graphs=graphs,
-                   graph_steps=eng.stats.graph_steps)
+                   graph_steps=eng.metrics()["engine/graph_steps"])
     times = []
     for _ in range(args.steps):
         sync()

@@ -250,6 +250,7 @@ class DecodeGraphs:
         self.key: tuple | None = None
         self.pool = None
         self.replays = 0
+        """Decode steps replayed from a captured graph (the engine's ``engine/graph_steps``)."""
 
     def _views(self, B: int) -> list[torch.Tensor]:
         """ids, pos, slot_map, row_slot, ctx_len, adapter_slot: ``[B]`` views of the buffer."""

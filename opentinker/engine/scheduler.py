@@ -77,8 +77,6 @@ class EngineStats:
     twin_tokens: int = 0
     """Prompt tokens of those rows copied from their twin (not cached, not computed):
     ``prompt_tokens = prefill_tokens + cached_tokens + twin_tokens``."""
-    graph_steps: int = 0
-    """Decode steps replayed from a captured CUDA graph."""
     last_step_rows: int = 0
     per_step_rows: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 

@@ -135,11 +135,8 @@ class Engine:
             self._went_idle()
             return [], finished
         t0 = time.perf_counter()
-        replays = self.runner.graphs.replays if self.runner.graphs is not None else 0
         drawn = [self.runner.execute(b) for b in batches]
         self.stats.forward_s += time.perf_counter() - t0
-        if self.runner.graphs is not None:
-            self.stats.graph_steps += self.runner.graphs.replays - replays
         progressed, done = self.scheduler.update(batches, drawn)
         self._busy = True
         if not self.running and not self.waiting:
@@ -189,7 +186,7 @@ class Engine:
             "engine/twinned_rows": st.twinned,
             "engine/twin_prompt_tokens": st.twin_tokens,
             "engine/forward_ms": int(st.forward_s * 1000),
-            "engine/graph_steps": st.graph_steps,
+            "engine/graph_steps": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             "engine/kv_blocks_total": kv.blocks_total,
             "engine/kv_blocks_in_use": kv.blocks_in_use,
             "engine/kv_blocks_cached": kv.blocks_cached,
