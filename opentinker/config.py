@@ -90,6 +90,9 @@ MAX_KV_MB = 2**20
 MAX_BATCH_TOKENS = 2**20
 MAX_BLOCK_SIZE = 4096
 MAX_ENV_RUNNERS = 1024
+MAX_DEVICES = 64
+DEVICE_PATTERN = r"^(cpu|cuda(:\d{1,2})?)$"
+"""A scheduler's torch device: ``cpu``, ``cuda`` or ``cuda:N``."""
 """Each is an actor (a process)."""
 MAX_TIMEOUT_S = 7 * 86400.0
 """A week: a request that takes longer is a hung job."""
@@ -190,6 +193,9 @@ class PolicyConfig(_Config):
     """Warm start: a saved adapter folder (``adapters/<policy>`` of a run or an offline SFT
     job, a checkpoint's) whose weights this policy starts from, with a fresh optimizer and
     version 0; its LoRA settings must be this policy's (checked before anything starts)."""
+    device: Annotated[int, Meta(ge=-1, lt=MAX_DEVICES)] = -1
+    """The scheduler this policy's adapter lives on, as an index into ``runtime.devices``
+    (``1``: the second); -1: placed by adapter count."""
     train: Annotated[dict[str, str | bool | int | float], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=dict)
     """This policy's overrides of ``[train]``'s algorithm fields, e.g. ``{advantage = "rloo",
@@ -346,6 +352,12 @@ def league_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
 MAX_POLICY_NAME = 64
 
 
+def adapter_owner(adapter: str) -> str:
+    """The policy an adapter name belongs to: the policy itself, or the policy a league
+    snapshot (``<policy>__s<step>``) was frozen from."""
+    return SNAPSHOT_SUFFIX.sub("", adapter)
+
+
 def policy_name_ok(name: str) -> bool:
     """``name`` can name a policy: an identifier of at most :data:`MAX_POLICY_NAME` characters
     that is no special opponent, scripted policy or ``league``, and no snapshot's name."""
@@ -437,6 +449,15 @@ class RuntimeConfig(_Config):
     backend): ``{"GPU": 1}`` a GPU node (Ray then hands it one GPU, as ``cuda``), a custom
     resource a node was started with (``ray start --resources='{"big_gpu": 1}'``). ``{}``:
     ``{"GPU": 1}`` when ``model.device`` is ``"cuda"``, else none (Ray puts it anywhere)."""
+    devices: Annotated[list[Annotated[str, Meta(pattern=DEVICE_PATTERN)]], Meta(max_length=MAX_DEVICES)] = \
+        msgspec.field(default_factory=list)
+    """One scheduler per entry (``["cuda:0", "cuda:1"]``; ``"cpu"`` may repeat), each holding
+    the base model and the adapters of the policies placed on it (``policies[].device``, else
+    balanced by adapter count: :func:`opentinker.control.placement.place`); env runners send
+    each request to the scheduler of the policy whose adapter it names. On the Ray backend a
+    ``cuda`` entry's scheduler asks Ray for one GPU and uses the one Ray hands it (``cuda`` may
+    repeat there), a ``cuda:N`` entry uses GPU N of its node (as ``model.device``). ``[]``: one
+    scheduler on ``model.device``."""
     curve: bool = False
     """The job's bus on CURVE (authentication and encryption, keys made for the run) instead of
     PLAIN with the run's secret, on one machine too; always on with ``address``."""
@@ -555,6 +576,7 @@ class JobConfig(_Config):
                                      f"policy ({', '.join(sorted(SCRIPTED))}) or a policy of this job ({', '.join(names)})")
             if p.opponents.get("past", 0) > 0 and not self.league.snapshot_every:
                 raise ValueError(f"policies[{p.name}].opponents: 'past' needs a league (league.snapshot_every > 0)")
+        self._check_devices()
         if self.league.eval_per_stratum and not self.league.snapshot_every:
             raise ValueError("league.eval_per_stratum: evaluates against league snapshots, and there are none "
                              "(league.snapshot_every = 0)")
@@ -569,6 +591,22 @@ class JobConfig(_Config):
             self.train_for(p.name)
             if p.init and not os.path.isabs(p.init):  # absolute: every actor and a resume read it alike
                 msgspec.structs.force_setattr(p, "init", os.path.abspath(p.init))
+
+    def _check_devices(self) -> None:
+        devices = self.runtime.devices
+        if devices and self.runtime.scheduler:
+            raise ValueError("runtime.devices: a job on a shared scheduler (runtime.scheduler) runs where that "
+                             "scheduler does; leave runtime.devices empty")
+        if len(devices) > 1 and self.offline_job() is not None:
+            raise ValueError("runtime.devices: an offline job trains one policy on one scheduler; give one device")
+        # "cuda" on Ray: a GPU Ray hands the scheduler (one each); here, cuda:0.
+        gpus = [d for d in devices if d.startswith("cuda:") or (d == "cuda" and self.runtime.backend == "local")]
+        if len({"cuda:0" if d == "cuda" else d for d in gpus}) != len(gpus):
+            raise ValueError(f"runtime.devices: {devices} names a GPU twice (one scheduler per device)")
+        for p in self.policies:
+            if p.device >= max(len(devices), 1) or (p.device > 0 and not devices):
+                raise ValueError(f"policies[{p.name}].device: {p.device} is not an index into runtime.devices "
+                                 f"{devices} (0 to {max(len(devices), 1) - 1}; -1: placed by adapter count)")
 
     def offline_job(self) -> OfflineConfig | None:
         """The ``[offline]`` table, or ``None`` for a self-play job."""

@@ -133,7 +133,10 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     (run_dir / "config.toml").write_bytes(to_toml(cfg))
     if cfg.offline_job() is not None:
         return _run_offline(cfg, console, run_dir, model_path, log)
-    with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), scheduler, coordinator"):
+    schedulers = f"{len(cfg.runtime.devices)} schedulers ({', '.join(cfg.runtime.devices)})" \
+        if len(cfg.runtime.devices) > 1 else "scheduler"
+    with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), {schedulers}, "
+                        "coordinator"):
         try:
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
         except ConfigError:  # found on meeting the cluster or the shared scheduler: a new run leaves nothing

@@ -54,6 +54,16 @@ def ray_session():
     ray.shutdown()
 
 
+def with_overrides(raw: dict, over: dict) -> dict:
+    """``raw`` (a job config's tables) with ``over``'s tables merged in, other keys replaced."""
+    for k, v in over.items():
+        if isinstance(v, dict):
+            raw.setdefault(k, {}).update(v)
+        else:
+            raw[k] = v
+    return raw
+
+
 def run(coro, timeout: float = 120.0):
     """Run a coroutine to completion with a bound on its time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

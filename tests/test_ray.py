@@ -136,3 +136,27 @@ def test_a_pettingzoo_env_named_in_a_config_trains_under_ray(ray_session, tiny_p
         assert ev["eval/main/vs_random/wins"] + ev["eval/main/vs_random/draws"] + ev["eval/main/vs_random/losses"] == 12
     finally:
         job.shutdown()
+
+
+def test_two_schedulers_run_as_two_ray_actors(ray_session, tiny_path):
+    """``runtime.devices = ["cpu", "cpu"]`` on Ray: one scheduler process per device, each
+    policy trained on its own, the runners' requests split between them."""
+    cfg = msgspec.convert({
+        "model": {"base": "tiny-random", "threads": 1},
+        "runtime": {"backend": "ray", "env_runners": 1, "timeout_s": 120, "devices": ["cpu", "cpu"]},
+        "train": {"groups_per_step": 2, "group_size": 2},
+        "sampling": {"max_tokens": 3},
+        "policies": [{"name": "main", "opponents": {"other": 1}}, {"name": "other", "opponents": {"main": 1}}],
+    }, JobConfig)
+    job = Job(cfg, tiny_path)
+    try:
+        info = job.info()
+        assert info["scheduler"]["pid"] != info["scheduler1"]["pid"]
+        m = job.coordinator("train_step", 1)
+        info = job.info()
+        assert m["train/main/version"] == m["train/other/version"] == 1
+        for name in ("scheduler", "scheduler1"):
+            assert info[name]["counters"].get("OptimStep", 0) == 1
+            assert info[name]["counters"].get("recv/SampleRequest", 0) > 0
+    finally:
+        job.shutdown()

@@ -8,7 +8,7 @@ import msgspec
 
 import pytest
 
-from conftest import DEVICE
+from conftest import DEVICE, with_overrides
 
 from opentinker.config import JobConfig
 from opentinker.rollout.episodes import train_episodes
@@ -26,12 +26,7 @@ def _cfg(**over) -> JobConfig:
         "policies": [{"name": "main", "opponents": {"random": 1, "self": 1, "base": 1, "other": 1}},
                      {"name": "other", "opponents": {"random": 1}}],
     }
-    for k, v in over.items():
-        if isinstance(v, dict):
-            raw.setdefault(k, {}).update(v)
-        else:
-            raw[k] = v
-    return msgspec.convert(raw, JobConfig)
+    return msgspec.convert(with_overrides(raw, over), JobConfig)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import shutil
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 import games
@@ -40,7 +41,9 @@ from opentinker.eval.ratings import RunningRatings, rating_metrics
 from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
 from opentinker.rollout.matchmaking import WinRates
 from opentinker.rollout.render import ChatTokenizer
+from opentinker.rollout.routes import Routes
 from protocols.messages import (
+    MAX_STATS_BATCHES,
     CreateAdapter,
     DropAdapter,
     EpisodesDone,
@@ -76,6 +79,7 @@ class Coordinator:
         runner_endpoints: list[str],
         learner_endpoints: dict[str, tuple[str, str]],
         scheduler_auth: tuple[str, str] | None = None,
+        routes: dict[str, str] | None = None,
     ) -> None:
         games.resolve(cfg.game)  # ValueError naming an unknown game
         game_agents(cfg.game, cfg.game_kwargs)  # ValueError naming a bad game_kwargs
@@ -84,6 +88,8 @@ class Coordinator:
         self.cfg = cfg
         self.model_path = model_path
         self.scheduler_endpoint = scheduler_endpoint
+        self.routes = Routes(scheduler_endpoint, routes)
+        """Policy -> its scheduler's endpoint (``runtime.devices``); the rest: ``scheduler_endpoint``."""
         self.scheduler_auth = scheduler_auth
         """``(user, secret)`` it presents to the scheduler (a job's, on a shared scheduler)."""
         self.runner_endpoints = list(runner_endpoints)
@@ -113,17 +119,32 @@ class Coordinator:
 
     async def _connect(self) -> None:
         ctx = self.loop.ctx
-        self.scheduler = Client(ctx, self.scheduler_endpoint, name="coordinator",
-                                credentials=Credentials.of(self.scheduler_auth))
+        self.schedulers = {ep: Client(ctx, ep, name="coordinator", credentials=Credentials.of(self.scheduler_auth))
+                           for ep in self.routes.endpoints()}
         self.runners = [Client(ctx, ep, name=f"coordinator->runner{i}") for i, ep in enumerate(self.runner_endpoints)]
         self.learners = {p: Client(ctx, ep, name=f"coordinator->{p}") for p, (ep, _) in self.learner_endpoints.items()}
         for p in self.cfg.policies:
             if p.init:  # a warm start: the saved weights, a fresh optimizer (checked: the same spec)
-                await self.scheduler.request(LoadAdapter(path=p.init, name=p.name, fresh=True),
-                                             self.cfg.runtime.timeout_s)
+                await self._scheduler(p.name).request(LoadAdapter(path=p.init, name=p.name, fresh=True),
+                                                      self.cfg.runtime.timeout_s)
                 continue
             spec = self.cfg.lora_spec(p.name)
-            await self.scheduler.request(CreateAdapter(name=p.name, spec=spec), self.cfg.runtime.timeout_s)
+            await self._scheduler(p.name).request(CreateAdapter(name=p.name, spec=spec), self.cfg.runtime.timeout_s)
+
+    def _scheduler(self, adapter: str | None) -> Client:
+        """The client of the scheduler that holds ``adapter`` (its policy's)."""
+        return self.schedulers[self.routes(adapter)]
+
+    async def _stats(self) -> SchedulerStats:
+        """The job's schedulers' statistics: counters summed, batches one after the other."""
+        parts = await asyncio.gather(*(c.request(SchedulerStats()) for c in self.schedulers.values()))
+        if len(parts) == 1:
+            return parts[0]
+        counters: dict[str, int] = {}
+        for part in parts:
+            for k, v in part.counters.items():
+                counters[k] = counters.get(k, 0) + v
+        return msgspec.structs.replace(parts[0], counters=counters, batches=[b for p in parts for b in p.batches][-MAX_STATS_BATCHES:])
 
     def replace_runner(self, index: int, endpoint: str) -> None:
         """Talk to env runner ``index`` at ``endpoint`` from now on (it was started again)."""
@@ -146,7 +167,7 @@ class Coordinator:
 
     def stop(self) -> None:
         if hasattr(self, "loop"):
-            for c in [self.scheduler, *self.runners, *self.learners.values()]:
+            for c in [*self.schedulers.values(), *self.runners, *self.learners.values()]:
                 c.close()
             self.loop.stop()
 
@@ -189,7 +210,7 @@ class Coordinator:
     async def _train_step(self, step: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         self.untrained = False
-        before = (await self.scheduler.request(SchedulerStats())).counters
+        before = (await self._stats()).counters
         self._step_scores = {}
         tables, exploit = await self._best_responses()
         if tables:
@@ -199,7 +220,7 @@ class Coordinator:
         specs = train_episodes(self.cfg, step, self.win_rates, tables)
         summaries = await self._run(specs, step, train=True, progress=progress)
         t1 = time.perf_counter()
-        after = (await self.scheduler.request(SchedulerStats())).counters
+        after = (await self._stats()).counters
         expected = {p.name: 0 for p in self.cfg.policies}
         by_id = {s.episode_id: s for s in summaries}
         metrics: dict[str, float] = {}
@@ -238,7 +259,7 @@ class Coordinator:
             await self._snapshot(step)
             metrics["league/snapshots"] = float(sum(len(v) for v in self.league.values()))
         t2 = time.perf_counter()
-        done = (await self.scheduler.request(SchedulerStats())).counters
+        done = (await self._stats()).counters
         for key in ("SampleRequest", "ForwardBackward", "OptimStep"):
             k = f"compute_ms/{key}"
             metrics[f"perf/compute_s/{key}"] = (done.get(k, 0) - before.get(k, 0)) / 1000
@@ -275,11 +296,11 @@ class Coordinator:
         timeout = self.cfg.runtime.timeout_s
         for p in self.cfg.policies:
             name = f"{p.name}__s{step}"
-            await self.scheduler.request(SnapshotAdapter(adapter=p.name, name=name), timeout)
+            await self._scheduler(p.name).request(SnapshotAdapter(adapter=p.name, name=name), timeout)
             self.league[p.name].append(name)
             keep = set(league_pool(self.cfg, p.name, step + 1))
             for old in [n for n in self.league[p.name] if n not in keep]:
-                await self.scheduler.request(DropAdapter(name=old), timeout)
+                await self._scheduler(old).request(DropAdapter(name=old), timeout)
                 self.league[p.name].remove(old)
                 self.win_rates.forget(old)
 
@@ -374,7 +395,7 @@ class Coordinator:
             decisions = m.decisions()
             self._scored[key] = (decisions, *policy_sequences(self.tok, self.cfg.system_prompt, decisions, spellings))
         decisions, seqs, n_reply = self._scored[key]
-        res = await request_split_async(lambda q: self.scheduler.request(q, self.cfg.runtime.timeout_s),
+        res = await request_split_async(lambda q: self._scheduler(policy).request(q, self.cfg.runtime.timeout_s),
                                         LogprobsRequest(adapter=policy, sequences=seqs, tail=max(n_reply, default=0),
                                                         temperature=self.cfg.sampling.temperature))
         assert isinstance(res, LogprobsResult)
@@ -433,10 +454,11 @@ class Coordinator:
                 json.dump(self.league_state(), f)
             for p in self.cfg.policies:
                 path = f"{folder}/{p.name}"
-                await self.scheduler.request(SaveAdapter(adapter=p.name, path=path), timeout)
+                await self._scheduler(p.name).request(SaveAdapter(adapter=p.name, path=path), timeout)
                 out[p.name] = path
                 for name in self.league[p.name]:
-                    await self.scheduler.request(SaveAdapter(adapter=name, path=f"{folder}/league/{name}"), timeout)
+                    await self._scheduler(name).request(SaveAdapter(adapter=name, path=f"{folder}/league/{name}"),
+                                                        timeout)
             return out
 
         return self.loop.run(_save())
@@ -464,17 +486,18 @@ class Coordinator:
             out = {}
             timeout = self.cfg.runtime.timeout_s
             for p in self.cfg.policies:
-                await self.scheduler.request(DropAdapter(name=p.name), timeout)
-                info = await self.scheduler.request(LoadAdapter(path=f"{folder}/{p.name}", name=p.name), timeout)
+                sched = self._scheduler(p.name)
+                await sched.request(DropAdapter(name=p.name), timeout)
+                info = await sched.request(LoadAdapter(path=f"{folder}/{p.name}", name=p.name), timeout)
                 out[p.name] = info.version
                 for name in self.league[p.name]:
-                    await self.scheduler.request(DropAdapter(name=name), timeout)
+                    await sched.request(DropAdapter(name=name), timeout)
                 self.league[p.name] = []
                 for name in league_pool(self.cfg, p.name, step + 1):
                     path = f"{folder}/league/{name}"
                     if not os.path.isdir(path):
                         raise FileNotFoundError(f"league snapshot {name} of the checkpoint is missing: {path}")
-                    await self.scheduler.request(LoadAdapter(path=path, name=name, trainable=False), timeout)
+                    await sched.request(LoadAdapter(path=path, name=name, trainable=False), timeout)
                     self.league[p.name].append(name)
             return out
 
@@ -499,7 +522,7 @@ class Coordinator:
 
     def scheduler_stats(self) -> dict[str, Any]:
         async def _stats() -> Any:
-            s = await self.scheduler.request(SchedulerStats())
+            s = await self._stats()
             return {"counters": s.counters, "batches": s.batches}
 
         return self.loop.run(_stats())

@@ -29,6 +29,7 @@ from opentinker.bus.auth import (
 )
 from opentinker.bus.common import CurveKeys, is_loopback
 from opentinker.config import ConfigError, JobConfig
+from opentinker.control.placement import place, scheduler_devices
 from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
 
@@ -78,6 +79,8 @@ def describe(name: str, where: dict[str, Any] | None = None) -> str:
         text = f"env runner {name.removeprefix('env_runner')}"
     elif name.startswith("learner_"):
         text = f"the learner of policy {name.removeprefix('learner_')}"
+    elif name.startswith("scheduler") and name != "scheduler":
+        text = f"scheduler {name.removeprefix('scheduler')}"
     else:
         text = f"the {name}"
     if where:
@@ -170,12 +173,18 @@ def _dealt(actor_cls: Any) -> Any:
     return placed
 
 
-def scheduler_resources(cfg: JobConfig) -> dict[str, float]:
-    """The Ray resources the job's scheduler asks for: ``runtime.scheduler_resources``, else one
-    GPU when the model's device is ``cuda``, else none."""
+def scheduler_resources(cfg: JobConfig, device: str | None = None) -> dict[str, float]:
+    """The Ray resources a scheduler of the job asks for: ``runtime.scheduler_resources``, else
+    one GPU when its device (``device``; by default ``model.device``) is ``cuda``, else none
+    (``cuda:N``, a device chosen by hand, is left alone)."""
     if cfg.runtime.scheduler_resources:
         return dict(cfg.runtime.scheduler_resources)
-    return {"GPU": 1.0} if cfg.model.device == "cuda" else {}
+    return {"GPU": 1.0} if (device or cfg.model.device) == "cuda" else {}
+
+
+def scheduler_name(i: int) -> str:
+    """The job's ``i``-th scheduler's component name: ``scheduler``, ``scheduler1``, ..."""
+    return f"scheduler{i}" if i else "scheduler"
 
 
 def placed_on_resources(actor_cls: Any, wanted: dict[str, float], nodes: list[dict[str, Any]]) -> Any:
@@ -247,6 +256,13 @@ class Job:
         self.run_dir = str(run_dir)
         self.scheduler_only = scheduler_only
         self.scheduler_endpoint = ""
+        """The (first) scheduler's bus endpoint."""
+        self.devices = scheduler_devices(cfg)
+        """Each of the job's schedulers' device (``runtime.devices``; one on a shared scheduler)."""
+        self.placement = place(cfg) if not cfg.runtime.scheduler else {p.name: 0 for p in cfg.policies}
+        """Policy -> the index of the scheduler that holds it."""
+        self.scheduler_endpoints: list[str] = []
+        """Every scheduler's endpoint, in the order of :attr:`devices`."""
         self.scheduler_credentials: Credentials | None = None
         """What this job's components present to the scheduler (None: the run's own secret)."""
         self.attachment: Attachment | None = None
@@ -285,6 +301,7 @@ class Job:
             self.attachment = attach(cfg.runtime.scheduler, cfg.name, model_path, sched_kwargs["adapter_roots"],
                                      sched_kwargs["read_roots"], cfg.runtime.priority, cfg.runtime.startup_timeout_s)
             self.scheduler_endpoint = self.attachment.endpoint
+            self.scheduler_endpoints = [self.scheduler_endpoint]
             self.scheduler_credentials = self.attachment.credentials
         try:
             if self.backend == "ray":
@@ -307,6 +324,20 @@ class Job:
             set_run_curve(prev[:2] if prev else None, prev[2] if prev else "127.0.0.1")
 
     @property
+    def routes(self) -> dict[str, str]:
+        """Policy -> its scheduler's endpoint."""
+        return {p: self.scheduler_endpoints[i] for p, i in self.placement.items()}
+
+    def _scheduler_kwargs(self, sched_kwargs: dict[str, Any], i: int) -> dict[str, Any]:
+        """Scheduler ``i``'s arguments: the job's, on its device."""
+        return {**sched_kwargs, "device": self.devices[i]}
+
+    def _coordinator_kwargs(self) -> dict[str, Any]:
+        return {"cfg": msgspec.to_builtins(self.cfg), "model_path": self.model_path,
+                "scheduler_endpoint": self.scheduler_endpoint, "runner_endpoints": [], "learner_endpoints": {},
+                "scheduler_auth": self._auth, "routes": self.routes}
+
+    @property
     def _auth(self) -> tuple[str, str] | None:
         return self.scheduler_credentials.pair() if self.scheduler_credentials is not None else None
 
@@ -315,36 +346,37 @@ class Job:
     def _start_local(self, sched_kwargs: dict[str, Any]) -> None:
         cfg = self.cfg
         if self.attachment is None:
-            sched = self._add("scheduler", Component("scheduler", sched_kwargs))
-            self.scheduler_endpoint = sched.start()
-        ep = self.scheduler_endpoint
+            for i in range(len(self.devices)):
+                sched = self._add(scheduler_name(i), Component("scheduler", self._scheduler_kwargs(sched_kwargs, i)))
+                self.scheduler_endpoints.append(sched.start())
+            self.scheduler_endpoint = self.scheduler_endpoints[0]
         if self.scheduler_only:
             return
         runners = []
         for i in range(cfg.runtime.env_runners):
-            r = self._add(f"env_runner{i}", Component("env_runner", self._runner_kwargs(i, ep)))
+            r = self._add(f"env_runner{i}", Component("env_runner", self._runner_kwargs(i)))
             runners.append(r.start())
         learners = {}
         for p in cfg.policies:
-            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir,
-                                                                                     self._auth)))
+            ln = self._add(f"learner_{p.name}", Component("learner", _learner_kwargs(
+                cfg, self.routes[p.name], p.name, self.run_dir, self._auth)))
             learners[p.name] = tuple(ln.start())
         coord = self._add("coordinator", Component("coordinator", {
-            "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
-            "runner_endpoints": runners, "learner_endpoints": learners, "scheduler_auth": self._auth}))
+            **self._coordinator_kwargs(), "runner_endpoints": runners, "learner_endpoints": learners}))
         coord.start()
 
     def _add(self, name: str, handle: Any) -> Any:
         self._handles[name] = handle
         return handle
 
-    def _runner_kwargs(self, i: int, scheduler_endpoint: str) -> dict[str, Any]:
-        """An env runner's arguments: it may play the registered games and the job's own."""
+    def _runner_kwargs(self, i: int) -> dict[str, Any]:
+        """An env runner's arguments: it may play the registered games and the job's own, and
+        sends each policy's requests to that policy's scheduler."""
         from opentinker.rollout.env_runner import SCHEDULER_EPISODES
 
-        return {"name": f"runner{i}", "scheduler_endpoint": scheduler_endpoint, "model_path": self.model_path,
+        return {"name": f"runner{i}", "scheduler_endpoint": self.scheduler_endpoint, "model_path": self.model_path,
                 "games": (self.cfg.game,), "max_episodes": max(1, SCHEDULER_EPISODES // self.cfg.runtime.env_runners),
-                "scheduler_auth": self._auth}
+                "scheduler_auth": self._auth, "routes": self.routes}
 
     # --------------------------------------------------------------------------- ray
 
@@ -371,28 +403,32 @@ class Job:
                 raise TimeoutError(f"actors still starting after {timeout:.0f} s: {names}")
             return {name: ray.get(ref) for name, ref in refs.items()}
 
-        if self.attachment is None:
-            sched_cls = placed_on_resources(actor_cls, scheduler_resources(cfg), ray.nodes())  # a GPU node, ...
-            sched = self._add("scheduler", sched_cls.remote("scheduler", sched_kwargs, secret, self._curve))
-            self.scheduler_endpoint = start_all({"scheduler": sched})["scheduler"]
-        ep = self.scheduler_endpoint
+        if self.attachment is None:  # one per device, each on a node with what it asks for (a GPU, ...)
+            scheds = {}
+            for i, device in enumerate(self.devices):
+                sched_cls = placed_on_resources(actor_cls, scheduler_resources(cfg, device), ray.nodes())
+                scheds[scheduler_name(i)] = self._add(scheduler_name(i), sched_cls.remote(
+                    "scheduler", self._scheduler_kwargs(sched_kwargs, i), secret, self._curve))
+            eps = start_all(scheds)
+            self.scheduler_endpoints = [eps[scheduler_name(i)] for i in range(len(self.devices))]
+            self.scheduler_endpoint = self.scheduler_endpoints[0]
         if self.scheduler_only:
             return
         group = {}
         for i in range(cfg.runtime.env_runners):
             name = f"env_runner{i}"
-            spec = self._kwargs[name] = ("env_runner", self._runner_kwargs(i, ep))  # for restart
+            spec = self._kwargs[name] = ("env_runner", self._runner_kwargs(i))  # for restart
             group[name] = self._add(name, dealt(self._placed[name]).remote(*spec, secret, self._curve))
         for p in cfg.policies:
             name = f"learner_{p.name}"
-            spec = self._kwargs[name] = ("learner", _learner_kwargs(cfg, ep, p.name, self.run_dir, self._auth))
+            spec = self._kwargs[name] = ("learner", _learner_kwargs(cfg, self.routes[p.name], p.name, self.run_dir,
+                                                                    self._auth))
             group[name] = self._add(name, dealt(self._placed[name]).remote(*spec, secret, self._curve))
         eps = start_all(group)
         runners = [eps[f"env_runner{i}"] for i in range(cfg.runtime.env_runners)]
         learners = {p.name: tuple(eps[f"learner_{p.name}"]) for p in cfg.policies}
         coord = self._add("coordinator", actor_cls.remote("coordinator", {
-            "cfg": msgspec.to_builtins(cfg), "model_path": self.model_path, "scheduler_endpoint": ep,
-            "runner_endpoints": runners, "learner_endpoints": learners, "scheduler_auth": self._auth}, secret,
+            **self._coordinator_kwargs(), "runner_endpoints": runners, "learner_endpoints": learners}, secret,
             self._curve))
         start_all({"coordinator": coord})
         # Where each one runs, to name a component that dies (ComponentDied).

@@ -22,6 +22,7 @@ from opentinker.bus import LOOPBACK, Client, LoopThread, Pusher, Server
 from opentinker.bus.auth import Credentials
 from opentinker.rollout.episodes import play_episode
 from opentinker.rollout.render import ChatTokenizer
+from opentinker.rollout.routes import Routes
 from protocols.messages import (
     EpisodesDone,
     EpisodeSpec,
@@ -59,7 +60,7 @@ class EnvRunner:
     def __init__(
         self, name: str, scheduler_endpoint: str, model_path: str, endpoint: str = LOOPBACK,
         sample_timeout_s: float = 900.0, games: tuple[str, ...] = (), max_episodes: int = MAX_EPISODES_IN_FLIGHT,
-        scheduler_auth: tuple[str, str] | None = None,
+        scheduler_auth: tuple[str, str] | None = None, routes: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.scheduler_auth = Credentials.of(scheduler_auth)
@@ -72,6 +73,10 @@ class EnvRunner:
         """Games beside the registered ones that episodes may name (the job's imported
         PettingZoo env): a message never makes a runner import a module it was not given."""
         self.scheduler_endpoint = scheduler_endpoint
+        self.routes = Routes(scheduler_endpoint, routes)
+        """Policy -> its scheduler's endpoint, in a job with several (``runtime.devices``): a
+        request naming an adapter goes to its policy's scheduler, others to
+        ``scheduler_endpoint``."""
         self.model_path = model_path
         self.sample_timeout_s = sample_timeout_s
         self._bind = endpoint
@@ -91,7 +96,8 @@ class EnvRunner:
         return self.endpoint
 
     async def _start(self) -> str:
-        self.scheduler = Client(self.loop.ctx, self.scheduler_endpoint, name=self.name, credentials=self.scheduler_auth)
+        self.schedulers = {ep: Client(self.loop.ctx, ep, name=self.name, credentials=self.scheduler_auth)
+                           for ep in self.routes.endpoints()}
         self.pushers: dict[str, Pusher] = {}
         self._pushing_to: dict[str, str] = {}
         """Policy -> the learner PULL endpoint its pusher sends to."""
@@ -101,7 +107,9 @@ class EnvRunner:
     def counters(self) -> dict[str, int]:
         """Bus counters of this runner: requests served, samples asked, trajectories pushed."""
         out = dict(self.server.counters)
-        out.update({f"client/{k}": v for k, v in self.scheduler.counters.items()})
+        for client in self.schedulers.values():  # summed over the job's schedulers
+            for k, v in client.counters.items():
+                out[f"client/{k}"] = out.get(f"client/{k}", 0) + v
         out["pushed/Trajectory"] = self._pushed
         out["resent/Trajectory"] = self._resent
         return out
@@ -181,7 +189,7 @@ class EnvRunner:
     async def _sample(self, ref: PolicyRef, prompt: np.ndarray, params: SamplingParams) -> SampleResult:
         adapter = ref.name if ref.kind is PolicyKind.ADAPTER else None
         req = SampleRequest(adapter=adapter, prompts=[prompt], params=params, client=self.name)
-        reply = await self.scheduler.request(req, timeout=self.sample_timeout_s)
+        reply = await self.schedulers[self.routes(adapter)].request(req, timeout=self.sample_timeout_s)
         assert isinstance(reply, SampleResult)
         return reply
 
@@ -189,14 +197,15 @@ class EnvRunner:
         """Teacher-forced log-probs of the last ``tail`` of ``tokens`` under ``ref``'s adapter
         (an exploring reply)."""
         req = LogprobsRequest(adapter=ref.name, sequences=[tokens], temperature=temperature, tail=tail)
-        reply = await self.scheduler.request(req, timeout=self.sample_timeout_s)
+        reply = await self.schedulers[self.routes(ref.name)].request(req, timeout=self.sample_timeout_s)
         assert isinstance(reply, LogprobsResult)
         return reply.logprobs[0], reply.adapter_version
 
     def stop(self) -> None:
         if hasattr(self, "loop"):
             self.loop.run(self.server.stop())
-            self.scheduler.close()
+            for client in self.schedulers.values():
+                client.close()
             for p in self.pushers.values():
                 p.close()
             self.loop.stop()
