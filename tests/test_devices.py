@@ -151,3 +151,13 @@ def test_a_job_on_two_cpu_schedulers_trains_plays_across_them_and_saves(tiny_pat
         assert _adapters(second) == {"other", "other__s1", "other__s2"}
     finally:
         job.shutdown()
+
+
+def test_a_scheduler_only_job_starts_one_scheduler(tiny_path):
+    """Evaluation, play and offline jobs of a run on several devices talk to one scheduler."""
+    job = Job(_cfg(), tiny_path, scheduler_only=True)
+    try:
+        assert job.devices == ["cpu"] and len(job.scheduler_endpoints) == 1
+        assert set(job.info()) == {"scheduler"} and set(job.routes.values()) == {job.scheduler_endpoint}
+    finally:
+        job.shutdown()

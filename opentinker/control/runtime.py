@@ -257,9 +257,10 @@ class Job:
         self.scheduler_only = scheduler_only
         self.scheduler_endpoint = ""
         """The (first) scheduler's bus endpoint."""
-        self.devices = scheduler_devices(cfg)
-        """Each of the job's schedulers' device (``runtime.devices``; one on a shared scheduler)."""
-        self.placement = place(cfg) if not cfg.runtime.scheduler else {p.name: 0 for p in cfg.policies}
+        self.devices = scheduler_devices(cfg)[:1 if scheduler_only else None]
+        """Each of the job's schedulers' device (``runtime.devices``); one on a shared scheduler,
+        and for ``scheduler_only`` (evaluation, play, offline jobs talk to one scheduler)."""
+        self.placement = place(cfg) if len(self.devices) > 1 else {p.name: 0 for p in cfg.policies}
         """Policy -> the index of the scheduler that holds it."""
         self.scheduler_endpoints: list[str] = []
         """Every scheduler's endpoint, in the order of :attr:`devices`."""
@@ -346,7 +347,7 @@ class Job:
     def _start_local(self, sched_kwargs: dict[str, Any]) -> None:
         cfg = self.cfg
         if self.attachment is None:
-            for i in range(len(self.devices)):
+            for i in range(len(self.devices)):  # (scheduler_only: the devices were cut to one)
                 sched = self._add(scheduler_name(i), Component("scheduler", self._scheduler_kwargs(sched_kwargs, i)))
                 self.scheduler_endpoints.append(sched.start())
             self.scheduler_endpoint = self.scheduler_endpoints[0]
