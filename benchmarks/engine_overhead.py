@@ -23,8 +23,6 @@ used before the fused ops (its ops grow with the adapters mixed in a step).
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,15 +30,14 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from _args import parse_args
+from _device_rows import ALL_PROJECTIONS, decode_profile
 from _machine import script_provenance
 from opentinker.engine.host import ModelHost
 from opentinker.engine.model_specs import resolve_model
 from protocols.messages import LoraSpec, SamplingParams
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -59,36 +56,13 @@ class Args:
     json: str = ""
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _aten_ops(prof) -> int:
-    """ATen ops of a profile that run under no other ATen op (a fused op's composite counts)."""
-    n = 0
-    for e in prof.events():
-        if not e.name.startswith("aten::"):
-            continue
-        p = e.cpu_parent
-        while p is not None and not p.name.startswith("aten::"):
-            p = p.cpu_parent
-        n += p is None
-    return n
-
-
 def _host(args: Args, model: str, method: str, K: int, graphs: bool) -> ModelHost:
     host = ModelHost(resolve_model(model), threads=args.threads, device=args.device, engine="own",
                      engine_options={"lora_method": method, "max_rows": 256, "dtype": args.dtype,
                                      "cuda_graphs": graphs, "kv_budget_bytes": args.kv_budget_mb << 20})
     gen = torch.Generator().manual_seed(0)
     for k in range(K):
-        host.create_adapter(f"a{k}", LoraSpec(rank=8, alpha=16.0, target_modules=ALL, seed=k))
+        host.create_adapter(f"a{k}", LoraSpec(rank=8, alpha=16.0, target_modules=ALL_PROJECTIONS, seed=k))
         for name, t in host.registry.adapters[f"a{k}"].named.items():
             if ".lora_B." in name:
                 t.data.copy_(torch.randn(t.shape, generator=gen).to(t.device) * 0.01)
@@ -98,39 +72,12 @@ def _host(args: Args, model: str, method: str, K: int, graphs: bool) -> ModelHos
 def measure(args: Args, model: str, method: str, B: int, K: int, graphs: bool = True) -> dict:
     """One row: ops, ATen ops, step time (and CUDA kernels) of a decode step of B rows, K adapters."""
     host = _host(args, model, method, K, graphs)
-    eng = host.engine
     rng = np.random.default_rng(B * 100 + K)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=1.0)
-    seqs = [eng.add(f"a{i % K}", rng.integers(5, 20000, size=args.prompt_tokens), params, i) for i in range(B)]
-    while any(s.pending > 1 for s in seqs):  # prefill (in chunks if the budget says so)
-        eng.step()
-    eng.step()  # a warm-up decode step (captures the bucket's graph on CUDA)
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    with _Count() as c:
-        eng.step()
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        eng.step()
-        sync()
-    row = {"model": model, "method": method, "batch": B, "adapters": K, "ops": c.n, "aten_ops": _aten_ops(prof)}
-    if eng.device.type == "cuda":
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        row.update(kernels=len(kernels), device_ms=sum(e.device_time for e in kernels) / 1000, graphs=graphs,
-                   graph_steps=eng.metrics()["engine/graph_steps"])
-    times = []
-    for _ in range(args.steps):
-        sync()
-        t0 = time.perf_counter()
-        progressed, _ = eng.step()
-        sync()
-        times.append(time.perf_counter() - t0)
-        assert len(progressed) == B
-    row["step_ms"] = statistics.median(times) * 1000
-    row["decode_tokens_per_s"] = B / statistics.median(times)
-    eng.cancel(seqs)
-    eng.step()
+    seqs = [host.engine.add(f"a{i % K}", rng.integers(5, 20000, size=args.prompt_tokens), params, i) for i in range(B)]
+    row = {"model": model, "method": method, "batch": B, "adapters": K, **decode_profile(host, seqs, args.steps)}
+    if host.engine.device.type == "cuda":
+        row["graphs"] = graphs
     return row
 
 

@@ -9,11 +9,15 @@
 #  1. the CUDA tests of the engine: the triton kernels compiled (LoRA shrink/expand, paged
 #     decode, the fused Gumbel-max), a decode step that syncs only to read its tokens, a draw
 #     replayed from a CUDA graph                              -> $OUT/cuda_tests.xml, .log
-#  2. benchmarks/engine_overhead.py on the Qwen2.5-0.5B shape (random weights, bf16): ops,
-#     CUDA kernels, device and step time per decode step, graphs on and off
-#                                                             -> $OUT/engine_overhead_cuda.json
-#  3. the same on the SmolLM2-1.7B shape, 16 adapters at batch 256
-#                                                             -> $OUT/engine_overhead_1p7b.json
+#  2. benchmarks/multiplex.py --device cuda on the Qwen2.5-0.5B shape (random weights, bf16):
+#     K 1, 8, 16 at batch 64 and 256 (tokens/s, the steady decode step profiled: kernels and
+#     device time per step, peak device memory), the matmul floor in a CUDA graph, training
+#     rows (LoRA and full, 32 x 256 tokens), PEFT's mixed batch at 8 adapters, batch 64, 16 new
+#     tokens; a JSON row after every row                      -> $OUT/multiplex_cuda.json
+#  3. the same on the SmolLM2-1.7B shape, 16 adapters at batch 256 (decode only)
+#                                                             -> $OUT/multiplex_cuda_1p7b.json
+#  4. benchmarks/engine_overhead.py on the Qwen shape: ops, kernels and step time per decode
+#     step with graphs on and off                             -> $OUT/engine_overhead_cuda.json
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -56,19 +60,24 @@ if [ "$(left)" -gt 120 ]; then
     --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
   log "   rc=$?"
 fi
-if [ "$(left)" -gt 120 ]; then
-  log "2. engine_overhead, Qwen2.5-0.5B shape"
-  timeout $(( $(left) - 60 )) python3 benchmarks/engine_overhead.py --device cuda --dtype bfloat16 \
-    --models /tmp/qwen05b --batches 64,256 --adapters 1,8,16 --prompt_tokens 128 --steps 8 --threads 8 \
-    --json "$OUT/engine_overhead_cuda.json" > "$OUT/engine_overhead_cuda.log" 2>&1
+if [ "$(left)" -gt 150 ]; then
+  log "2. multiplex, Qwen2.5-0.5B shape"
+  timeout $(( $(left) - 90 )) python3 benchmarks/multiplex.py --device cuda --model /tmp/qwen05b --threads 8 \
+    --json "$OUT/multiplex_cuda.json" > "$OUT/multiplex_cuda.log" 2>&1
   log "   rc=$?"
 fi
 if [ "$(left)" -gt 90 ]; then
-  log "3. engine_overhead, SmolLM2-1.7B shape"
-  timeout $(( $(left) - 30 )) python3 benchmarks/engine_overhead.py --device cuda --dtype bfloat16 \
-    --models /tmp/smol17b --batches 256 --adapters 16 --methods slots --prompt_tokens 128 --steps 8 --threads 8 \
-    --kv_budget_mb 16384 \
-    --json "$OUT/engine_overhead_1p7b.json" > "$OUT/engine_overhead_1p7b.log" 2>&1
+  log "3. multiplex, SmolLM2-1.7B shape"
+  timeout $(( $(left) - 45 )) python3 benchmarks/multiplex.py --device cuda --model /tmp/smol17b --threads 8 \
+    --ks 16 --batches 256 --phases decode --peft_row none --target_tps 16x256:40000 \
+    --json "$OUT/multiplex_cuda_1p7b.json" > "$OUT/multiplex_cuda_1p7b.log" 2>&1
+  log "   rc=$?"
+fi
+if [ "$(left)" -gt 60 ]; then
+  log "4. engine_overhead, Qwen2.5-0.5B shape"
+  timeout $(( $(left) - 15 )) python3 benchmarks/engine_overhead.py --device cuda --dtype bfloat16 \
+    --models /tmp/qwen05b --batches 64,256 --adapters 1,16 --methods slots --prompt_tokens 128 --steps 8 --threads 8 \
+    --json "$OUT/engine_overhead_cuda.json" > "$OUT/engine_overhead_cuda.log" 2>&1
   log "   rc=$?"
 fi
 log "done"

@@ -65,24 +65,50 @@ def test_codec_benchmark(tmp_path):
 
 
 def test_multiplex_benchmark(tmp_path, tiny_path):
-    r = _run(["benchmarks/multiplex.py", "--quick"], tmp_path)
+    r = _run(["benchmarks/multiplex.py", "--quick", "--phases", "decode,floor,train", "--peft_row", "4,8,4",
+              "--profile_steps", "2", "--train_seqs", "2", "--train_len", "16", "--target_tps", "4x8:1,4x64:1"],
+             tmp_path)
     check_provenance(r, "multiplex.py")
     assert r["provenance"]["torch_threads"] >= 1 and r["provenance"]["mm_gflops_per_s"] > 0
-    rows = {(x["method"], x["K"], x["batch"]): x for x in r["rows"]}
-    methods = ("engine", "peft_mixed", "swap", "copies")
-    assert set(rows) == {(m, k, 8) for m in methods for k in (1, 4)} and len(r["rows"]) == 8
-    for x in rows.values():
+    assert r["machine"]["cpu_capability"] and r["args"]["phases"] == "decode,floor,train"
+    decode = {(x["method"], x["K"], x["batch"]): x for x in r["rows"] if x["phase"] == "decode"}
+    methods = ("engine", "swap", "copies")
+    # PEFT's mixed batch only at --peft_row (there the engine row of the grid is its baseline).
+    assert set(decode) == {(m, k, 8) for m in methods for k in (1, 4)} | {("peft_mixed", 4, 8)}
+    for x in decode.values():
         assert "error" not in x, x
         assert x["generated_tokens"] == 8 * 4 and x["prompt_tokens"] == 8 * 16  # no early stop
         assert x["tokens_per_s"] > 0 and x["peak_bytes"] > x["rss_before_model_bytes"] > 0
     for k in (1, 4):
-        eng, cop = rows["engine", k, 8], rows["copies", k, 8]
-        assert len({rows[m, k, 8]["flops"] for m in methods}) == 1  # one FLOP estimate for the same work
+        eng, cop = decode["engine", k, 8], decode["copies", k, 8]
+        assert len({decode[m, k, 8]["flops"] for m in methods}) == 1  # one FLOP estimate for the same work
         assert cop["weights_bytes"] == k * eng["weights_bytes"] and cop["kv_pool_bytes"] == k * eng["kv_pool_bytes"]
-        assert eng["adapter_bytes"] == cop["adapter_bytes"] == rows["peft_mixed", k, 8]["adapter_bytes"]
+        assert eng["adapter_bytes"] == cop["adapter_bytes"]
         # KV is reserved per row (prompt + max_tokens): the same however rows are split over adapters or copies
-        assert 0 < eng["kv_peak_bytes"] == cop["kv_peak_bytes"] == rows["engine", 1, 8]["kv_peak_bytes"]
-    assert rows["engine", 4, 8]["adapter_bytes"] == 4 * rows["engine", 1, 8]["adapter_bytes"]
+        assert 0 < eng["kv_peak_bytes"] == cop["kv_peak_bytes"] == decode["engine", 1, 8]["kv_peak_bytes"]
+        # The engine rows' steady decode step: profiled, every row decoding, compared with the floor.
+        assert eng["decode_tokens_per_s"] == pytest.approx(8 / eng["decode_step_ms"] * 1000)
+        assert eng["ops"] > 0 and eng["vs_floor"] > 0
+    assert decode["engine", 4, 8]["adapter_bytes"] == 4 * decode["engine", 1, 8]["adapter_bytes"]
+    assert decode["engine", 4, 8]["adapter_bytes"] == decode["peft_mixed", 4, 8]["adapter_bytes"]
+    assert decode["engine", 4, 8]["vs_peft_mixed"] == pytest.approx(
+        decode["engine", 4, 8]["tokens_per_s"] / decode["peft_mixed", 4, 8]["tokens_per_s"])
+    (floor,) = [x for x in r["rows"] if x["phase"] == "floor"]
+    # tiny-random: 2 layers x 7 projections + the tied vocabulary projection.
+    assert floor["batch"] == 8 and floor["matmuls"] == 15 and floor["decode_tokens_per_s"] > 0
+    train = {x["method"]: x for x in r["rows"] if x["phase"] == "train"}
+    assert set(train) == {"train_lora", "train_full"}
+    for x in train.values():
+        assert x["tokens"] == 32 and x["loss_tokens"] == 16 and x["tokens_per_s"] > 0 and x["peak_bytes"] > 0
+    # The full copy trains every base weight; the adapter its LoRA matrices only.
+    assert train["train_full"]["trainable_params"] > 100 * train["train_lora"]["trainable_params"]
+    assert train["train_full"]["trainable_params"] * 4 >= train["train_full"]["weights_bytes"]
+    # Targets: stated, and a missing row reported as not met rather than left out.
+    by = {t["what"]: t for t in r["targets"]}
+    assert by["decode tokens/s, 4 adapters at batch 8"]["met"] is True
+    assert by["decode tokens/s, 4 adapters at batch 64"] == {
+        "what": "decode tokens/s, 4 adapters at batch 64", "target": 1.0, "got": None, "met": False}
+    assert "4 adapters / 1 adapter at batch 8" in by
 
 
 def test_rollout_benchmark(tmp_path, tiny_path):
