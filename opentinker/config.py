@@ -156,6 +156,12 @@ class ModelConfig(_Config):
     ~0.03 (tests/test_engine_model.py states the tolerance)."""
     kv_budget_mb: Annotated[int, Meta(ge=1, le=MAX_KV_MB)] = 256
     """Memory for the engine's KV blocks, in MiB."""
+    train_memory_mb: Annotated[int, Meta(ge=128, le=MAX_KV_MB)] = 1024
+    """What one part of a learning step may hold in activations, in MiB: a step's datums are
+    cut into parts of at most as many tokens as fit (from the model's shape,
+    :func:`opentinker.engine.trainer.part_tokens`; a datum longer than that is a part alone),
+    so its peak memory is set here, not by the number or length of its episodes. The
+    gradient is the same however the datums are cut."""
     kv_block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)] = 8
     """Tokens per KV block: a turn recomputes at most this many tokens it could have reused."""
     max_batch_tokens: Annotated[int, Meta(ge=1, le=MAX_BATCH_TOKENS)] = 2048

@@ -294,6 +294,7 @@ class Job:
                         "read_roots": [p.init for p in cfg.policies if p.init],  # warm starts: read only
                         "max_new_tokens": max(DEFAULT_MAX_NEW_TOKENS, cfg.sampling.max_tokens),
                         "engine_options": {"kv_budget_bytes": m.kv_budget_mb << 20, "block_size": m.kv_block_size,
+                                           "train_memory_bytes": m.train_memory_mb << 20,
                                            "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype,
                                            "cuda_graphs": m.cuda_graphs}}
         if cfg.runtime.scheduler:

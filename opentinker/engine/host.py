@@ -33,7 +33,7 @@ from opentinker.engine.registry import (
 )
 from opentinker.engine.inference import Inference
 from opentinker.engine.step_loop import Engine
-from opentinker.engine.trainer import Trainer, drain
+from opentinker.engine.trainer import DEFAULT_TRAIN_MEMORY_BYTES, Trainer, drain
 from protocols.messages import AdamParams, Datum, LoraSpec, SamplingParams
 
 __all__ = ["BASE", "AdapterState", "ModelHost", "UnknownAdapterError"]
@@ -51,14 +51,17 @@ class ModelHost:
         :class:`~opentinker.engine.step_loop.Engine` (``kv_budget_bytes``, ``block_size``,
         ``max_batch_tokens``, ``max_rows``, ``lora_method``, ``cuda_graphs``), plus ``dtype`` (``"float32"`` or
         ``"bfloat16"``: base weights and activations; LoRA weights and optimizer states stay
-        fp32) and ``device_budget_bytes`` (weights + KV + adapters with optimizer states;
-        adapters beyond it spill to host memory)."""
+        fp32), ``device_budget_bytes`` (weights + KV + adapters with optimizer states;
+        adapters beyond it spill to host memory) and ``train_memory_bytes`` (what one part of a
+        ``forward_backward`` may hold in activations: :class:`~opentinker.engine.trainer.Trainer`;
+        on every engine)."""
         if engine not in ("auto", "own", "peft"):
             raise ValueError(f"engine must be 'auto', 'own' or 'peft', got {engine!r}")
         self.engine: Engine | None = None
         self.registry: AdapterRegistry | LoraRegistry
+        options = dict(engine_options or {})
+        train_memory = int(options.pop("train_memory_bytes", DEFAULT_TRAIN_MEMORY_BYTES))
         if engine != "peft":
-            options = dict(engine_options or {})
             dtype = _DTYPES[str(options.pop("dtype", "float32"))]
             budget = options.pop("device_budget_bytes", None)
             try:
@@ -72,7 +75,7 @@ class ModelHost:
         if self.engine is None:
             self.registry = AdapterRegistry(model_path, device=device, threads=threads)
         self.inference = Inference(self.registry, self.engine)
-        self.trainer = Trainer(self.registry, self.inference)
+        self.trainer = Trainer(self.registry, self.inference, train_memory)
         self.device = self.registry.device
         self.model_path = model_path
 
@@ -134,10 +137,10 @@ class ModelHost:
         return self.inference.values(adapter, seqs, chunk)
 
     def forward_backward(self, adapter: str, datums: Sequence[Datum], loss: str, loss_config: Mapping[str, float],
-                         normalizer: float, chunk: int = 64, value_normalizer: float = 0.0,
+                         normalizer: float, chunk: int = 64, value_normalizer: float = 0.0, max_tokens: int = 0,
                          ) -> tuple[float, dict[str, float]]:
         return drain(self.trainer.forward_backward_parts(adapter, datums, loss, loss_config, normalizer, chunk,
-                                                         value_normalizer))
+                                                         value_normalizer, max_tokens))
 
     def forward_backward_parts(self, adapter: str, datums: Sequence[Datum], loss: str,
                                loss_config: Mapping[str, float], normalizer: float, value_normalizer: float = 0.0,

@@ -30,20 +30,66 @@ from learners import (
 from opentinker.engine import value_head
 from opentinker.engine.registry import AdapterRegistry, AdapterState
 from opentinker.engine.inference import Inference, scaled
-from opentinker.engine.shared_forward import project_logprobs
+from opentinker.engine.shared_forward import HEAD_ROWS, project_logprobs
 from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, gather
 from protocols.messages import AdamParams, Datum
 
 T = TypeVar("T")
 
+DEFAULT_TRAIN_MEMORY_BYTES = 1 << 30
+"""What one part of a ``forward_backward`` may hold in activations (``model.train_memory_mb``)."""
+
+
+def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, dtype_bytes: int) -> int:
+    """Bytes autograd keeps per token for the backward of one training forward: per layer about
+    five ``intermediate``-wide tensors (the MLP's gate, up, activation, product) and eleven
+    ``hidden``-wide ones (norms, q/k/v/o, residuals, attention output); attention itself keeps
+    O(tokens) (SDPA's flash kernels, on CPU too). Measured on SmolLM2-135M in fp32: 1.67 MB per
+    token saved, this formula 1.68 MB (``benchmarks/train_memory.py``)."""
+    return layers * (5 * intermediate + 11 * hidden) * dtype_bytes
+
+
+def head_bytes(vocab: int, loss_tokens: int = HEAD_ROWS) -> int:
+    """Bytes autograd keeps for the vocabulary projection of ``loss_tokens`` rows (float32
+    logits and their log-softmax); at most :data:`HEAD_ROWS` rows' worth, since larger parts
+    run it in checkpointed blocks."""
+    return min(loss_tokens, HEAD_ROWS) * vocab * 4 * 2
+
+
+def part_tokens(registry: AdapterRegistry, budget_bytes: int = DEFAULT_TRAIN_MEMORY_BYTES) -> int:
+    """The most tokens one part of a ``forward_backward`` computes so that its activations
+    (:func:`activation_bytes_per_token` each, and the vocabulary projection's
+    :func:`head_bytes`) fit ``budget_bytes``; at least 1: a datum is never split, so a longer
+    one is a part alone."""
+    spec = getattr(getattr(registry, "decoder", None), "spec", None)
+    if spec is not None:  # the engine's own decoder
+        hidden, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
+        dtype_bytes = torch.finfo(registry.dtype).bits // 8
+    else:  # PEFT's model (fp32)
+        cfg = registry.base.config
+        hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+        inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+        dtype_bytes = 4
+    room = int(budget_bytes) - head_bytes(registry.vocab_size)
+    return max(1, room // activation_bytes_per_token(hidden, inter, layers, max(dtype_bytes, 4)))
+
 
 class Trainer:
-    """Gradients and optimizer steps for the registry's trainable adapters."""
+    """Gradients and optimizer steps for the registry's trainable adapters.
 
-    def __init__(self, registry: AdapterRegistry, inference: Inference) -> None:
+    ``memory_bytes``: what one part of a ``forward_backward`` may hold in activations; its
+    datums are cut into parts of at most :func:`part_tokens` tokens, so a learning step's peak
+    memory is set by this budget, not by the number or length of its episodes."""
+
+    def __init__(self, registry: AdapterRegistry, inference: Inference,
+                 memory_bytes: int = DEFAULT_TRAIN_MEMORY_BYTES) -> None:
+        if not memory_bytes > 0:
+            raise ValueError(f"the training memory budget must be > 0 bytes, got {memory_bytes}")
         self.registry = registry
         self.inference = inference
         self.device = registry.device
+        self.part_tokens = part_tokens(registry, memory_bytes)
+        """The most tokens one part of a ``forward_backward`` computes."""
 
     def check_datums(self, datums: Sequence[Datum], needs: Sequence[str] = ("mask",)) -> None:
         self.registry.check_tokens([d.tokens for d in datums], "ForwardBackward.datums.tokens")
@@ -78,7 +124,8 @@ class Trainer:
         max_tokens: int = 0,
     ) -> Generator[None, None, tuple[float, dict[str, float]]]:
         """Accumulate gradients of ``sum(loss) / normalizer`` over ``datums`` into ``adapter``,
-        one part of at most ``chunk`` datums (and ``max_tokens`` tokens, when > 0) at a time:
+        one part of at most ``chunk`` datums and :attr:`part_tokens` tokens (fewer with
+        ``max_tokens`` > 0) at a time:
         a generator that yields between parts (a shared scheduler runs other work there) and
         returns the normalised loss and metrics (:func:`drain` runs it whole). The loss is a sum over the parts, so the
         gradient is the same however the datums are cut.
@@ -138,7 +185,8 @@ class Trainer:
         seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
         lm_head = scaled(self.registry.lm_head, temperature)
         state.pending_grad = True  # from the first part on: a call cut short leaves gradients to discard
-        for i, part in enumerate(chunks(datums, chunk, max_tokens)):
+        limit = min(max_tokens, self.part_tokens) if max_tokens > 0 else self.part_tokens
+        for i, part in enumerate(chunks(datums, chunk, limit)):
             if i:
                 yield  # between parts
             seqs = [d.tokens for d in part]
