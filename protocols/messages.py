@@ -336,11 +336,17 @@ class Saved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Ask for (empty) or report the scheduler's counters."""
+    """Ask for (empty) or report the scheduler's counters. The counters include the scheduler
+    process's resident memory, ``mem/rss_bytes``, and its peak, ``mem/peak_rss_bytes``, since
+    it started or since the last request with ``reset_peak`` (where the OS reports them)."""
 
     counters: dict[str, int] = {}
     batches: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_STATS_BATCHES)] = []
     """For the most recent sample batches (at most 256), the client names of their rows."""
+    reset_peak: bool = False
+    """In a request: after reading the counters, start the peak-memory mark again (a job's
+    training step measures its own peak); honoured for the scheduler's own user only (on a
+    shared scheduler one job must not move another's mark)."""
 
 
 class ListAdapters(msgspec.Struct, frozen=True, kw_only=True, tag=True):

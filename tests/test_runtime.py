@@ -70,6 +70,7 @@ def test_training_steps_bump_versions_and_count_bus_messages(job):
     assert m["perf/engine/decode_tokens"] == delta("scheduler", "engine/decode_tokens") > 0
     assert m["perf/engine/rows_per_step"] >= 1 and 0 <= m["perf/engine/prefix_hit_rate"] < 1
     assert m["perf/engine/adapters_resident"] == 2 and m["perf/engine/adapters_spilled"] == 0
+    assert m["perf/scheduler_peak_rss_mb"] > 10  # the step's own peak (the whole process, on the local backend)
 
 
 def test_two_env_runners_share_forward_passes(job):

@@ -98,3 +98,22 @@ def test_a_step_holds_its_budget_whatever_its_episodes_and_trains_as_unbounded(t
 def test_a_bad_budget_is_refused(tiny_path):
     with pytest.raises(ValueError, match="training memory budget"):
         ModelHost(tiny_path, threads=1, engine="own", engine_options={"train_memory_bytes": 0})
+
+
+def test_the_scheduler_reports_its_peak_memory_and_starts_it_again(scheduler):
+    """``SchedulerStats`` carries the process's RSS and peak; ``reset_peak`` starts the peak
+    again, so a training step's metrics report that step's own peak."""
+    import gc
+
+    from opentinker.bus.sync import SyncClient
+    from protocols.messages import SchedulerStats
+
+    with SyncClient(scheduler.endpoint, "test") as client:
+        client.request(SchedulerStats(reset_peak=True))
+        big = np.ones(64 << 20, np.uint8)  # 64 MiB resident, then freed
+        del big
+        gc.collect()
+        high = client.request(SchedulerStats(reset_peak=True)).counters
+        low = client.request(SchedulerStats()).counters
+    assert high["mem/peak_rss_bytes"] >= high["mem/rss_bytes"] > 0
+    assert high["mem/peak_rss_bytes"] - low["mem/peak_rss_bytes"] > 48 << 20

@@ -135,15 +135,18 @@ class Coordinator:
         """The client of the scheduler that holds ``adapter`` (its policy's)."""
         return self.schedulers[self.routes(adapter)]
 
-    async def _stats(self) -> SchedulerStats:
-        """The job's schedulers' statistics: counters summed, batches one after the other."""
-        parts = await asyncio.gather(*(c.request(SchedulerStats()) for c in self.schedulers.values()))
+    async def _stats(self, reset_peak: bool = False) -> SchedulerStats:
+        """The job's schedulers' statistics: counters summed (memory: the largest scheduler's),
+        batches one after the other. ``reset_peak``: each scheduler's peak-memory mark starts
+        again after this reading."""
+        parts = await asyncio.gather(*(c.request(SchedulerStats(reset_peak=reset_peak))
+                                       for c in self.schedulers.values()))
         if len(parts) == 1:
             return parts[0]
         counters: dict[str, int] = {}
         for part in parts:
             for k, v in part.counters.items():
-                counters[k] = counters.get(k, 0) + v
+                counters[k] = max(counters.get(k, 0), v) if k.startswith("mem/") else counters.get(k, 0) + v
         return msgspec.structs.replace(parts[0], counters=counters, batches=[b for p in parts for b in p.batches][-MAX_STATS_BATCHES:])
 
     def replace_runner(self, index: int, endpoint: str) -> None:
@@ -210,7 +213,7 @@ class Coordinator:
     async def _train_step(self, step: int, progress: str = "") -> dict[str, float]:
         t0 = time.perf_counter()
         self.untrained = False
-        before = (await self._stats()).counters
+        before = (await self._stats(reset_peak=True)).counters  # the step's own memory peak from here
         self._step_scores = {}
         tables, exploit = await self._best_responses()
         if tables:
@@ -264,6 +267,8 @@ class Coordinator:
             k = f"compute_ms/{key}"
             metrics[f"perf/compute_s/{key}"] = (done.get(k, 0) - before.get(k, 0)) / 1000
         metrics.update({"timing_s/rollout": t1 - t0, "timing_s/learn": t2 - t1, "train/episodes": len(specs)})
+        if "mem/peak_rss_bytes" in done:  # the scheduler's resident peak over this step (rollout and learning)
+            metrics["perf/scheduler_peak_rss_mb"] = done["mem/peak_rss_bytes"] / 2**20
         for key in ("sample_batches", "sample_rows"):
             metrics[f"perf/{key}"] = after.get(key, 0) - before.get(key, 0)
         metrics.update(engine_metrics(before, after))

@@ -190,3 +190,4 @@ def trim_heap() -> bool:
     given back are faulted in again when next used."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+

@@ -50,6 +50,7 @@ from opentinker.bus import LOOPBACK, LoopThread, Server, settle_heap, unsettle_h
 from opentinker.bus.common import CurveKeys
 from opentinker.bus.auth import new_secret, run_user
 from opentinker.bus.stream import wants_stream
+from opentinker.engine.rss import process_memory, reset_peak_memory
 from opentinker.engine.spec_checks import check_adam, check_spec
 from opentinker.engine.tenants import Tenants
 from opentinker.logs import escape_controls
@@ -356,7 +357,10 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
                 raise ValueError(f"{type(msg).__name__} is for the service's owner, not job {tenant!r}")
             return await self.services[type(msg)](msg)
         if isinstance(msg, SchedulerStats):
-            return SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
+            reply = SchedulerStats(counters=self.counters(), batches=[list(b) for b in self.batches])
+            if msg.reset_peak and tenant is None:
+                reset_peak_memory()
+            return reply
         if isinstance(msg, ListAdapters):
             listed = AdapterList(adapters=[AdapterInfo(name=n, version=self.host.version(n))
                                            for n in sorted(self.host.adapters)])
@@ -634,6 +638,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         engine = self.host.engine if self.host is not None else None
         if engine is not None:
             out.update(engine.metrics())
+        out.update(process_memory())
         return out
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
