@@ -48,9 +48,10 @@ class Args:
     reply: int = 6
     budgets: str = "0,auto"
     """Token budgets per part: 0 (unbounded: parts of 64 datums), ``auto`` or a number."""
-    large: str = "16x6"
+    large: str = "16x6,1x30"
     """``GROUPSxTURNS`` steps run with the ``auto`` budget only (unbounded, they would not fit
-    this machine: the 4-group, 6-turn step already peaks near 11 GB)."""
+    this machine: the 4-group, 6-turn step already peaks near 11 GB); 30 turns make datums
+    longer than the budget, trained with checkpointed layers."""
     threads: int = 2
     quick: bool = False
     json: str = ""

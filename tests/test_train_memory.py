@@ -117,3 +117,21 @@ def test_the_scheduler_reports_its_peak_memory_and_starts_it_again(scheduler):
         low = client.request(SchedulerStats()).counters
     assert high["mem/peak_rss_bytes"] >= high["mem/rss_bytes"] > 0
     assert high["mem/peak_rss_bytes"] - low["mem/peak_rss_bytes"] > 48 << 20
+
+
+def test_a_datum_longer_than_the_budget_is_trained_with_checkpointed_layers(tiny_path):
+    """A datum is never split: one longer than the budget is a part alone, whose layers keep
+    only their input for the backward and are computed again there. The gradient is the same."""
+    s = ModelHost(tiny_path, threads=1, engine="own").registry.decoder.spec
+    per_token = activation_bytes_per_token(s.hidden_size, s.intermediate_size, s.num_layers, 4)
+    long = _datums(1, 30)[:1]  # 440 tokens
+    small = ModelHost(tiny_path, threads=1, engine="own",
+                      engine_options={"train_memory_bytes": head_bytes(s.vocab_size) + 100 * per_token})
+    big = ModelHost(tiny_path, threads=1, engine="own", engine_options={"train_memory_bytes": 1 << 40})
+    loss_s, grad_s, (saved_s,) = _step(small, long, body_only=True)
+    loss_b, grad_b, (saved_b,) = _step(big, long, body_only=True)
+    assert loss_s == pytest.approx(loss_b, rel=1e-5)
+    torch.testing.assert_close(grad_s, grad_b, rtol=1e-4, atol=1e-7)
+    # What the checkpoints hold besides: each layer's input, a hidden-wide row a token.
+    inputs = s.num_layers * 440 * s.hidden_size * 4
+    assert saved_b > 0.8 * 440 * per_token and saved_s + inputs < saved_b / 4, (saved_s, inputs, saved_b)

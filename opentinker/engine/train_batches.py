@@ -59,6 +59,20 @@ class MetricSums:
         return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
 
 
+def _new_tokens(d: Datum, before: Datum) -> int:
+    """Tokens of ``d`` beyond the prefix it shares with the datum ``before`` it (computed once)."""
+    a, b = np.asarray(d.tokens), np.asarray(before.tokens)
+    n = min(len(a), len(b))
+    same = np.flatnonzero(a[:n] != b[:n])
+    return len(a) - (int(same[0]) if len(same) else n)
+
+
+def computed_tokens(part: Sequence[Datum]) -> int:
+    """Tokens a part computes as :func:`chunks` counts them (a prefix shared with the datum
+    before counted once)."""
+    return sum(len(d.tokens) if i == 0 else _new_tokens(d, part[i - 1]) for i, d in enumerate(part))
+
+
 def chunks(datums: Sequence[Datum], size: int, max_tokens: int = 0) -> Iterator[Sequence[Datum]]:
     """Consecutive slices of about ``size`` datums, and (``max_tokens`` > 0) of at most that
     many tokens to compute unless one datum alone has more (a datum's prefix shared with the
@@ -70,11 +84,8 @@ def chunks(datums: Sequence[Datum], size: int, max_tokens: int = 0) -> Iterator[
         ids = np.asarray(d.loss_inputs["pair_id"])[np.asarray(d.loss_inputs["mask"]) != 0]
         return float(ids[0]) if len(ids) else None
 
-    def new_tokens(i: int) -> int:  # beyond the prefix it shares with the datum before (computed once)
-        a, b = np.asarray(datums[i].tokens), np.asarray(datums[i - 1].tokens)
-        n = min(len(a), len(b))
-        same = np.flatnonzero(a[:n] != b[:n])
-        return len(a) - (int(same[0]) if len(same) else n)
+    def new_tokens(i: int) -> int:
+        return _new_tokens(datums[i], datums[i - 1])
 
     start = 0
     while start < len(datums):

@@ -31,7 +31,8 @@ from opentinker.engine import value_head
 from opentinker.engine.registry import AdapterRegistry, AdapterState
 from opentinker.engine.inference import Inference, scaled
 from opentinker.engine.shared_forward import HEAD_ROWS, project_logprobs
-from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, gather
+from opentinker.engine.model import layer_checkpointing
+from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, computed_tokens, gather
 from protocols.messages import AdamParams, Datum
 
 T = TypeVar("T")
@@ -197,7 +198,10 @@ class Trainer:
             if want_ref:
                 with torch.no_grad(), self.registry.select(None):
                     ref_N = self.inference.logp_at(seqs, masks, self.inference.share_prefix, temperature=temperature).logp_N
-            with self.registry.select(adapter), grad_on(state):
+            # A part over the budget is one datum (or pair) longer than it: checkpointing each layer
+            # keeps a hidden-wide tensor a token a layer instead of all, for one more forward.
+            long = computed_tokens(part) > self.part_tokens
+            with self.registry.select(adapter), grad_on(state), layer_checkpointing(long):
                 hidden = self.inference.hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
                 if len(hidden.tokens_U) == 0:
                     continue

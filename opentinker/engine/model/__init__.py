@@ -12,10 +12,11 @@ needed. :class:`UnsupportedArchitecture` means: use the PEFT path.
 from .attention import Attention, DenseAttention, DenseCache
 from .paged_step import StepAttention
 from .config import DecoderSpec, RopeScaling, UnsupportedArchitecture, spec_from_hf_config
-from .decoder import Decoder
+from .decoder import Decoder, layer_checkpointing
 from .lora import DEFAULT_METHOD, LoraBatch, LoraStackCache, LoraWeights, peft_name
 
 __all__ = [
+    "layer_checkpointing",
     "Attention", "DenseAttention", "DenseCache", "StepAttention",
     "DecoderSpec", "RopeScaling", "UnsupportedArchitecture", "spec_from_hf_config",
     "Decoder", "DEFAULT_METHOD", "LoraBatch", "LoraStackCache", "LoraWeights", "peft_name",

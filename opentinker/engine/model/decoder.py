@@ -32,9 +32,11 @@ the state dict; a checkpoint may store only the embedding).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,13 +44,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import ops
 from .attention import Attention
 from .config import DecoderSpec, spec_from_hf_config
 from .lora import LoraBatch
 
-__all__ = ["Decoder", "rope_inv_freq"]
+__all__ = ["Decoder", "layer_checkpointing", "rope_inv_freq"]
 
 
 ONEDNN_MIN_MACS = 1 << 21
@@ -206,6 +209,23 @@ def _apply_rope(x_N_H_D: torch.Tensor, cos_N_1_D: torch.Tensor, signed_sin_N_1_D
     return (x_N_H_D * cos_N_1_D).add_(x_N_H_D.roll(x_N_H_D.shape[-1] // 2, -1).mul_(signed_sin_N_1_D))
 
 
+_checkpointing = threading.local()
+_checkpointing.on = False
+
+
+@contextlib.contextmanager
+def layer_checkpointing(on: bool = True) -> Iterator[None]:
+    """Inside (this thread), a :class:`Decoder` forward with autograd keeps only each layer's
+    input for the backward and computes the layer again there (activation checkpointing:
+    ``hidden`` floats a token a layer instead of every activation, for one more forward)."""
+    before = getattr(_checkpointing, "on", False)
+    _checkpointing.on = on
+    try:
+        yield
+    finally:
+        _checkpointing.on = before
+
+
 class Decoder(nn.Module):
     """A decoder-only transformer built from a :class:`DecoderSpec`, with HF parameter names."""
 
@@ -331,8 +351,22 @@ class Decoder(nn.Module):
         # Without autograd the residual stream and the MLP's gate are updated in place (fresh
         # tensors nobody else holds); with it, out of place (a norm saved its input).
         inplace = not torch.is_grad_enabled()
+        recompute = not inplace and getattr(_checkpointing, "on", False)
+        for i, layer in enumerate(self.model.layers):
+            if recompute:  # keep each layer's input only; its activations are computed again in the backward
+                x_N_H = checkpoint(self._layer, i, layer, x_N_H, cos, signed_sin, attn, lora, False,
+                                   use_reentrant=False)
+            else:
+                x_N_H = self._layer(i, layer, x_N_H, cos, signed_sin, attn, lora, inplace)
+        return self.model.norm(x_N_H)
 
-        def proj(i: int, name: str, lin: _Linear, h: torch.Tensor) -> torch.Tensor:
+    def _layer(self, i: int, layer: nn.Module, x_N_H: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               attn: Attention, lora: LoraBatch | None, inplace: bool) -> torch.Tensor:
+        """Layer ``i`` on the residual stream ``x_N_H``: attention then MLP, each added in."""
+        s = self.spec
+        N = x_N_H.shape[0]
+
+        def proj(name: str, lin: _Linear, h: torch.Tensor) -> torch.Tensor:
             y = lin(h)
             return y if lora is None else lora.apply(i, name, h, y)
 
@@ -341,45 +375,44 @@ class Decoder(nn.Module):
         # activations at once (no q/k/v/o under the MLP's [N, I] pair, no old q beside the new
         # one), and the allocator reuses the same holes layer after layer instead of growing
         # its heap. Autograd keeps its own references, so this is the same with grad.
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x_N_H)
-            q = proj(i, "q_proj", a.q_proj, h).view(N, s.num_heads, s.head_dim)
-            k = proj(i, "k_proj", a.k_proj, h).view(N, s.num_kv_heads, s.head_dim)
-            v = proj(i, "v_proj", a.v_proj, h).view(N, s.num_kv_heads, s.head_dim)
+        a = layer.self_attn
+        h = layer.input_layernorm(x_N_H)
+        q = proj("q_proj", a.q_proj, h).view(N, s.num_heads, s.head_dim)
+        k = proj("k_proj", a.k_proj, h).view(N, s.num_kv_heads, s.head_dim)
+        v = proj("v_proj", a.v_proj, h).view(N, s.num_kv_heads, s.head_dim)
+        del h
+        if s.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q = _apply_rope(q, cos, signed_sin)
+        k = _apply_rope(k, cos, signed_sin)
+        o = attn(i, q, k, v).reshape(N, s.num_heads * s.head_dim)
+        del q, k, v
+        o = proj("o_proj", a.o_proj, o)
+        x_N_H = x_N_H.add_(o) if inplace else x_N_H + o
+        del o
+        m = layer.mlp
+        h = layer.post_attention_layernorm(x_N_H)
+        if inplace and N > _MLP_SLICE and (lora is None or not any(lora.touches(i, n) for n in _MLP_PROJ)):
+            # No LoRA in this MLP and no autograd: it runs on slices of rows, so a long
+            # prefill never holds the [N, intermediate] pair (24 MB at 2048 tokens of
+            # SmolLM2-135M) but a slice of it. Rows are independent here.
+            for s0 in range(0, N, _MLP_SLICE):
+                h_s = h[s0:s0 + _MLP_SLICE]
+                g = F.silu(m.gate_proj(h_s), inplace=True).mul_(m.up_proj(h_s))
+                x_N_H[s0:s0 + _MLP_SLICE].add_(m.down_proj(g))
+                del g
             del h
-            if s.qk_norm:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q = _apply_rope(q, cos, signed_sin)
-            k = _apply_rope(k, cos, signed_sin)
-            o = attn(i, q, k, v).reshape(N, s.num_heads * s.head_dim)
-            del q, k, v
-            o = proj(i, "o_proj", a.o_proj, o)
-            x_N_H = x_N_H.add_(o) if inplace else x_N_H + o
-            del o
-            m = layer.mlp
-            h = layer.post_attention_layernorm(x_N_H)
-            if inplace and N > _MLP_SLICE and (lora is None or not any(lora.touches(i, n) for n in _MLP_PROJ)):
-                # No LoRA in this MLP and no autograd: it runs on slices of rows, so a long
-                # prefill never holds the [N, intermediate] pair (24 MB at 2048 tokens of
-                # SmolLM2-135M) but a slice of it. Rows are independent here.
-                for s0 in range(0, N, _MLP_SLICE):
-                    h_s = h[s0:s0 + _MLP_SLICE]
-                    g = F.silu(m.gate_proj(h_s), inplace=True).mul_(m.up_proj(h_s))
-                    x_N_H[s0:s0 + _MLP_SLICE].add_(m.down_proj(g))
-                    del g
-                del h
-                continue
-            g = proj(i, "gate_proj", m.gate_proj, h)
-            u = proj(i, "up_proj", m.up_proj, h)
-            del h
-            g = F.silu(g, inplace=True).mul_(u) if inplace else F.silu(g) * u
-            del u
-            d = proj(i, "down_proj", m.down_proj, g)
-            del g
-            x_N_H = x_N_H.add_(d) if inplace else x_N_H + d
-            del d
-        return self.model.norm(x_N_H)
+            return x_N_H
+        g = proj("gate_proj", m.gate_proj, h)
+        u = proj("up_proj", m.up_proj, h)
+        del h
+        g = F.silu(g, inplace=True).mul_(u) if inplace else F.silu(g) * u
+        del u
+        d = proj("down_proj", m.down_proj, g)
+        del g
+        x_N_H = x_N_H.add_(d) if inplace else x_N_H + d
+        del d
+        return x_N_H
 
     def logits(self, h_R_H: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection ``logits_R_V`` of the rows a caller needs."""
