@@ -343,7 +343,6 @@ class Decoder(nn.Module):
         """Hidden states after the final norm, ``h_N_H``, for N flat tokens ``ids_N`` at
         positions ``pos_N``; ``attn`` places them in rows, ``lora`` gives each its adapter."""
         s = self.spec
-        N = ids_N.shape[0]
         x_N_H = F.embedding(ids_N, self.model.embed_tokens.weight)
         cos, sin = self.rope(pos_N, x_N_H.dtype)
         half = s.head_dim // 2
