@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 # A clear error before anything starts: a checkpoint that checks out, files that parse.
                 checkpoint = latest_checkpoint(args.resume, cfg)
                 check_run_files(args.resume, checkpoint.step)
-            except (ValueError, OSError) as e:
-                raise ConfigError("--resume", str(e)) from None
+            except (ValueError, OSError) as e:  # not a config's fault: the folder has nothing to go on from
+                print(f"opentinker: cannot resume {escape_controls(args.resume)}: {escape_controls(str(e))}",
+                      file=sys.stderr)
+                return 2
     except (ValueError, OSError) as e:
         # One line whatever the config holds (its strings are quoted in the reasons).
         print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from opentinker.control.runtime import ComponentDied
+    from opentinker.interrupt import Interrupted
     from opentinker.run import run_job
 
     try:
@@ -165,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found on meeting the cluster or the shared scheduler (placement, attach)
         print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # Ctrl-C: one line, the shell's code for SIGINT
+        print(f"opentinker: {escape_controls(e.line())}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the run's loop (starting the components): nothing to keep
+        print("opentinker: stopped before the run started", file=sys.stderr)
+        return 130
     except ComponentDied as e:
         # Every other component was stopped on the way out (run_job's finally); one line.
         where = getattr(e, "run_dir", "RUN_DIR")

@@ -48,6 +48,7 @@ from opentinker.eval.report import (
     summary_table,
 )
 from opentinker.files import write_atomic
+from opentinker.interrupt import Interrupted, StopOnInterrupt
 from opentinker.machine import git_commit, machine
 from opentinker.progress import EpisodeFeed
 from opentinker.training import trajectory_log
@@ -139,10 +140,12 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                         "coordinator"):
         try:
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
-        except ConfigError:  # found on meeting the cluster or the shared scheduler: a new run leaves nothing
+        except (ConfigError, KeyboardInterrupt) as e:  # a new run that cannot start (or Ctrl-C) leaves nothing
             log.close()
             if ckpt is None:
                 shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt):
+                raise Interrupted(run_dir, None if ckpt is None else ckpt.step, removed=ckpt is None) from None
             raise
     job.restarts = restarts
     job.said = lambda text: console.print(f"[yellow]{escape(text)}[/]")
@@ -172,8 +175,20 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     feed: EpisodeFeed | None = None
     died: ComponentDied | None = None
     now = "the first evaluation"  # what the job was doing, for the message of a component that dies
+    saved = ckpt.step if ckpt is not None else None  # the newest checkpoint's step
+    stop = StopOnInterrupt(lambda text: console.print(f"[yellow]{escape(text)}[/]"))
+    interrupted = False
+
+    def checkpoint(step: int) -> None:
+        nonlocal saved
+        write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
+                         lambda paths: save_learner_states(job.learner_states(), paths), first, last,
+                         updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
+                                           for p in cfg.policies})
+        saved = step
+
     try:
-        with Progress(
+        with stop, Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
             console=console, redirect_stdout=True, redirect_stderr=True,
@@ -196,6 +211,9 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                 first, last = ckpt.first_eval, ckpt.last_eval
             progress.update(task, description="train", status=_status(last, policies, "eval", game_eval))
             for step in range(start, cfg.train.steps + 1):
+                if stop.asked:  # Ctrl-C during the first evaluation: nothing trained to keep
+                    interrupted = True
+                    break
                 now = f"step {step}"
                 m = job.supervised("train_step", step, feed.endpoint)
                 m["runtime/restarts"] = float(job.restarts)
@@ -208,23 +226,31 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                                            feed.endpoint)
                     log.write(step, "eval", last)
                     progress.update(task, description="train", status=report(step, "eval", last))
-                if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                    write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
-                                     lambda paths: save_learner_states(job.learner_states(), paths), first, last,
-                                     updates_per_step={p.name: cfg.train_for(p.name).epochs
-                                                       * cfg.train_for(p.name).minibatches for p in cfg.policies})
-        adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
-        save_learner_states(job.learner_states(), adapters)
-        (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
-        info = job.info()
+                if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop.asked:
+                    checkpoint(step)
+                if stop.asked and not final:  # Ctrl-C: this step is done and saved
+                    interrupted = True
+                    break
+        if not interrupted:
+            adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
+            save_learner_states(job.learner_states(), adapters)
+            (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
+            info = job.info()
     except ComponentDied as e:
         e.run_dir = str(run_dir)  # where --resume continues
         died = e
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, the newest checkpoint stands
+        interrupted = True
     finally:
         if feed is not None:
             feed.close()
         job.shutdown()
         log.close()
+    if interrupted:
+        if saved is None and resume is None:  # nothing to continue from: leave no half-made folder
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise Interrupted(run_dir, None, removed=True)
+        raise Interrupted(run_dir, saved)
     if died is not None:
         return _recover(cfg, console, run_dir, died, now, job.restarts, spent_s + time.perf_counter() - t_start)
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)

@@ -1,0 +1,54 @@
+"""Ctrl-C on a run: the first stops it after the step in progress, with a checkpoint; the
+second stops it at once (the newest checkpoint stands; a run with none is removed)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+
+class Interrupted(Exception):
+    """A run stopped by Ctrl-C. ``step``: the step of the checkpoint it can resume from (None:
+    none); ``removed``: its folder was removed (it had no checkpoint)."""
+
+    def __init__(self, run_dir: Path, step: int | None, removed: bool = False) -> None:
+        super().__init__(f"stopped at step {step}" if step is not None else "stopped")
+        self.run_dir, self.step, self.removed = Path(run_dir), step, removed
+
+    def line(self) -> str:
+        """What to tell the user, in one line."""
+        if self.removed:
+            return f"stopped before the first training step had a checkpoint: removed {self.run_dir}"
+        if self.step is None:
+            return f"stopped; {self.run_dir} has no checkpoint to continue from"
+        return (f"stopped with the checkpoint of step {self.step}: continue with "
+                f"opentinker run --resume {self.run_dir}")
+
+
+class StopOnInterrupt:
+    """Inside (on the main thread), the first SIGINT sets :attr:`asked` and calls ``said`` with
+    a message; the next one raises ``KeyboardInterrupt`` as usual. Elsewhere it does nothing."""
+
+    def __init__(self, said: Callable[[str], None]) -> None:
+        self.asked = False
+        self._said = said
+        self._before: Any = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.asked = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+        self._said("stopping after this step, with a checkpoint (Ctrl-C again to stop at once)")
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before is not None:
+            signal.signal(signal.SIGINT, self._before)
+            self._before = None

@@ -1,0 +1,100 @@
+"""Ctrl-C on ``opentinker run`` (a real process, SIGINT as a terminal sends it): the first stops
+after the step in progress with a checkpoint, one line naming the resume command, exit 130;
+``--resume`` then goes on; a run stopped before it has a checkpoint leaves no folder."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _config(tmp_path: Path, steps: int) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(f'''name = "ctrlc"
+out_dir = "{tmp_path / 'runs'}"
+[model]
+base = "tiny-random"
+threads = 1
+[runtime]
+backend = "local"
+env_runners = 1
+[train]
+steps = {steps}
+checkpoint_every = 0
+groups_per_step = 2
+group_size = 2
+[sampling]
+max_tokens = 4
+[eval]
+every = 0
+hands_per_stratum = 1
+head_to_head_per_stratum = 0
+''')
+    return path
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "opentinker.cli", "run", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for(what, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _train_steps(runs: Path) -> int:
+    logs = list(runs.glob("*/metrics.jsonl"))
+    if not logs:
+        return 0
+    return sum(1 for line in logs[0].read_text().splitlines() if json.loads(line).get("kind") == "train")
+
+
+def test_ctrl_c_checkpoints_the_step_says_how_to_resume_and_resume_goes_on(tmp_path):
+    runs = tmp_path / "runs"
+    proc = _start([str(_config(tmp_path, 200))])
+    try:
+        _wait_for(lambda: _train_steps(runs) >= 1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    (run,) = runs.iterdir()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines == [f"opentinker: stopped with the checkpoint of step {_train_steps(runs)}: continue with "
+                     f"opentinker run --resume {run}"], err
+    assert "Traceback" not in out + err
+    step = _train_steps(runs)
+    assert (run / "checkpoints" / f"step_{step}").is_dir() and step < 200
+    resumed = _start(["--resume", str(run), "--set", f"train.steps={step + 1}"])
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert f"resumed from" in out and _train_steps(runs) == step + 1
+
+
+def test_ctrl_c_before_a_checkpoint_leaves_no_folder(tmp_path):
+    runs = tmp_path / "runs"
+    proc = _start([str(_config(tmp_path, 200))])
+    try:
+        _wait_for(lambda: any(runs.glob("*/metrics.jsonl")))  # the run folder exists: first evaluation
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # the second: at once
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "removed" in err and "Traceback" not in out + err
+    assert not any(runs.iterdir())
