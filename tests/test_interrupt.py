@@ -73,15 +73,15 @@ def test_ctrl_c_checkpoints_the_step_says_how_to_resume_and_resume_goes_on(tmp_p
     assert proc.returncode == 130, err
     (run,) = runs.iterdir()
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines == [f"opentinker: stopped with the checkpoint of step {_train_steps(runs)}: continue with "
-                     f"opentinker run --resume {run}"], err
+    assert lines == [(f"opentinker: stopped with the checkpoint of step {_train_steps(runs)}: continue with "
+                      f"opentinker run --resume {run}")], err
     assert "Traceback" not in out + err
     step = _train_steps(runs)
     assert (run / "checkpoints" / f"step_{step}").is_dir() and step < 200
     resumed = _start(["--resume", str(run), "--set", f"train.steps={step + 1}"])
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert f"resumed from" in out and _train_steps(runs) == step + 1
+    assert "resumed from" in out and _train_steps(runs) == step + 1
 
 
 def test_ctrl_c_before_a_checkpoint_leaves_no_folder(tmp_path):
