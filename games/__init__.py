@@ -50,7 +50,12 @@ __all__ = [
 _REGISTRY: dict[str, Callable[..., AECEnv]] = {}
 _PARALLEL: dict[str, Callable[..., ParallelEnv]] = {}
 _EVALUATION: dict[str, GameEval] = {}
-_MODULE_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+(:[A-Za-z_][\w]*)?")
+_MODULE_PATH = re.compile(r"[A-Za-z_][\w]*((\.[A-Za-z_][\w]*)+(:[A-Za-z_][\w]*)?|:[A-Za-z_][\w]*)")
+"""A game named by its module: ``package.module`` (its ``env``), ``package.module:factory`` or,
+for a single-file module on ``sys.path`` (the working folder), ``module:factory``."""
+
+_EXTRAS = {"rlcard": "poker"}
+"""Modules some PettingZoo envs import -> the extra that installs them."""
 
 
 def register(
@@ -89,14 +94,17 @@ def _imported(name: str) -> tuple[Callable[..., AECEnv], GameEval]:
         close = difflib.get_close_matches(name, names(), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"{name!r} is not a registered game; {hint}known: {', '.join(names())}, or a PettingZoo env "
-                         "module such as 'pettingzoo.classic.connect_four_v3' (or 'package.module:factory')")
+                         "module such as 'pettingzoo.classic.connect_four_v3' (or 'package.module:factory', or "
+                         "'module:factory' for a single file module.py in the folder opentinker runs in)")
     module_name, _, attr = name.partition(":")
     try:
         with warnings.catch_warnings():  # PettingZoo's notice about its own creation API
             warnings.simplefilter("ignore", DeprecationWarning)
             module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"{name!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+        missing = (e.name or "").split(".")[0]
+        extra = f"; pip install -e '.[{_EXTRAS[missing]}]' installs {missing}" if missing in _EXTRAS else ""
+        raise ValueError(f"{name!r}: cannot import {module_name} ({type(e).__name__}: {e}){extra}") from None
     attr = attr or "env"
     fn = getattr(module, attr, None)
     if not callable(fn):

@@ -52,6 +52,20 @@ def _parse_set(items: list[str]) -> dict:
     return out
 
 
+def _working_folder_importable() -> None:
+    """Modules in the working folder import, as with ``python -m``, here and in the job's actors
+    (Ray's workers inherit ``PYTHONPATH``): a game in a single file ``colors.py`` is
+    ``game = "colors:env"``."""
+    import os
+
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *filter(None, paths)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_cli.add_jobs_arguments(sub.add_parser("jobs", help="the job queue of a running service: submit, list, "
                                                 "status, cancel"))
     args = parser.parse_args(argv)
+    _working_folder_importable()
 
     if args.command == "serve":
         return serve_cli.serve_main(args)

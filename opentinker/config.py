@@ -642,7 +642,8 @@ class JobConfig(_Config):
 
     def run_name(self) -> str:
         """``{game}__{name}__{seed}__{time}``, as CleanRL names runs."""
-        return f"{self.game}__{self.name}__{self.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+        game = self.game.replace(":", ".")  # a module's factory (``colors:env``): no colon in a path
+        return f"{game}__{self.name}__{self.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
     def run_dir(self) -> Path:
         """``<out_dir>/<run name>``, checked (with both paths resolved, symbolic links followed)

@@ -129,9 +129,16 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
         log.rows = rows
     else:
-        run_dir.mkdir(parents=True, exist_ok=False)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            (run_dir / "config.toml").write_bytes(to_toml(cfg))
+        except OSError as e:  # /proc, /sys, a read-only disk, root where the permission check passed
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError("out_dir", f"cannot make the run folder {str(run_dir)!r}: "
+                                         f"{e.strerror or type(e).__name__}") from None
         log = MetricsLog(run_dir / "metrics.jsonl")
-    (run_dir / "config.toml").write_bytes(to_toml(cfg))
+    if ckpt is not None:  # with any --set of the resume
+        (run_dir / "config.toml").write_bytes(to_toml(cfg))
     if cfg.offline_job() is not None:
         return _run_offline(cfg, console, run_dir, model_path, log)
     schedulers = f"{len(cfg.runtime.devices)} schedulers ({', '.join(cfg.runtime.devices)})" \

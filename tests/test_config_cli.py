@@ -115,3 +115,42 @@ def test_an_older_runs_config_still_loads(tmp_path):
     old = tmp_path / "config.toml"
     old.write_text('[eval]\nexploitability = false\n')
     assert load_config(old).eval.exact is False
+
+
+@pytest.mark.parametrize("out_dir", ["/proc/opentinker_nope", "/sys/kernel"])
+def test_an_out_dir_that_cannot_be_written_is_one_line(out_dir, capsys, tiny_path):
+    code = main(["run", "default", "--set", f"out_dir={out_dir}", "--set", "model.base=tiny-random",
+                 "--set", "runtime.backend=local"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("opentinker: bad config: out_dir: cannot make the run folder") and "Traceback" not in err
+
+
+def test_a_game_in_a_single_file_of_the_working_folder(tmp_path, monkeypatch, tiny_path):
+    """``game = "colors:env"`` with ``colors.py`` where opentinker runs: imported (and named in
+    the error when the factory is missing), its run folder without a colon."""
+    (tmp_path / "colors.py").write_text("from pettingzoo.classic import rps_v2\n\n\ndef env(**kw):\n"
+                                        "    return rps_v2.env(**kw)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    (tmp_path / "job.toml").write_text(f'game = "colors:env"\nout_dir = "{tmp_path / "runs"}"\n'
+                                       '[model]\nbase = "tiny-random"\nthreads = 1\n[runtime]\nbackend = "local"\n'
+                                       'env_runners = 1\n[train]\nsteps = 1\ngroups_per_step = 1\ngroup_size = 2\n'
+                                       '[sampling]\nmax_tokens = 3\n[eval]\nhands_per_stratum = 1\n'
+                                       'head_to_head_per_stratum = 0\n')
+    assert main(["run", str(tmp_path / "job.toml")]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("colors.env__default__0__")
+    import games
+
+    with pytest.raises(ValueError, match="single file module.py"):
+        games.make("colors")
+
+
+def test_a_missing_poker_dependency_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "needs_rlcard.py").write_text("raise ModuleNotFoundError(\"No module named 'rlcard'\", name='rlcard')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import games
+
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[poker\]' installs rlcard"):
+        games.make("needs_rlcard:env")
