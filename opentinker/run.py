@@ -36,6 +36,7 @@ from opentinker.control.checkpoints import (
     truncate_metrics,
     write_checkpoint,
 )
+from opentinker.control import transcripts
 from opentinker.control.runtime import ComponentDied, Job
 from opentinker.engine.model_specs import resolve_model
 from opentinker.eval.ratings import plot_ratings
@@ -126,6 +127,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         rows = truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
         for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
             trajectory_log.truncate(path, ckpt.step)  # the steps after it are played again
+        transcripts.truncate(run_dir / "transcripts.txt", ckpt.step)
         log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
         log.rows = rows
     else:
@@ -241,7 +243,6 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         if not interrupted:
             adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
             save_learner_states(job.learner_states(), adapters)
-            (run_dir / "transcripts.txt").write_text("\n".join(job.coordinator("recent_transcripts")) + "\n")
             info = job.info()
     except ComponentDied as e:
         e.run_dir = str(run_dir)  # where --resume continues

@@ -612,7 +612,8 @@ class EpisodeSummary(msgspec.Struct, frozen=True, kw_only=True):
     turns: dict[str, int]
     """Agent -> number of decisions."""
     transcript: list[str] = []
-    """Readable lines ``"agent: text"`` of the episode."""
+    """Readable lines of the episode: what each LLM seat saw (its observation, indented), each
+    reply (``"agent [policy]: 'text'"``, marked when invalid), and the outcome."""
 
 
 class EpisodesDone(msgspec.Struct, frozen=True, kw_only=True, tag=True):

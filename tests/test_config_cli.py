@@ -108,6 +108,13 @@ def test_run_writes_the_run_folder(tmp_path, tiny_path):
     assert PeftConfig.from_pretrained(str(run_dir / "adapters" / "main")).r == 8
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     assert (run_dir / "cross_play.png").stat().st_size > 10_000
+    # Every step's first episodes: what the LLM seat saw, its reply, the outcome.
+    text = (run_dir / "transcripts.txt").read_text()
+    assert [ln for ln in text.splitlines() if ln.startswith("## step")] == ["## step 1", "## step 2"]
+    step1 = text.split("## step 2")[0]
+    assert step1.count("# episode") == 4 and step1.count("outcome: player_0") == 4
+    assert "[adapter:main] sees:\n    " in step1 and "[adapter:main@0]: '" in step1
+    assert "You are Player" in step1 or "card" in step1.lower()  # the game's own observation text
 
 
 def test_an_older_runs_config_still_loads(tmp_path):
@@ -154,3 +161,17 @@ def test_a_missing_poker_dependency_names_the_extra(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match=r"pip install -e '\.\[poker\]' installs rlcard"):
         games.make("needs_rlcard:env")
+
+
+def test_a_resume_rewinds_the_transcripts_to_its_checkpoint(tmp_path):
+    from opentinker.control import transcripts
+    from protocols.messages import EpisodeSummary
+
+    path = tmp_path / "transcripts.txt"
+    for step in (1, 2, 3):
+        ep = EpisodeSummary(episode_id=step, group_id=0, seed=0, rewards={}, invalid={}, turns={},
+                            transcript=[f"line of step {step}", "## step 9 in a reply is not a header "])
+        transcripts.append(path, step, [ep])
+    transcripts.truncate(path, 2)
+    text = path.read_text()
+    assert "line of step 2" in text and "line of step 3" not in text and text.count("## step ") == 4

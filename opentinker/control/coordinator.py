@@ -28,6 +28,7 @@ from opentinker.config import JobConfig, league_pool
 from opentinker.control.all_actions import Scored, all_actions_terms
 from opentinker.control.checkpoints import LEAGUE_STATE
 from opentinker.control.delivery import deliver, gather_or_cancel
+from opentinker.control import transcripts
 from opentinker.control.perf import engine_metrics
 from opentinker.eval.evaluation import (
     BARE,
@@ -80,6 +81,7 @@ class Coordinator:
         learner_endpoints: dict[str, tuple[str, str]],
         scheduler_auth: tuple[str, str] | None = None,
         routes: dict[str, str] | None = None,
+        transcripts_path: str = "",
     ) -> None:
         games.resolve(cfg.game)  # ValueError naming an unknown game
         game_agents(cfg.game, cfg.game_kwargs)  # ValueError naming a bad game_kwargs
@@ -99,6 +101,8 @@ class Coordinator:
             top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens,
         )
         self.transcripts: list[str] = []
+        self.transcripts_path = transcripts_path
+        """Where each training step's first episodes are appended as text (``""``: nowhere)."""
         self.league: dict[str, list[str]] = {p.name: [] for p in cfg.policies}
         """Policy -> its league snapshots on the scheduler, oldest first."""
         self._fresh_league()
@@ -272,7 +276,10 @@ class Coordinator:
         for key in ("sample_batches", "sample_rows"):
             metrics[f"perf/{key}"] = after.get(key, 0) - before.get(key, 0)
         metrics.update(engine_metrics(before, after))
-        self.transcripts = [line for s in summaries[:4] for line in [f"# episode {s.episode_id}", *s.transcript]]
+        self.transcripts = [line for s in summaries[:transcripts.PER_STEP]
+                            for line in [f"# episode {s.episode_id}", *s.transcript]]
+        if self.transcripts_path:
+            transcripts.append(self.transcripts_path, step, summaries)
         return metrics
 
     def _update_win_rates(self, specs: list[EpisodeSpec], by_id: dict[int, EpisodeSummary]) -> dict[str, float]:

@@ -337,7 +337,8 @@ class Job:
     def _coordinator_kwargs(self) -> dict[str, Any]:
         return {"cfg": msgspec.to_builtins(self.cfg), "model_path": self.model_path,
                 "scheduler_endpoint": self.scheduler_endpoint, "runner_endpoints": [], "learner_endpoints": {},
-                "scheduler_auth": self._auth, "routes": self.routes}
+                "scheduler_auth": self._auth, "routes": self.routes,
+                "transcripts_path": str(Path(self.run_dir) / "transcripts.txt") if self.run_dir else ""}
 
     @property
     def _auth(self) -> tuple[str, str] | None:

@@ -175,6 +175,14 @@ def scripted_seat(ref: PolicyRef) -> games.ScriptedPolicy:
     return games.make_scripted(ref.name, **({"table": dict(ref.table)} if ref.table else {}))
 
 
+TRANSCRIPT_OBS_CHARS = 2000
+"""Longest observation a transcript shows (the rest cut with a note)."""
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= TRANSCRIPT_OBS_CHARS else text[:TRANSCRIPT_OBS_CHARS] + f" ... [{len(text)} characters]"
+
+
 async def play_episode(
     spec: EpisodeSpec,
     msg: RunEpisodes,
@@ -222,6 +230,8 @@ async def play_episode(
         else:
             r = renderers[agent]
             obs_tokens = r.observe(obs["text"])
+            transcript.append(f"{agent} [{ref.label()}] sees:")
+            transcript.extend("    " + line for line in _cut(obs["text"]).splitlines())
             seed = sample_seed(spec.seed, spec.episode_id, agents.index(agent), len(turns[agent]))
             params = msgspec.structs.replace(
                 msg.sampling, seed=seed, stop_token_ids=msg.sampling.stop_token_ids or (tok.eos_id,)
@@ -262,11 +272,14 @@ async def play_episode(
                 # proposal) belongs to this seat's latest decision.
                 last = turns[a][-1]
                 turns[a][-1] = msgspec.structs.replace(last, reward=last.reward + float(rew))
-        transcript.append(f"{agent} [{ref.label()}]: {text!r}")
+        who = ref if agent in scripted else msgspec.structs.replace(ref, version=result.adapter_version)
+        transcript.append(f"{agent} [{who.label()}]: {text!r}" + ("  (invalid)" if bad else ""))
     else:
         if env.agents:
             raise RuntimeError(f"episode {spec.episode_id} did not end in {MAX_AGENT_STEPS} agent-steps")
     env.close()
+    transcript.append("outcome: " + ", ".join(f"{a} {totals[a]:+g}" + (f" ({invalid[a]} invalid)" if invalid[a] else "")
+                                              for a in agents))
     trajectories = []
     if spec.train:
         for agent, ref in spec.seats.items():
