@@ -97,22 +97,20 @@ def one(args: Args, groups: int, turns: int, budget: str) -> dict:
     from opentinker.engine.model_specs import resolve_model
     from protocols.messages import LoraSpec
 
-    host = ModelHost(resolve_model(args.model), threads=args.threads, device="cpu", engine="own")
+    # 0: no budget at all (parts of 64 datums, as before the budget); auto: the trainer's own.
+    options = {"train_memory_bytes": 1 << 50} if budget == "0" else {}
+    host = ModelHost(resolve_model(args.model), threads=args.threads, device="cpu", engine="own",
+                     engine_options=options)
     host.create_adapter("main", LoraSpec(seed=0))
     ds = datums(args, groups, turns, host.registry.vocab_size)
     norm = float(sum(d.loss_inputs["mask"].sum() for d in ds))
-    if budget == "auto":
-        from opentinker.engine.trainer import part_tokens
-
-        limit = part_tokens(host.registry)
-    else:
-        limit = int(budget)
+    limit = host.trainer.part_tokens if budget == "auto" else int(budget)
     trim_heap()
     Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark starts again here
     before = vm("VmRSS")
     t0 = time.perf_counter()
     loss, _ = host.forward_backward("main", ds, "importance_sampling", {}, norm, chunk=64 if limit == 0 else 1 << 20,
-                                    max_tokens=limit)
+                                    max_tokens=0 if budget in ("0", "auto") else limit)
     wall = time.perf_counter() - t0
     peak = vm("VmHWM")
     grads = [p.grad.flatten() for p in host.adapters["main"].named.values() if p.grad is not None]

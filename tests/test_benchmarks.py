@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import check_provenance
 
@@ -155,3 +156,16 @@ def test_engine_overhead_benchmark(tmp_path, tiny_path):
     assert all(x["decode_tokens_per_s"] == pytest.approx(x["batch"] / x["step_ms"] * 1000) for x in rows.values())
     for (m, b, k), x in rows.items():  # each row's ratio is to the bgmv row of its batch and adapters
         assert x["speedup_vs_bgmv"] == pytest.approx(rows["bgmv", b, k]["step_ms"] / x["step_ms"])
+
+
+def test_train_memory_benchmark(tmp_path, tiny_path):
+    r = _run(["benchmarks/train_memory.py", "--quick"], tmp_path)
+    check_provenance(r, "train_memory.py")
+    rows = {(x["groups"], x["turns"], x["budget"]): x for x in r["rows"]}
+    assert set(rows) == {(2, 2, "0"), (2, 2, "auto"), (4, 2, "auto")}
+    for x in rows.values():
+        assert "error" not in x, x
+        assert x["step_peak_bytes"] > 0 and x["datums"] == 4 * x["groups"] and np.isfinite(x["loss"])
+    # Bounded or not, the same step: the same loss and gradient.
+    assert rows[2, 2, "auto"]["grad_rel_diff"] < 1e-5 and rows[2, 2, "auto"]["loss"] == pytest.approx(
+        rows[2, 2, "0"]["loss"], rel=1e-5)
