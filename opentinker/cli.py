@@ -43,13 +43,21 @@ def _parse_set(items: list[str]) -> dict:
         except RecursionError:
             raise ConfigError("--set", f"{key}: the value is nested too deep") from None
         node = out
-        *parents, leaf = parts
+        steps: list[str | int] = []
+        for part in parts:  # policies[0] -> "policies", 0 (an int key: the list's element)
+            m = _INDEXED.fullmatch(part)
+            steps += [m.group(1), int(m.group(2))] if m else [part]
+        *parents, leaf = steps
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError("--set", f"{key!r}: {part!r} is already set to a value")
         node[leaf] = value
     return out
+
+
+_INDEXED = re.compile(r"(\w+)\[(\d{1,4})\]")
+"""A ``--set`` key part naming an element of a list, e.g. ``policies[0]``."""
 
 
 def _working_folder_importable() -> None:
@@ -122,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
         for name in games.names():
             doc = (sys.modules[type(games.make(name).unwrapped).__module__].__doc__ or "").strip().splitlines()
-            print(f"{name}: {doc[0] if doc else ''}")
+            hook = games.evaluation(name)
+            seats = ", ".join(["random", *(s for s in hook.scripted if s != "random")])
+            kind = "competitive" if hook.competitive else "cooperative"
+            print(f"{name}: {doc[0] if doc else ''}\n    {kind}; scripted seats (opponents, eval --vs): {seats}")
         return 0
 
     from opentinker.config import ConfigError, load_config

@@ -747,10 +747,26 @@ def _renamed(raw: dict) -> None:
             t[new] = t.pop(old)
 
 
-def _merge(into: dict, new: dict) -> None:
+def _merge(into: dict, new: dict, where: str = "") -> None:
+    """Overrides ``new`` merged into the decoded TOML ``into``; a dict with int keys edits the
+    elements of the list it lands on (``--set policies[0].name=x``)."""
     for k, v in new.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
+        if isinstance(v, dict) and v and all(isinstance(i, int) for i in v):
+            items = into.get(k)
+            if items is None:  # the field's default: one element (a job's one policy) at most
+                items = into[k] = [{}]
+            if not isinstance(items, list):
+                raise ConfigError(f"{where}{k}", "is not a list: it has no [index]")
+            for i, sub in sorted(v.items()):
+                if i >= len(items):
+                    raise ConfigError(f"{where}{k}[{i}]", f"the config has {len(items)} of them "
+                                                         f"(indices 0 to {len(items) - 1})")
+                if isinstance(sub, dict) and isinstance(items[i], dict):
+                    _merge(items[i], sub, f"{where}{k}[{i}].")
+                else:
+                    items[i] = sub
+        elif isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v, f"{where}{k}.")
         else:
             into[k] = v
 

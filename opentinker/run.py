@@ -201,6 +201,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
             console=console, redirect_stdout=True, redirect_stderr=True,
+            disable=plain,  # a log file gets the plain lines of report(), not the bars' last frame
         ) as progress:
             task = progress.add_task("eval (untrained)" if ckpt is None else "train", total=cfg.train.steps,
                                      completed=start - 1, status="")

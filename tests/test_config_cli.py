@@ -88,7 +88,7 @@ def test_bad_config_exits_2_with_the_field(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_run_writes_the_run_folder(tmp_path, tiny_path):
+def test_run_writes_the_run_folder(tmp_path, tiny_path, capsys):
     from peft import PeftConfig
 
     code = main([
@@ -98,6 +98,8 @@ def test_run_writes_the_run_folder(tmp_path, tiny_path):
         "--set", "eval.every=1", "--set", f"out_dir={tmp_path}",
     ])
     assert code == 0
+    out = capsys.readouterr().out  # not a terminal: plain lines, no progress bars' last frame
+    assert "step 1/2 train: reward" in out and "episodes (" not in out and "eval (untrained)" not in out
     (run_dir,) = list(tmp_path.iterdir())
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.toml", "metrics.jsonl", "learning_curve.png", "cross_play.png", "summary.json", "adapters",
@@ -175,3 +177,24 @@ def test_a_resume_rewinds_the_transcripts_to_its_checkpoint(tmp_path):
     transcripts.truncate(path, 2)
     text = path.read_text()
     assert "line of step 2" in text and "line of step 3" not in text and text.count("## step ") == 4
+
+
+def test_games_lists_each_games_scripted_seats(capsys):
+    import games
+
+    assert main(["games"]) == 0
+    out = capsys.readouterr().out
+    for name in games.names():
+        assert f"{name}: " in out
+    assert "scripted seats (opponents, eval --vs): random, kuhn_equilibrium" in out
+    assert "cooperative; scripted seats" in out  # referential
+
+
+def test_set_reaches_into_a_list_by_index():
+    cfg = load_config("negotiation_three", _parse_set(["policies[1].lora_rank=4", "policies[2].frozen=true"]))
+    assert cfg.policies[1].lora_rank == 4 and cfg.policies[2].frozen and not cfg.policies[0].frozen
+    assert load_config("default", _parse_set(["policies[0].name=solo"])).policies[0].name == "solo"
+    with pytest.raises(ValueError, match=r"policies\[5\]: the config has \d of them"):
+        load_config("default", _parse_set(["policies[5].name=x"]))
+    with pytest.raises(ValueError, match=r"train: is not a list"):
+        load_config("default", _parse_set(["train[0]=3"]))
