@@ -10,6 +10,10 @@ with 1 thread under load and as fast as the default on an idle machine (``tests/
 checks the variable reaches the library; the figures are in README's "On a small machine").
 Processes that import torch before this package keep libgomp's default.
 
+``opentinker.run(config)`` starts a job from Python as ``opentinker run`` does from a shell
+(:func:`opentinker.run.start`; the module itself is callable, so the name works however it was
+imported).
+
 It also puts the escaping handler of :mod:`opentinker.logs` on the ``opentinker`` logger, so
 in every process of a job (the driver and each actor import this package) a log record is one
 line whatever text it carries.
@@ -22,3 +26,11 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 from opentinker.logs import setup_logging  # stdlib only: torch is not loaded
 
 setup_logging()  # every record of the package's loggers is one line (control characters escaped)
+
+
+def __getattr__(name: str):  # PEP 562: ``opentinker.run(...)`` before anything imported the module
+    if name == "run":
+        import importlib
+
+        return importlib.import_module("opentinker.run")
+    raise AttributeError(f"module 'opentinker' has no attribute {name!r}")

@@ -11,11 +11,14 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -333,3 +336,40 @@ def _status(m: dict[str, float], policies: list[str], kind: str, game_eval: game
         if f"eval/{p}/{x.name}" in m:
             line += f", {x.name} {m[f'eval/{p}/{x.name}']:.3f}"
     return line
+
+
+def start(config: JobConfig | dict[str, Any] | str | Path = "default", overrides: dict[str, Any] | None = None,
+          **kwargs: Any) -> RunResult:
+    """Run a job from Python: ``config`` a :class:`~opentinker.config.JobConfig`, a dict of its
+    TOML tables, or a TOML file or bundled job's name (with ``overrides``, a nested dict as
+    ``--set`` makes); ``kwargs`` go to :func:`run_job` (``run_dir``, ``console``). Returns its
+    :class:`RunResult`; a bad config raises :class:`~opentinker.config.ConfigError` naming the
+    field, before anything starts. ``opentinker.run(config)`` is this function."""
+    from opentinker.config import _merge, config_from_dict, load_config
+
+    if isinstance(config, JobConfig):
+        if overrides:
+            raw = msgspec.to_builtins(config)
+            _merge(raw, overrides)
+            config = config_from_dict(raw)
+        cfg = config
+    elif isinstance(config, dict):
+        raw = dict(config)
+        if overrides:
+            _merge(raw, overrides)
+        cfg = config_from_dict(raw)
+    else:
+        cfg = load_config(config, overrides)
+    return run_job(cfg, **kwargs)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``opentinker.run(config)`` is :func:`start` even where
+    ``opentinker.run`` names the module (after ``import opentinker.run``)."""
+
+    def __call__(self, config: JobConfig | dict[str, Any] | str | Path = "default",
+                 overrides: dict[str, Any] | None = None, **kwargs: Any) -> RunResult:
+        return start(config, overrides, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -110,3 +110,18 @@ def test_the_rl_loop_on_a_page_runs_and_prints_its_table(tiny_path, capsys):
     assert all(-2.0 <= r["reward"] <= 2.0 and 0.0 <= r["invalid"] <= 1.0 and np.isfinite(r["loss"]) for r in rows)
     out = capsys.readouterr().out
     assert "GRPO on kuhn_poker_v0" in out and "chips/hand" in out
+
+
+def test_opentinker_run_starts_a_job_from_python(tmp_path, tiny_path):
+    import opentinker
+    from opentinker.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.steps"):
+        opentinker.run({"train": {"steps": -1}})  # named before anything starts
+    result = opentinker.run("default", {"model": {"base": "tiny-random", "threads": 1},
+                                        "runtime": {"backend": "local", "env_runners": 1},
+                                        "train": {"steps": 1, "groups_per_step": 1, "group_size": 2},
+                                        "sampling": {"max_tokens": 3}, "out_dir": str(tmp_path),
+                                        "eval": {"hands_per_stratum": 1, "head_to_head_per_stratum": 0}})
+    assert result.run_dir.parent == tmp_path and [r["kind"] for r in result.rows] == ["eval", "train", "eval"]
+    assert (result.run_dir / "adapters" / "main").is_dir()
