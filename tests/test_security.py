@@ -519,3 +519,247 @@ def test_a_timed_out_job_shuts_down_cleanly(engine, tmp_path):
     assert out.returncode == 3, out.stderr[-3000:]
     assert len(lines) == 1 and "no reply to RunEpisodes" in lines[0] and "runtime.timeout_s = 2 s" in lines[0]
     assert "Traceback" not in out.stderr and "terminate called" not in out.stderr
+
+
+# ------------------------------------------------------------------- the HTTP endpoint under load
+
+ATTACK_PROMPT_BYTES = 20 << 20
+"""The attack's prompt: 20 MB to /v1/completions (every client waited 25.2 s, memory 400 -> 3,039 MB)."""
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_path):
+    """A real scheduler (tiny-random) behind the endpoint on 127.0.0.1, on uvicorn."""
+    from conftest import DEVICE
+
+    from opentinker.engine.service import SchedulerService
+    from opentinker.serve.openai_api import make_app, start_http
+
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)
+    s.start()
+    app = make_app(s.endpoint, tiny_path, timeout_s=120)
+    server = start_http(app)
+    yield server, app
+    server.stop()
+    s.stop()
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def test_a_huge_prompt_is_refused_before_parsing_and_others_are_served(endpoint):
+    """The attack's 20 MB prompt is a 413 (declared or streamed without a length), read no
+    further; a 1 MB prompt, under the body bound, is refused by its length before it is
+    tokenized; memory stays put and a small request is answered meanwhile (before: every
+    client waited 25.2 s and the service grew by 2.6 GB)."""
+    import threading
+
+    import httpx2
+
+    server, _ = endpoint
+    small = {"model": "base", "prompt": "Bet or check?", "max_tokens": 2}
+    assert httpx2.post(server.url + "/v1/completions", json=small, timeout=60).status_code == 200
+    before = _rss_mb()
+    huge = b'{"model": "base", "max_tokens": 1, "prompt": "' + b"a" * ATTACK_PROMPT_BYTES + b'"}'
+    answers: dict[str, httpx2.Response] = {}
+
+    def send(name: str, content) -> None:
+        answers[name] = httpx2.post(server.url + "/v1/completions", content=content, timeout=120,
+                                    headers={"content-type": "application/json"})
+
+    def chunks():  # no Content-Length: the bound is applied to the bytes as they arrive
+        for i in range(0, len(huge), 1 << 20):
+            yield huge[i:i + (1 << 20)]
+
+    threads = [threading.Thread(target=send, args=(n, c)) for n, c in (("declared", huge), ("streamed", chunks()))]
+    for t in threads:
+        t.start()
+    small_answer = httpx2.post(server.url + "/v1/completions", json=small, timeout=60)
+    for t in threads:
+        t.join(120)
+    assert small_answer.status_code == 200
+    for name in ("declared", "streamed"):
+        r = answers[name]
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (name, r.text[:300])
+    grew = _rss_mb() - before
+    print(f"memory grew {grew:.0f} MB while two 20 MB prompts were refused (the attack: +2,639 MB)")
+    assert grew < 500  # the bodies themselves (this test holds 20 MB of them) but no parse or tokens of them
+    # Under the body bound but longer than any prompt the context holds: refused by its length.
+    r = httpx2.post(server.url + "/v1/completions", json={**small, "prompt": "a" * (1 << 20)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    assert "characters cannot fit the model's context of 2048 tokens" in r.json()["error"]["message"]
+    r = httpx2.post(server.url + "/v1/chat/completions", timeout=60,
+                    json={"model": "base", "messages": [{"role": "user", "content": "a" * (1 << 20)}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+
+
+def test_tokenizing_runs_off_the_event_loop(endpoint):
+    """While a prompt of the most characters the context allows is tokenized (in a worker
+    thread), the event loop answers ``/v1/models`` from another client: the request is
+    answered before the tokenizing one is."""
+    import threading
+
+    import httpx2
+
+    server, _ = endpoint
+    order: list[str] = []
+    # Text whose tokens are 1-2 characters, so the most characters allowed (2048 x the longest
+    # token) take the tokenizer a while, and the scheduler then refuses the tokens as too many.
+    text = "x y " * (2048 * 20)
+
+    def big() -> None:
+        r = httpx2.post(server.url + "/v1/completions", timeout=120,
+                        json={"model": "base", "prompt": [text] * 8, "max_tokens": 1})
+        order.append(f"big {r.status_code}")
+
+    t = threading.Thread(target=big)
+    t.start()
+    for _ in range(200):  # until the big request is in the tokenizer (bounded: 200 x 10 ms)
+        if threading.active_count() and any(th.name.startswith("openai-api-cpu") for th in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    r = httpx2.get(server.url + "/v1/models", timeout=60)
+    order.append(f"models {r.status_code}")
+    t.join(120)
+    assert order[0] == "models 200" and order[1].startswith("big 400"), order
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 10**30), ("max_tokens", 0), ("n", 10**9), ("seed", -1), ("seed", 2**64), ("top_k", 2**70),
+    ("top_p", 0), ("temperature", -1), ("temperature", 1e300), ("prompt", [2**40]), ("prompt", [-1]),
+    ("prompt", [49152]), ("prompt", [[1, 2], [2**40]]), ("stop", "x" * 5000),
+])
+def test_numbers_out_of_range_are_400_naming_the_field(endpoint, field, value):
+    """``max_tokens = 10**30`` and a token id of ``2**40`` were a 500 with a traceback: every
+    number is range-checked into a 400 that names the field and no class of ours; the service
+    answers the next request."""
+    import httpx2
+
+    server, _ = endpoint
+    body = {"model": "base", "prompt": [1, 2, 3], "max_tokens": 2, field: value}
+    r = httpx2.post(server.url + "/v1/completions", json=body, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400, r.text[:500]
+    assert field in err["message"] and err["param"] in (field, None), err
+    assert not any(w in err["message"] for w in ("Traceback", "Error:", "int32", "numpy", "pydantic"))
+    good = {k: v for k, v in body.items() if k != field}
+    r = httpx2.post(server.url + "/v1/completions", json={"prompt": [1, 2], **good}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_non_finite_numbers_are_400():
+    """``Infinity`` and ``NaN`` (which Python's JSON reads) are refused as the field's error."""
+    from opentinker.serve.openai_bodies import ApiError, CompletionBody, parse_body
+
+    for raw in (b'{"model": "base", "prompt": "a", "temperature": Infinity}',
+                b'{"model": "base", "prompt": "a", "top_p": NaN}'):
+        with pytest.raises(ApiError) as e:
+            parse_body(raw, CompletionBody)
+        assert e.value.status == 400 and e.value.body["error"]["param"] in ("temperature", "top_p")
+
+
+def test_one_client_cannot_hold_the_endpoint(endpoint):
+    """The attack: sixteen parallel requests of ``n = 128`` and ``max_tokens = 256`` from one
+    client (here 127.0.0.2, another loopback address) made a legitimate request time out at
+    300 s. Now one of them runs and the rest are a 429 at once, and another client's small
+    request (from 127.0.0.1) is answered while that one is still drawing its 256 tokens."""
+    import threading
+    import time as _time
+
+    import httpx2
+
+    server, app = endpoint
+    admission = app.state.admission
+    flood = httpx2.Client(transport=httpx2.HTTPTransport(local_address="127.0.0.2"), timeout=300)
+    body = {"model": "base", "prompt": "Bet", "n": 128, "max_tokens": 256, "seed": 1}
+    done: dict[int, tuple[int, float]] = {}
+
+    def attack(i: int) -> None:
+        r = flood.post(server.url + "/v1/completions", json=body)
+        done[i] = (r.status_code, _time.monotonic())
+
+    threads = [threading.Thread(target=attack, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    deadline = _time.monotonic() + 60
+    while admission.running.rows < 128 and _time.monotonic() < deadline:  # the flood's first request runs
+        _time.sleep(0.01)
+    assert admission.clients.get("127.0.0.2") is not None
+    r = httpx2.post(server.url + "/v1/completions", json={"model": "base", "prompt": "Bet", "max_tokens": 3},
+                    timeout=120)
+    answered = _time.monotonic()
+    for t in threads:
+        t.join(300)
+    flood.close()
+    statuses = sorted(s for s, _ in done.values())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert statuses.count(429) >= 14 and set(statuses) <= {200, 429}, statuses
+    finished = [t for s, t in done.values() if s == 200]
+    assert finished and answered < min(finished), "the small request waited for the flood"
+    assert admission.running.rows == 0 and not admission.clients  # everything given back
+
+
+def test_clients_waiting_for_room_go_fewest_rows_first():
+    """When all clients together are at the bound, the next room goes to the waiting client
+    that runs the fewest rows, not to the one that asked first; a client over its own bound is
+    a 429; a request that waits past ``wait_s`` is a 503."""
+    import asyncio
+
+    from opentinker.serve.admission import Admission, Limits, Refused
+
+    async def body() -> list[str]:
+        adm = Admission(Limits(client_rows=4, total_rows=4, client_tokens=100, total_tokens=100, wait_s=5))
+        first = await adm.admit("a", 2, 2)
+        second = await adm.admit("a", 2, 2)  # a runs 4: all there is
+        with pytest.raises(Refused) as e:
+            await adm.admit("a", 1, 1)
+        assert e.value.status == 429
+        granted: list[str] = []
+
+        async def wait(client: str, rows: int) -> None:
+            (await adm.admit(client, rows, rows)) and granted.append(client)
+
+        waiting = [asyncio.ensure_future(wait("c", 2))]
+        await asyncio.sleep(0.01)
+        waiting.append(asyncio.ensure_future(wait("b", 2)))
+        await asyncio.sleep(0.01)
+        first.release()  # room for 2: c and b both wait, both run nothing: the older (c) goes
+        await asyncio.sleep(0.01)
+        assert granted == ["c"]
+        second.release()  # a runs nothing now, and b gets the room
+        await asyncio.sleep(0.01)
+        assert granted == ["c", "b"]
+        await asyncio.gather(*waiting)
+        slow = Admission(Limits(client_rows=4, total_rows=1, client_tokens=9, total_tokens=9, wait_s=0.05))
+        await slow.admit("x", 1, 1)
+        with pytest.raises(Refused) as e:
+            await slow.admit("y", 1, 1)
+        assert e.value.status == 503 and "y" not in slow.clients
+        return granted
+
+    assert asyncio.run(body()) == ["c", "b"]
+
+
+def test_a_service_makes_an_api_key_only_its_user_can_read(tiny_path, tmp_path):
+    """``opentinker serve`` on loopback: every local user reaches 127.0.0.1, so the endpoint
+    needs a key there too; the service makes one and writes it to its file (mode 0600)."""
+    import stat
+
+    import httpx2
+
+    from opentinker.serve.service import Service
+
+    file = tmp_path / "svc" / "service.json"
+    service = Service(tiny_path, service_file=file, budget_mb=64)
+    info = service.start()
+    try:
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600 and len(info.api_key) >= 32
+        assert json.loads(file.read_text())["api_key"] == info.api_key
+        assert httpx2.get(info.http + "/v1/models", timeout=60).status_code == 401
+        r = httpx2.get(info.http + "/v1/models", headers={"Authorization": f"Bearer {info.api_key}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "base"
+    finally:
+        service.stop()

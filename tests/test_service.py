@@ -471,7 +471,7 @@ def test_the_endpoint_answers_while_a_job_trains_on_the_same_scheduler(service, 
     import openai
 
     info = json.loads(service.read_text())
-    client = openai.OpenAI(base_url=info["http"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=info["http"] + "/v1", api_key=info["api_key"], timeout=60, max_retries=0)
     job = subprocess.Popen(_cli("run", "--scheduler", str(service),
                                 *_job_args(tiny_path, tmp_path, "--set", "name=served", "--set", "train.steps=6")),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)

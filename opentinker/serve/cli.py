@@ -22,7 +22,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bus-host", default="127.0.0.1", help="where the scheduler's bus binds: an address other machines "
                    "reach puts it on CURVE, and a job there attaches with a copy of the service file (default 127.0.0.1)")
     p.add_argument("--bus-curve", action="store_true", help="the bus on CURVE on loopback too")
-    p.add_argument("--api-key-file", metavar="FILE", help="a file whose first line is the API key HTTP clients must send")
+    p.add_argument("--api-key-file", metavar="FILE", help="a file of the API keys HTTP clients may send, one per line: each key is a client of "
+                   "its own for the per-client bounds (default: a key made at start, in the service file)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="load a saved adapter at start, served under NAME (repeatable)")
     p.add_argument("--service-file", metavar="PATH", help="where to write the service file "
@@ -62,16 +63,17 @@ def serve_main(args: argparse.Namespace) -> int:
             print(f"opentinker serve: --adapter {escape_controls(item)!r}: expected NAME=PATH", file=sys.stderr)
             return 2
         adapters[name] = path
-    api_key = None
+    api_key, more_keys = None, []
     if args.api_key_file:
         try:
-            api_key = Path(args.api_key_file).read_text().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
+            api_key, *more_keys = [k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()]
+        except (OSError, ValueError) as e:
             print(f"opentinker serve: --api-key-file: {escape_controls(str(e)) or 'empty file'}", file=sys.stderr)
             return 2
     try:
         service = Service(args.model, device=args.device, http_host=args.host,
-                          http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
+                          http_port=None if args.no_http else args.port, api_key=api_key, api_keys=more_keys,
+                          adapters=adapters,
                           service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
                           ray=args.ray, fair_window_s=args.fair_window_s,
                           fair_anticipate_s=args.fair_anticipate_s, owner_priority=args.http_priority,
@@ -86,7 +88,8 @@ def serve_main(args: argparse.Namespace) -> int:
           + (f"  bus:  {info.endpoint}  (CURVE: jobs attach with a copy of the service file, "
              f"opentinker run CONFIG --scheduler SERVICE_FILE)\n" if info.curve_server else
              f"  bus:  {info.endpoint}  (jobs: opentinker run CONFIG --scheduler {info.endpoint})\n")
-          + (f"  http: {info.http}/v1  (OpenAI-compatible; model names: opentinker status)\n" if info.http else "")
+          + (f"  http: {info.http}/v1  (OpenAI-compatible; model names: opentinker status; its API key is the "
+             f"service file's api_key)\n" if info.http else "")
           + f"  service file: {service.service_file}\n  Ctrl-C stops it.", flush=True)
     try:
         service.wait()
