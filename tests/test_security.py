@@ -501,6 +501,157 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
     assert not Path("pol").exists()
 
 
+@pytest.fixture()
+def run_scheduler(tiny_path, tmp_path):
+    """A scheduler whose only folder is ``run`` (as a job's), with an adapter ``pol``; a run
+    folder's own files beside it; a folder ``outside``."""
+    from conftest import DEVICE
+
+    from opentinker.bus import SyncClient
+    from opentinker.engine.service import SchedulerService
+    from protocols.messages import CreateAdapter, LoraSpec
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    outside.mkdir()
+    (run_dir / "config.toml").write_text("name = 'x'\n")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "checkpoints" / "step_2" / "state.json").write_text("{}")
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)])
+    s.start()
+    with SyncClient(s.endpoint, name="owner") as c:
+        c.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)), 60)
+    yield s, run_dir, outside
+    s.stop()
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_save_cannot_replace_the_run_folder_or_its_files(run_scheduler):
+    """``SaveAdapter(path=<run folder>)`` replaced checkpoints, config and metrics with four
+    adapter files. The run's folder itself, its files and its folders that are not saved
+    adapters are refused as targets, and left as they were; a saved adapter is replaced whole."""
+    from opentinker.bus import RemoteError, SyncClient
+    from protocols.messages import ErrorCode, SaveAdapter
+
+    s, run_dir, _ = run_scheduler
+    before = _tree(run_dir)
+    refused = {}
+    with SyncClient(s.endpoint, name="peer") as c:
+        for target in (run_dir, run_dir / "config.toml", run_dir / "checkpoints", run_dir / "checkpoints" / "step_2",
+                       run_dir / "checkpoints" / ".." / "metrics.jsonl"):
+            with pytest.raises(RemoteError) as e:
+                c.request(SaveAdapter(adapter="pol", path=str(target)), 60)
+            assert e.value.error.code is ErrorCode.INVALID, e.value
+            refused[target.name] = e.value.error.message
+        assert _tree(run_dir) == before
+        assert "the run's folder itself" in refused["run"]
+        assert all("not a saved adapter" in m for k, m in refused.items() if k != "run"), refused
+        for _ in range(2):  # a saved adapter is replaced whole
+            assert c.request(SaveAdapter(adapter="pol", path=str(run_dir / "adapters" / "pol")), 60).version == 0
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["pol"]
+    assert (run_dir / "adapters" / "pol" / "opentinker.json").is_file()
+
+
+def test_a_race_on_the_path_cannot_put_a_save_outside(run_scheduler):
+    """The attack: 60 saves to ``run/race/aN`` while another thread flips ``run/race`` between
+    a folder and a symbolic link to a folder outside put a complete adapter outside (and 35
+    internal errors on the way). Now nothing lands outside, and every save is saved inside or
+    refused as ``invalid``."""
+    import threading
+
+    from opentinker.bus import RemoteError, SyncClient
+    from protocols.messages import ErrorCode, SaveAdapter
+
+    s, run_dir, outside = run_scheduler
+    race = run_dir / "race"
+    race.mkdir()
+    stop, flips = threading.Event(), [0]
+
+    def flip() -> None:  # the folder moves away (whatever is in it), a link takes its name, then a folder again
+        for i in range(100_000):  # bounded; stops with the saves
+            if stop.is_set():
+                return
+            for step in (lambda: os.rename(race, run_dir / f"kept{i}"), lambda: os.symlink(outside, race),
+                         lambda: race.is_symlink() and os.unlink(race), lambda: os.mkdir(race)):
+                try:
+                    step()
+                except OSError:  # the scheduler made run/race meanwhile
+                    pass
+            flips[0] += 1
+
+    codes = []
+    t = threading.Thread(target=flip)
+    t.start()
+    try:
+        with SyncClient(s.endpoint, name="racer") as c:
+            for i in range(60):
+                try:
+                    c.request(SaveAdapter(adapter="pol", path=str(race / f"a{i}")), 60)
+                    codes.append("saved")
+                except RemoteError as e:
+                    codes.append(e.error.code.value)
+    finally:
+        stop.set()
+        t.join(30)
+    print(f"{flips[0]} flips; {codes.count('saved')} saved, {codes.count(ErrorCode.INVALID.value)} refused")
+    assert list(outside.iterdir()) == []
+    assert flips[0] > 0 and len(codes) == 60
+    assert set(codes) <= {"saved", ErrorCode.INVALID.value}, codes  # never an internal error
+    saved = [p for p in run_dir.rglob("opentinker.json") if p.parent.name.startswith("a")]
+    assert len(saved) >= codes.count("saved") // 2  # saves that were not moved away mid-write are complete
+
+
+def test_a_weights_file_that_is_a_link_is_refused(run_scheduler):
+    """A saved adapter whose weights file is a symbolic link to a file outside (or one inside)
+    is refused as ``invalid``, naming the file; the folder as saved loads."""
+    from opentinker.bus import RemoteError, SyncClient
+    from protocols.messages import ErrorCode, LoadAdapter, SaveAdapter
+
+    s, run_dir, outside = run_scheduler
+    folder = run_dir / "adapters" / "pol"
+    with SyncClient(s.endpoint, name="peer") as c:
+        c.request(SaveAdapter(adapter="pol", path=str(folder)), 60)
+        assert c.request(LoadAdapter(path=str(folder), name="copy"), 60).version == 0
+        weights = folder / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        for target in (outside / "weights.safetensors", run_dir / "weights.safetensors"):
+            target.write_bytes(data)
+            weights.unlink()
+            weights.symlink_to(target)
+            with pytest.raises(RemoteError) as e:
+                c.request(LoadAdapter(path=str(folder), name=f"linked_{target.parent.name}"), 60)
+            assert e.value.error.code is ErrorCode.INVALID
+            assert "adapter_model.safetensors: a symbolic link" in e.value.error.message, e.value.error.message
+
+
+def test_pruning_unlinks_a_symlinked_checkpoint_and_keeps_what_it_points_to(tmp_path):
+    """A symlinked checkpoint made pruning crash with a traceback: now the link is removed, never
+    followed, and the folder it pointed to (outside the run) is untouched."""
+    from opentinker.control.checkpoints import write_checkpoint
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    (outside / "adapters").mkdir(parents=True)
+    (outside / "precious.txt").write_text("keep me")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_1").symlink_to(outside)
+    (run_dir / "checkpoints" / "step_5").symlink_to(outside)  # the next step's own name: replaced, not followed
+
+    def save_adapters(folder: str) -> dict[str, str]:
+        Path(folder, "main").mkdir(parents=True)
+        Path(folder, "main", "opentinker.json").write_text("{}")
+        return {"main": str(Path(folder, "main"))}
+
+    for step in (2, 3, 5):
+        write_checkpoint(run_dir, step, save_adapters, lambda paths: None, {}, {}, keep=2)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_5"]
+    assert not (run_dir / "checkpoints" / "step_5").is_symlink()
+    assert (outside / "precious.txt").read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == [
+        "adapters", "precious.txt"]
+
+
 # ------------------------------------------------------------------------------ timeouts
 
 @pytest.mark.slow
