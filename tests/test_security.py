@@ -574,7 +574,8 @@ def test_a_race_on_the_path_cannot_put_a_save_outside(run_scheduler):
         for i in range(100_000):  # bounded; stops with the saves
             if stop.is_set():
                 return
-            for step in (lambda: os.rename(race, run_dir / f"kept{i}"), lambda: os.symlink(outside, race),
+            kept = run_dir / f"kept{i}"
+            for step in (lambda: os.rename(race, kept), lambda: os.symlink(outside, race),  # noqa: B023 - called at once
                          lambda: race.is_symlink() and os.unlink(race), lambda: os.mkdir(race)):
                 try:
                     step()
@@ -914,3 +915,143 @@ def test_a_service_makes_an_api_key_only_its_user_can_read(tiny_path, tmp_path):
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "base"
     finally:
         service.stop()
+
+
+# ------------------------------------------------------------------------------ the job queue
+
+def _job_toml(tiny_path: str, out_dir: str, **extra: object) -> str:
+    """A small run's config as ``opentinker jobs submit`` sends it (``train.steps=400``: it
+    runs until stopped)."""
+    from opentinker.cli import _parse_set
+    from opentinker.config import to_toml
+
+    sets = {"model.base": tiny_path, "model.threads": 1, "runtime.backend": "local", "runtime.env_runners": 1,
+            "train.steps": 400, "train.groups_per_step": 2, "eval.every": 0, "sampling.max_tokens": 3,
+            "out_dir": out_dir, **extra}
+    return to_toml(load_config(None, _parse_set([f"{k}={v}" for k, v in sets.items()]))).decode()
+
+
+def _job_pids(file: Path) -> list[int]:
+    """The pids of the jobs a service's queue started (``proc.json`` in each job's folder)."""
+    return [json.loads(p.read_text())["pid"] for p in sorted(file.parent.glob("jobs-*/q*/proc.json"))]
+
+
+def _alive(pid: int) -> bool:
+    from opentinker.serve.job_procs import start_time
+
+    return start_time(pid) is not None and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+
+
+def test_the_queue_checks_every_number_and_confines_out_dir(tiny_path, tmp_path):
+    """``--memory-mb nan``, ``-5`` and ``1e-6`` were accepted, and a job's ``out_dir=/etc/...``
+    was made. Now each is refused naming the field, before anything is made; a relative
+    ``out_dir`` lies in the service's runs folder; ``--budget-mb`` is checked the same way."""
+    from opentinker.bus import RemoteError, SyncClient
+    from opentinker.serve.service import Service
+    from protocols.messages import CancelQueued, ErrorCode, SubmitJob
+
+    for bad in (math.nan, -5.0, 1e-6, math.inf, 1e12):
+        with pytest.raises(ValueError, match="--budget-mb must be 0"):
+            Service(tiny_path, http_port=None, service_file=tmp_path / "never" / "service.json", budget_mb=bad)
+    file, runs, outside = tmp_path / "svc" / "service.json", tmp_path / "runs", tmp_path / "outside"
+    outside.mkdir()
+    service = Service(tiny_path, http_port=None, service_file=file, budget_mb=2000, out_roots=[str(runs)])
+    info = service.start()
+    try:
+        with SyncClient(info.endpoint, "jobs", credentials=info.credentials()) as c:
+            for bad in (math.nan, -5.0, 1e-6, math.inf, -math.inf):
+                with pytest.raises(RemoteError) as e:
+                    c.request(SubmitJob(config=_job_toml(tiny_path, "mine"), memory_mb=bad), 60)
+                assert e.value.error.code is ErrorCode.INVALID and "memory_mb must be 0" in e.value.error.message
+            (runs / "link").symlink_to(outside)
+            for out_dir in ("/etc/opentinker_issue36", str(outside / "x"), str(runs / "link" / "x"), "../outside/y"):
+                with pytest.raises(RemoteError) as e:
+                    c.request(SubmitJob(config=_job_toml(tiny_path, out_dir)), 60)
+                assert "out_dir" in e.value.error.message and "outside the folders" in e.value.error.message
+            assert not Path("/etc/opentinker_issue36").exists() and list(outside.iterdir()) == []
+            ok = c.request(SubmitJob(config=_job_toml(tiny_path, "mine")), 60)
+            c.request(CancelQueued(id=ok.id), 120)
+        assert (runs / "mine").is_dir()
+    finally:
+        service.stop()
+
+
+def test_jobs_are_charged_their_processes_and_stop_with_the_service(tiny_path, tmp_path):
+    """200 jobs declared at about 1 MB each all ran at once (each is a 165 MB process) and the
+    kernel killed 5 processes. Now a job is charged at least its processes: six jobs of
+    "1 MB" in a 500 MB budget run two at a time; stopping the service stops them all."""
+    from opentinker.bus import SyncClient
+    from opentinker.serve.queue import PROCESS_BYTES
+    from opentinker.serve.service import Service
+    from protocols.messages import ListQueue, SubmitJob
+
+    file = tmp_path / "svc" / "service.json"
+    service = Service(tiny_path, http_port=None, service_file=file, budget_mb=500)
+    info = service.start()
+    try:
+        with SyncClient(info.endpoint, "jobs", credentials=info.credentials()) as c:
+            entries = [c.request(SubmitJob(config=_job_toml(tiny_path, f"r{i}"), memory_mb=1.0), 120)
+                       for i in range(6)]
+            listing = c.request(ListQueue(), 60)
+        assert all(e.memory_mb >= PROCESS_BYTES / 2**20 for e in entries)
+        states = [e.state for e in listing.entries]
+        assert states.count("running") == 2 and states.count("queued") == 4, states
+        assert listing.used_mb <= 500
+        pids = _job_pids(file)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        service.stop()
+    assert not any(_alive(p) for p in pids)
+
+
+def test_jobs_die_with_a_killed_service_and_a_new_one_cleans_up_after_a_dead_one(tiny_path, tmp_path):
+    """After the service was signalled, 163 of its job processes kept running (each in a
+    session of its own). Now a job dies with its service, even one killed with SIGKILL (the
+    kernel's parent-death signal), and a service that starts stops the jobs a dead service's
+    queue left running (their pids and start times in its folder)."""
+    import signal
+    import time as _time
+
+    from opentinker.serve.job_procs import OWNER_FILE, PROC_FILE, start_time
+    from opentinker.serve.service import Service
+
+    file = tmp_path / "svc" / "service.json"
+    from conftest import start_serve
+
+    serve = start_serve(file, "--model", tiny_path, "--budget-mb", "2000", start_new_session=True)
+    try:
+        config = tmp_path / "job.toml"
+        config.write_text(_job_toml(tiny_path, str(file.parent / "runs" / "killed")))  # in the default root
+        r = subprocess.run([sys.executable, "-m", "opentinker.cli", "jobs", "submit", str(config), "--service",
+                            str(file)], capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+        pids = _job_pids(file)
+        assert len(pids) == 1 and _alive(pids[0])
+        os.killpg(serve.pid, signal.SIGKILL)  # no handler runs: only the kernel can stop the job now
+        serve.wait(60)
+        deadline = _time.monotonic() + 60
+        while _alive(pids[0]) and _time.monotonic() < deadline:
+            _time.sleep(0.2)
+        assert not _alive(pids[0]), "a job outlived its killed service"
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+        serve.communicate(timeout=60)
+    # A job left running by a service that died (here a stand-in process of ours, in a group of
+    # its own, recorded as the dead service's queue records its jobs) is stopped by the next one.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    orphan = subprocess.Popen(["sleep", "600"], process_group=0)
+    try:
+        old = file.parent / "jobs-999999"
+        (old / "q1").mkdir(parents=True)
+        (old / OWNER_FILE).write_text(json.dumps({"pid": gone.pid, "start_time": 1}))
+        (old / "q1" / PROC_FILE).write_text(json.dumps({"pid": orphan.pid, "start_time": start_time(orphan.pid)}))
+        service = Service(tiny_path, http_port=None, service_file=file, budget_mb=100)
+        service.start()
+        service.stop()
+        assert orphan.wait(30) == -signal.SIGTERM
+        assert (file.parent / "jobs-999999.ended" / "q1" / PROC_FILE).is_file()  # its records kept
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentinker.files import root_holding
+
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _PROC_FD = Path("/proc/self/fd")
 
@@ -61,11 +63,10 @@ def anchor(path: str, roots: Sequence[str]) -> Anchored:
         real = os.path.realpath(path)
     except OSError:  # a link that vanished while it was read: the path is being changed under us
         raise PathNotAllowed(f"adapter path {path!r}: changed while it was resolved") from None
-    inside = [r for r in roots if real == r or real.startswith(r.rstrip(os.sep) + os.sep)]
-    if not inside:
+    root = root_holding(real, roots)
+    if root is None:
         raise PathNotAllowed(f"adapter path {path!r}: outside the folders this scheduler reads and writes "
                              "(the run's folder)")
-    root = max(inside, key=len)
     return Anchored(root, Path(real).relative_to(root).parts)
 
 

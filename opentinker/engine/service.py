@@ -53,6 +53,7 @@ from opentinker.bus.stream import wants_stream
 from opentinker.engine.anchored import Anchored, PathNotAllowed, anchor
 from opentinker.engine.spec_checks import check_adam, check_spec
 from opentinker.engine.tenants import Tenants
+from opentinker.files import root_holding
 from opentinker.logs import escape_controls
 from protocols.codec import Limits
 from protocols.messages import (
@@ -601,7 +602,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         job's root, and the owner's (in no job's folders) is taken as given."""
         if roots is None and self.tenants is not None:
             jobs = [r for t in list(self.tenants.jobs.values()) for r in t.roots + t.read_roots]
-            if any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in jobs):
+            if root_holding(path, jobs) is not None:
                 return placed(path, jobs)
         return placed(path, roots)
 

@@ -44,7 +44,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-priority", type=float, default=1.0, help="the HTTP endpoint's share of compute against "
                    "jobs' runtime.priority (default 1)")
     p.add_argument("--budget-mb", type=float, default=0.0, help="memory the job queue may fill with running jobs "
-                   "(default: half of this machine's memory)")
+                   "(default: half of this machine's memory); jobs also start only while free memory holds them")
+    p.add_argument("--out-root", action="append", default=[], metavar="DIR", help="a folder queued runs may write "
+                   "their out_dir in (repeatable; default: runs/ beside the service file; a relative out_dir lies in "
+                   "the first)")
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,7 +80,7 @@ def serve_main(args: argparse.Namespace) -> int:
                           service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
                           ray=args.ray, fair_window_s=args.fair_window_s,
                           fair_anticipate_s=args.fair_anticipate_s, owner_priority=args.http_priority,
-                          bus_host=args.bus_host, bus_curve=args.bus_curve,
+                          bus_host=args.bus_host, bus_curve=args.bus_curve, out_roots=args.out_root,
                           engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20,
                                           "max_batch_tokens": args.max_batch_tokens})
         info = service.start()
@@ -201,14 +204,15 @@ def add_jobs_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _absolute(cfg):
-    """``cfg`` with its paths absolute: the service runs the job from another folder."""
+    """``cfg`` with its paths absolute: the service runs the job from another folder. A relative
+    ``out_dir`` stays relative: the service puts it in its first ``--out-root``."""
     import msgspec
 
     def absolute(path: str) -> str:
         return os.path.abspath(os.path.expanduser(path)) if path and ("/" in path or os.path.exists(path)) else path
 
     policies = [msgspec.structs.replace(p, init=absolute(p.init)) for p in cfg.policies]
-    changes = {"out_dir": os.path.abspath(os.path.expanduser(cfg.out_dir)), "policies": policies,
+    changes = {"out_dir": os.path.expanduser(cfg.out_dir), "policies": policies,
                "model": msgspec.structs.replace(cfg.model, base=absolute(cfg.model.base))}
     oc = cfg.offline_job()
     if oc is not None:

@@ -188,7 +188,12 @@ class ServiceCore:
 
     def __init__(self, model_path: str, device: str = "cpu", service_file: str = "", budget_mb: float = 0.0,
                  adapters: dict[str, str] | None = None, owner_priority: float = 1.0, bus_host: str = "",
-                 curve: dict[str, str] | None = None, **scheduler: Any) -> None:
+                 curve: dict[str, str] | None = None, out_roots: list[str] | None = None, **scheduler: Any) -> None:
+        from opentinker.serve.queue import check_budget_mb
+
+        check_budget_mb(budget_mb)
+        self.out_roots = out_roots
+        """Where queued runs' ``out_dir`` may lie (default: ``runs/`` beside the service file)."""
         self.model_path, self.device = model_path, device
         self.service_file = Path(service_file or home() / SERVICE_FILE)
         self.budget_mb = budget_mb
@@ -250,7 +255,8 @@ class ServiceCore:
 
         budget = self.budget_mb * 2**20 if self.budget_mb > 0 else _half_the_memory()
         q = self.queue = JobQueue(self.service_file.parent / f"jobs-{os.getpid()}", self.service_file,
-                                  read_model_config(self.model_path), int(budget), open_job, close_job)
+                                  read_model_config(self.model_path), int(budget), open_job, close_job,
+                                  out_roots=self.out_roots)
 
         def listing() -> QueueList:
             return QueueList(entries=q.listing(), budget_mb=q.budget / 2**20, used_mb=q.used() / 2**20)
@@ -294,8 +300,11 @@ class Service:
         api_keys: further keys, each a client of its own for the endpoint's per-client bounds.
         adapters: saved adapters to load at start, name -> folder (served as model names).
         service_file: where to write the service file (default :func:`home`).
-        budget_mb: the memory the job queue may fill with running jobs (estimated per job,
-            :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this machine's memory.
+        budget_mb: the memory the job queue may fill with running jobs (estimated per job, its
+            processes too, :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this
+            machine's memory. Jobs also start only while the machine's free memory holds them.
+        out_roots: the folders a queued run's ``out_dir`` may lie in (default: ``runs/`` beside
+            the service file; a relative ``out_dir`` lies in the first).
         ray: run the scheduler and the queue in a Ray actor (``"local"``: a Ray instance
             started here on 127.0.0.1; else the address of a running cluster, ``auto`` or
             ``host:port``), placed on a GPU when ``device`` is CUDA; ``""``: in this process.
@@ -309,8 +318,11 @@ class Service:
     def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
                  http_port: int | None = 0, api_key: str | None = None, api_keys: Sequence[str] = (), adapters: dict[str, str] | None = None,
                  service_file: Path | None = None, budget_mb: float = 0.0, ray: str = "", bus_host: str = "127.0.0.1",
-                 bus_curve: bool = False, **scheduler: Any) -> None:
+                 bus_curve: bool = False, out_roots: Sequence[str] = (), **scheduler: Any) -> None:
         from opentinker.bus.common import is_loopback, tcp_endpoint
+        from opentinker.serve.queue import check_budget_mb
+
+        check_budget_mb(budget_mb)
 
         if bus_host in ("0.0.0.0", "::", "*", ""):  # refused: not an address to connect to
             raise ValueError(f"--bus-host {bus_host!r}: give the address other machines reach this one at (jobs "
@@ -332,7 +344,7 @@ class Service:
         self.service_file = service_file or home() / SERVICE_FILE
         self.core_args = dict(device=device, service_file=str(self.service_file), budget_mb=budget_mb,
                               adapters=dict(adapters or {}), bus_host="" if bus_host == "127.0.0.1" else bus_host,
-                              curve=self.curve, **scheduler)
+                              curve=self.curve, out_roots=[os.path.abspath(r) for r in out_roots] or None, **scheduler)
         self.ray = ray
         self.core: Any = None
         self.actor: Any = None
