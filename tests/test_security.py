@@ -653,6 +653,59 @@ def test_pruning_unlinks_a_symlinked_checkpoint_and_keeps_what_it_points_to(tmp_
         "adapters", "precious.txt"]
 
 
+def test_infer_refuses_deeply_nested_json_in_one_line(tmp_path, capsys):
+    """``opentinker infer`` on a line of 10,000 nested arrays ended in a ``RecursionError``
+    traceback: now one line naming the line, exit 2, nothing written."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello"}\n' + "[" * 10_000 + "]" * 10_000 + "\n")
+    assert main(["infer", str(prompts), "--out", str(tmp_path / "out.jsonl"), "--model", "tiny-random"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"opentinker infer: {prompts}, line 2: not JSON this reader takes (nested too deep)\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+
+
+def test_repeated_log_lines_are_one_per_second(caplog):
+    """A reply-drop line was written once per message (17,997 lines in 3.4 s). A client that
+    has 400 replies dropped (each over its bound) logs one line, then one a second with the
+    count of those it left out, and every request still fails alone as ``too_large``."""
+    import asyncio
+    import time as _time
+
+    import numpy as np
+    import zmq.asyncio
+    from conftest import run
+
+    from opentinker.bus import Client, RemoteError, Server
+    from protocols.messages import ErrorCode, LogprobsRequest, LogprobsResult
+
+    async def handler(msg):
+        # Four 3.2 KB arrays: each frame under the bound, the message over it (cut by the reader).
+        return LogprobsResult(logprobs=[np.zeros(800, np.float32)] * 4, adapter_version=0)
+
+    async def main() -> tuple[list[RemoteError], float]:
+        ctx = zmq.asyncio.Context()
+        server = Server(handler, name="big")
+        ep = await server.start(ctx)
+        client = Client(ctx, ep, name="small", max_bytes=4096)
+        t0 = _time.monotonic()
+        try:
+            results = await asyncio.gather(*(client.request(LogprobsRequest(adapter=None, sequences=[
+                np.arange(3, dtype=np.int32)]), 60) for _ in range(400)), return_exceptions=True)
+            return results, _time.monotonic() - t0
+        finally:
+            client.close()
+            await server.stop()
+            ctx.destroy(0)
+
+    with caplog.at_level(logging.WARNING, logger="opentinker.bus.client"):
+        results, took = run(main())
+    assert all(isinstance(r, RemoteError) and r.error.code is ErrorCode.TOO_LARGE for r in results), {
+        repr(r)[:200] for r in results}
+    lines = [r for r in caplog.records if "dropped a reply" in r.getMessage()]
+    print(f"{len(lines)} log lines for 400 dropped replies in {took:.2f} s")
+    assert 1 <= len(lines) <= 2 + took  # one, then at most one a second
+
+
 # ------------------------------------------------------------------------------ timeouts
 
 @pytest.mark.slow

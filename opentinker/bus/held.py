@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from opentinker.bus.common import LogEvery
 from opentinker.bus.loop import Cut, frame_wire
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class HeldWatch:
             raise ValueError(f"HeldWatch: need 1 <= per_connection <= total, got {per_connection}, {total}")
         self.name = name
         self.counters = counters
+        self._log = LogEvery(log)
         self.per_connection = per_connection
         self.total = total
         self.interval_s = interval_s
@@ -318,9 +320,9 @@ class HeldWatch:
         who = f"{conn.addrs[1][0]}:{conn.addrs[1][1]}"
         if conn.identity:
             who += f" (routing id {conn.identity.hex()})"
-        log.warning("%s: cut the connection from %s: libzmq held %d bytes of an unfinished message "
-                    "with nothing read from it (limit %d per connection, %d in all)",
-                    self.name, who, conn.held, self.per_connection, self.total)
+        self._log.warning("cut", "%s: cut the connection from %s: libzmq held %d bytes of an unfinished message "
+                          "with nothing read from it (limit %d per connection, %d in all)",
+                          self.name, who, conn.held, self.per_connection, self.total)
         return True
 
     def close(self) -> None:

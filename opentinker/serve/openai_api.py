@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from opentinker.bus import Client, RemoteError, is_loopback
 from opentinker.bus.auth import Credentials
+from opentinker.bus.common import LogEvery
 from opentinker.serve.admission import (
     Admission,
     BodyLimit,
@@ -98,6 +99,8 @@ from protocols.messages import (
 )
 
 log = logging.getLogger(__name__)
+_log = LogEvery(log)
+"""Lines a client can repeat at will: at most one a second per kind."""
 T = TypeVar("T")
 B = TypeVar("B", bound=BaseBody)
 WORKERS = 2
@@ -124,7 +127,7 @@ def _api_error(e: Exception) -> ApiError:
     if isinstance(e, RemoteError):
         status = _STATUS.get(e.error.code, 500)
         if status == 500:
-            log.error("openai api: the scheduler failed: %s", e)
+            _log.error("scheduler", "openai api: the scheduler failed: %s", e)
             return ApiError(500, "the scheduler failed on this request (its log has the cause)", "server_error",
                             code=e.error.code.value)
         code = "model_not_found" if status == 404 else e.error.code.value
@@ -133,7 +136,7 @@ def _api_error(e: Exception) -> ApiError:
         timeout = isinstance(e, TimeoutError)
         return ApiError(504 if timeout else 503, "the scheduler did not answer in time" if timeout else
                         "the scheduler cannot be reached", "server_error", code="timeout" if timeout else "unavailable")
-    log.error("openai api: unexpected error", exc_info=e)
+    _log.error(type(e).__name__, "openai api: unexpected error", exc_info=e)
     return ApiError(500, "internal error (the server's log has the cause)", "server_error")
 
 
