@@ -47,6 +47,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -131,13 +132,22 @@ def _api_error(e: Exception) -> ApiError:
             return ApiError(500, "the scheduler failed on this request (its log has the cause)", "server_error",
                             code=e.error.code.value)
         code = "model_not_found" if status == 404 else e.error.code.value
-        return ApiError(status, e.error.message, "invalid_request_error" if status < 500 else "server_error", code=code)
+        return ApiError(status, _plain(e.error.message), "invalid_request_error" if status < 500 else "server_error",
+                        code=code)
     if isinstance(e, (TimeoutError, ConnectionError)):
         timeout = isinstance(e, TimeoutError)
         return ApiError(504 if timeout else 503, "the scheduler did not answer in time" if timeout else
                         "the scheduler cannot be reached", "server_error", code="timeout" if timeout else "unavailable")
     _log.error(type(e).__name__, "openai api: unexpected error", exc_info=e)
     return ApiError(500, "internal error (the server's log has the cause)", "server_error")
+
+
+def _plain(message: str) -> str:
+    """A scheduler's error as an HTTP client reads it: without the exception's class and the
+    message classes the fields belong to (``ValueError: SamplingParams.max_tokens ...`` ->
+    ``max_tokens ...``)."""
+    message = re.sub(r"^\w+(Error|Exception): ", "", message)
+    return re.sub(r"\b(SamplingParams|SampleRequest)\.", "", message)
 
 
 async def _unless_gone(request: fastapi.Request, work: Awaitable[T]) -> T:
