@@ -23,8 +23,9 @@ HOSTILE_VALUES = [
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "seed", "top_k", "top_p",
           "temperature", "stop", "stream", "logprobs", "top_logprobs", "stream_options", "best_of", "echo"]
 RAW_BODIES = [b"", b"{", b"not json", b"[" * 10_000 + b"]" * 10_000, b'{"model": "base", "prompt": "\xff\xfe"}',
-              b'{"model": "base", "prompt": "a", "temperature": Infinity}', b'{"model": "base", "prompt": "a", '
-              b'"top_p": NaN}', b'{"a":' * 5000 + b"1" + b"}" * 5000, b"null", b"[]", b'"text"', b"1e999"]
+              b'{"model": "base", "prompt": "a", "temperature": Infinity}',
+              b'{"model": "base", "prompt": "a", "top_p": NaN}', b'{"a":' * 5000 + b"1" + b"}" * 5000, b"null", b"[]",
+              b'"text"', b"1e999"]
 OUR_NAMES = ("Traceback", "Error:", "pydantic", "numpy", "int32", "opentinker", "Validation")
 
 
