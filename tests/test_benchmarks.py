@@ -129,3 +129,11 @@ def test_engine_overhead_benchmark(tmp_path, tiny_path):
     assert all(x["decode_tokens_per_s"] == pytest.approx(x["batch"] / x["step_ms"] * 1000) for x in rows.values())
     for (m, b, k), x in rows.items():  # each row's ratio is to the bgmv row of its batch and adapters
         assert x["speedup_vs_bgmv"] == pytest.approx(rows["bgmv", b, k]["step_ms"] / x["step_ms"])
+
+
+def test_hostile_load_benchmark(tmp_path, tiny_path):
+    r = _run(["benchmarks/hostile_load.py", "--quick"], tmp_path)
+    check_provenance(r, "hostile_load.py")
+    assert r["huge_status"] == {"declared": 413, "chunked": 413} and r["small_status"] == 200
+    assert r["flood_200"] + r["flood_429"] == r["args"]["flood"]
+    assert r["small_baseline_s_median"] > 0 and r["rss_peak_growth_mb"] >= 0

@@ -1030,16 +1030,16 @@ def test_the_queue_checks_every_number_and_confines_out_dir(tiny_path, tmp_path)
 
 
 def test_jobs_are_charged_their_processes_and_stop_with_the_service(tiny_path, tmp_path):
-    """200 jobs declared at about 1 MB each all ran at once (each is a 165 MB process) and the
-    kernel killed 5 processes. Now a job is charged at least its processes: six jobs of
-    "1 MB" in a 500 MB budget run two at a time; stopping the service stops them all."""
+    """200 jobs declared at about 1 MB each all ran at once (each is a process of hundreds of
+    MB) and the kernel killed 5 processes. Now a job is charged at least its processes: six
+    jobs of "1 MB" in a 700 MB budget run two at a time; stopping the service stops them all."""
     from opentinker.bus import SyncClient
     from opentinker.serve.queue import PROCESS_BYTES
     from opentinker.serve.service import Service
     from protocols.messages import ListQueue, SubmitJob
 
     file = tmp_path / "svc" / "service.json"
-    service = Service(tiny_path, http_port=None, service_file=file, budget_mb=500)
+    service = Service(tiny_path, http_port=None, service_file=file, budget_mb=700)
     info = service.start()
     try:
         with SyncClient(info.endpoint, "jobs", credentials=info.credentials()) as c:
@@ -1049,7 +1049,7 @@ def test_jobs_are_charged_their_processes_and_stop_with_the_service(tiny_path, t
         assert all(e.memory_mb >= PROCESS_BYTES / 2**20 for e in entries)
         states = [e.state for e in listing.entries]
         assert states.count("running") == 2 and states.count("queued") == 4, states
-        assert listing.used_mb <= 500
+        assert listing.used_mb <= 700
         pids = _job_pids(file)
         assert len(pids) == 2 and all(_alive(p) for p in pids)
     finally:

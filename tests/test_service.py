@@ -551,15 +551,15 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
     their room and their adapters, and the queue goes on; an evaluation and a batch inference
     queue behind them and write their report and replies."""
     file = tmp_path / "service.json"
-    proc = start_serve(file, "--model", tiny_path, "--budget-mb", "400", "--out-root", str(tmp_path / "runs"), cwd=ROOT)
+    proc = start_serve(file, "--model", tiny_path, "--budget-mb", "600", "--out-root", str(tmp_path / "runs"), cwd=ROOT)
     try:
         big = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs"), "--memory-mb", "1000", service=file)
-        assert big.returncode == 2 and "needs about 1000.0 MB" in big.stderr and "budget is 400.0 MB" in big.stderr
+        assert big.returncode == 2 and "needs about 1000.0 MB" in big.stderr and "budget is 600.0 MB" in big.stderr
         ids = []
         for i, extra in enumerate((["--set", "name=first"], ["--set", "name=crashes", "--set", "train.steps=400"],
                                    ["--set", "name=cancelled"], ["--set", "name=last"])):
-            # Each is charged at least its process (about 165 MB): 300 MB, one at a time in 400.
-            r = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs", *extra), "--memory-mb", "300", service=file)
+            # Each is charged at least its process (300 MB): 350 MB, one at a time in 600.
+            r = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs", *extra), "--memory-mb", "350", service=file)
             assert r.returncode == 0, r.stderr
             ids.append(r.stdout.split()[0])
         assert ids == ["q1", "q2", "q3", "q4"]
@@ -578,7 +578,7 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
         assert q["q1"]["state"] == "done" and q["q1"]["kind"] == "run" and Path(q["q1"]["output"]).is_dir()
         bad = _jobs("submit", "--eval", str(tmp_path / "nowhere"), service=file)
         assert bad.returncode == 2 and "nowhere: no such file or folder" in bad.stderr
-        r = _jobs("submit", "--eval", q["q1"]["output"], "--games-per-stratum", "1", "--memory-mb", "300", service=file)
+        r = _jobs("submit", "--eval", q["q1"]["output"], "--games-per-stratum", "1", "--memory-mb", "350", service=file)
         assert r.returncode == 0 and r.stdout.startswith("q5 queued (eval_kuhn_poker_v0__first__"), r.stderr
         ids.append("q5")
         # Batch inference with the first run's adapter, queued behind it too.
@@ -587,8 +587,8 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
         bad = _jobs("submit", "--infer", str(tmp_path / "none.jsonl"), service=file)
         assert bad.returncode == 2 and "none.jsonl: no such file" in bad.stderr
         infer_args = ["--adapter", q["q1"]["output"], "--max-tokens", "4", "--seed", "3"]
-        r = _jobs("submit", "--infer", str(prompts), *infer_args, "--memory-mb", "300", service=file)
-        assert r.returncode == 0 and r.stdout.startswith("q6 queued (infer_prompts, ~300 MB)"), r.stderr
+        r = _jobs("submit", "--infer", str(prompts), *infer_args, "--memory-mb", "350", service=file)
+        assert r.returncode == 0 and r.stdout.startswith("q6 queued (infer_prompts, ~350 MB)"), r.stderr
         ids.append("q6")
         pid = _pid_of_job(q["q2"]["log"])
         os.kill(pid, 9)
