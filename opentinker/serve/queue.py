@@ -51,7 +51,7 @@ ADAM_COPIES = 4
 PROCESS_BYTES = 300 << 20
 """What one process of a job costs the machine beside the scheduler, which the budget did not
 count (200 jobs of "1 MB" filled 23 GB): an ``opentinker run`` attached to a service peaked at
-311 MB proportional set size (288 MB of its own pages, 393 MB resident) with the tiny model
+309 MB proportional set size (288 MB of its own pages, 394 MB resident) with the tiny model
 (``benchmarks/hostile_load.py``; the attack measured 165 MB a process with 200 of them
 sharing libraries)."""
 MAX_MEMORY_MB = 1 << 24
