@@ -47,10 +47,8 @@ import contextlib
 import hmac
 import json
 import logging
-import re
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,23 +59,20 @@ import numpy as np
 import uvicorn
 import zmq.asyncio
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from opentinker.bus import Client, RemoteError, is_loopback
 from opentinker.bus.auth import Credentials
-from opentinker.bus.common import LogEvery
 from opentinker.serve.admission import (
     Admission,
     BodyLimit,
     Limits,
     Refused,
-    Ticket,
     max_prompt_chars,
 )
 from opentinker.serve.detokenize import (
     ChoiceText,
     TokenText,
-    finish_choices,
     reply_params,
 )
 from opentinker.serve.openai_bodies import (
@@ -90,64 +85,27 @@ from opentinker.serve.openai_bodies import (
     bad_body,
     parse_body,
 )
+from opentinker.serve.openai_replies import EventStream, Reply, api_error, events, whole
 from protocols.messages import (
     AdapterList,
-    ErrorCode,
     ListAdapters,
     SampleChunk,
     SampleRequest,
-    SampleResult,
 )
 
 log = logging.getLogger(__name__)
-_log = LogEvery(log)
-"""Lines a client can repeat at will: at most one a second per kind."""
 T = TypeVar("T")
 B = TypeVar("B", bound=BaseBody)
 WORKERS = 2
+"""Threads that parse bodies, tokenize prompts and decode replies, off the event loop."""
 MAX_CONNECTIONS = 128
 """Open HTTP connections uvicorn serves at once (beyond: 503)."""
-"""Threads that parse bodies, tokenize prompts and decode replies, off the event loop."""
 
 BASE = "base"
 """The model name of the bare base model (an adapter of that name is not reachable here)."""
 _UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": None,
                 "frequency_penalty": None, "repetition_penalty": 1, "echo": None, "suffix": None, "best_of": 1}
 """Fields this server cannot honour -> the one value besides unset (falsy) that it accepts."""
-_STATUS = {ErrorCode.INVALID: 400, ErrorCode.TOO_LARGE: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.BUSY: 503}
-
-
-def _api_error(e: Exception) -> ApiError:
-    """The HTTP error for a failure: an admission refusal by its status, a scheduler ``Error``
-    by its code, a bus timeout 504, an unreachable scheduler 503, anything else 500. What
-    reaches the client never names our code (a 500's cause is logged here, in one line)."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, Refused):
-        return ApiError(e.status, str(e), "invalid_request_error" if e.status < 500 else "server_error", code=e.code)
-    if isinstance(e, RemoteError):
-        status = _STATUS.get(e.error.code, 500)
-        if status == 500:
-            _log.error("scheduler", "openai api: the scheduler failed: %s", e)
-            return ApiError(500, "the scheduler failed on this request (its log has the cause)", "server_error",
-                            code=e.error.code.value)
-        code = "model_not_found" if status == 404 else e.error.code.value
-        return ApiError(status, _plain(e.error.message), "invalid_request_error" if status < 500 else "server_error",
-                        code=code)
-    if isinstance(e, (TimeoutError, ConnectionError)):
-        timeout = isinstance(e, TimeoutError)
-        return ApiError(504 if timeout else 503, "the scheduler did not answer in time" if timeout else
-                        "the scheduler cannot be reached", "server_error", code="timeout" if timeout else "unavailable")
-    _log.error(type(e).__name__, "openai api: unexpected error", exc_info=e)
-    return ApiError(500, "internal error (the server's log has the cause)", "server_error")
-
-
-def _plain(message: str) -> str:
-    """A scheduler's error as an HTTP client reads it: without the exception's class and the
-    message classes the fields belong to (``ValueError: SamplingParams.max_tokens ...`` ->
-    ``max_tokens ...``)."""
-    message = re.sub(r"^\w+(Error|Exception): ", "", message)
-    return re.sub(r"\b(SamplingParams|SampleRequest)\.", "", message)
 
 
 async def _unless_gone(request: fastapi.Request, work: Awaitable[T]) -> T:
@@ -169,98 +127,6 @@ async def _unless_gone(request: fastapi.Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed")
     return task.result()
-
-
-class _Reply:
-    """The JSON of one response: its head, each choice (text, log-probs, finish) and the usage."""
-
-    def __init__(self, tokens: TokenText, body: BaseBody, rows: list[ChoiceText], prompt_tokens: int, logprobs: bool) -> None:
-        self.tokens, self.rows, self.prompt_tokens, self.logprobs = tokens, rows, prompt_tokens, logprobs
-        self.chat = isinstance(body, ChatBody)
-        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                     "model": body.model}
-
-    def choice(self, i: int, text: str, toks: range, delta: bool = False) -> dict[str, Any]:
-        row, lp = self.rows[i], None
-        pieces = [self.tokens.bytes_of(row.ids[k]) for k in toks]
-        if self.logprobs and self.chat:
-            lp = {"content": [{"token": b.decode(errors="replace"), "logprob": row.logprobs[k], "bytes": list(b),
-                               "top_logprobs": []} for k, b in zip(toks, pieces)]}
-        elif self.logprobs:
-            lp = {"tokens": [b.decode(errors="replace") for b in pieces], "token_logprobs": [row.logprobs[k] for k in toks],
-                  "text_offset": [row.offsets[k] for k in toks], "top_logprobs": None}
-        out = ({"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}) \
-            if self.chat else {"text": text}
-        return {"index": i, **out, "logprobs": lp, "finish_reason": row.finish}
-
-    def usage(self) -> dict[str, int]:
-        drawn = sum(r.drawn for r in self.rows)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": drawn, "total_tokens": self.prompt_tokens + drawn}
-
-    def whole(self) -> dict[str, Any]:
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "usage": self.usage(),
-                "choices": [self.choice(i, *r.take()) for i, r in enumerate(self.rows)]}
-
-    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        """One SSE event of the stream (with ``usage``: the last one, with no choices)."""
-        body = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion", "choices": choices}
-        return f"data: {json.dumps({**body, 'usage': usage} if usage else body, ensure_ascii=False)}\n\n"
-
-
-def _step(reply: _Reply, event: SampleChunk | None, task: asyncio.Task, state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Take one partial ``event`` (``None``: ``task`` has the reply) into the rows; the choices
-    whose text grew. Decoding is CPU work: this runs in the endpoint's worker threads."""
-    rows = reply.rows
-    if event is None:
-        finish_choices(rows, task.result())
-    elif event.seq == state["seq"] and not state["lossy"]:
-        for i, tokens_T, logprobs_T in zip(event.rows, event.tokens, event.logprobs):
-            rows[i].push(tokens_T, logprobs_T)
-        state["seq"] += 1
-    else:
-        state["lossy"] = True  # a chunk was dropped (a slow reader): the rest comes with the reply
-    out = []
-    for i, row in enumerate(rows):
-        if not row.reported and ((taken := row.take())[0] or taken[1] or row.finish):
-            out.append(reply.choice(i, *taken, delta=True))
-            row.reported = row.finish is not None
-    return out
-
-
-async def _events(api: _Api, reply: _Reply, task: asyncio.Task, queue: asyncio.Queue, event: SampleChunk | None,
-                  usage: bool, ticket: Ticket) -> AsyncIterator[str]:
-    """The SSE stream of a request, from its first partial ``event`` on (then the others from
-    ``queue``; ``None``: ``task`` has the reply); ``ticket`` is given back when it ends."""
-    rows, state = reply.rows, {"seq": 0, "lossy": False}
-    try:
-        if reply.chat:
-            yield reply.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None} for i in range(len(rows))])
-        while True:
-            out = await api.off_loop(_step, reply, event, task, state)
-            if out:
-                yield reply.event(out)
-            if all(r.finish for r in rows) and (event is None or any(r.cut for r in rows)):
-                break
-            event = await queue.get()
-        if usage:
-            yield reply.event([], reply.usage())
-    except Exception as e:  # noqa: BLE001 - the stream has begun: the error is its last event
-        yield f"data: {json.dumps(_api_error(e).body)}\n\n"
-    finally:
-        task.cancel()  # every choice met a stop string, or the client went away: free the rows
-        ticket.release()
-    yield "data: [DONE]\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """SSE whose generator is closed however the response ends, so its request is cancelled."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 class _Api:
@@ -330,10 +196,10 @@ class _Api:
         ticket = await _unless_gone(request, self.admission.admit(client, len(req.prompts), tokens))
         try:
             rows = [ChoiceText(self.tok, stops, params.max_tokens) for _ in req.prompts]
-            reply = _Reply(self.tokens, body, rows, sum(map(len, prompts)), logprobs)
+            reply = Reply(self.tokens, body, rows, sum(map(len, prompts)), logprobs)
             if not body.stream:
                 result = await _unless_gone(request, self.client.request(req, self.timeout_s))
-                return await self.off_loop(_whole, reply, result)
+                return await self.off_loop(whole, reply, result)
             queue: asyncio.Queue[SampleChunk | None] = asyncio.Queue()
             task = asyncio.ensure_future(self.client.request(req, self.timeout_s, on_partial=queue.put_nowait))
             task.add_done_callback(lambda _: queue.put_nowait(None))
@@ -345,19 +211,13 @@ class _Api:
                 task.cancel()
                 raise
             usage = (body.stream_options or {}).get("include_usage", False)
-            stream = _EventStream(_events(self, reply, task, queue, first, usage, ticket),
+            stream = EventStream(events(self.off_loop, reply, task, queue, first, usage, ticket),
                                   media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             ticket = None  # the stream gives it back when it ends
             return stream
         finally:
             if ticket is not None:
                 ticket.release()
-
-
-def _whole(reply: _Reply, result: SampleResult) -> dict[str, Any]:
-    """The whole reply's JSON (decoding every row: run in the worker threads)."""
-    finish_choices(reply.rows, result)
-    return reply.whole()
 
 
 def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, timeout_s: float = 600.0,
@@ -412,7 +272,7 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
     app.state.admission = api.admission
 
     async def on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
-        err = _api_error(e)
+        err = api_error(e)
         return JSONResponse(err.body, status_code=err.status)
 
     async def on_bad_body(_: fastapi.Request, e: RequestValidationError) -> JSONResponse:
@@ -516,3 +376,6 @@ def start_http(app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, *, 
         time.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
     return HttpServer(server, thread, f"http://{f'[{host}]' if ':' in host else host}:{bound}")
+
+
+_api_error = api_error  # the name tests and callers used before the replies had a module of their own
