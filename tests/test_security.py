@@ -801,6 +801,32 @@ def test_a_huge_prompt_is_refused_before_parsing_and_others_are_served(endpoint)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
 
 
+def test_a_client_without_the_key_is_refused_before_its_body_is_read(tiny_path):
+    """With a key, a request without it is a 401 as soon as its headers arrive: a client that
+    announces a 1 MB body (under the bound) and sends none gets its answer (before, the body
+    was read first: the server waited for it, holding the connection and what had come)."""
+    import socket
+
+    from conftest import DEVICE
+
+    from opentinker.engine.service import SchedulerService
+    from opentinker.serve.openai_api import make_app, start_http
+
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)
+    s.start()
+    server = start_http(make_app(s.endpoint, tiny_path, api_key="k" * 32))
+    try:
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {1 << 20}\r\n\r\n".encode())
+            head = c.recv(4096)  # no body sent: only an answer that needs none can come
+        assert head.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in head, head[:300]
+    finally:
+        server.stop()
+        s.stop()
+
+
 def test_tokenizing_runs_off_the_event_loop(endpoint):
     """While a prompt of the most characters the context allows is tokenized (in a worker
     thread), the event loop answers ``/v1/models`` from another client: the request is

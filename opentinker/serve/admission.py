@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+NO_KEY = "missing or wrong API key (Authorization: Bearer <key>)"
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -74,17 +75,22 @@ def max_prompt_chars(max_context: int, longest_token_bytes: int) -> int:
 
 
 class BodyLimit:
-    """ASGI middleware: a body over ``max_bytes`` is answered 413 (OpenAI's error format)
-    without being read further; a body within it is read whole and handed on."""
+    """ASGI middleware: a request whose ``Authorization`` header ``allowed`` refuses is
+    answered 401, and a body over ``max_bytes`` 413 (OpenAI's error format), without reading
+    (more of) the body; a body within it is read whole and handed on."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, allowed: Callable[[str], bool] | None = None) -> None:
+        self.app, self.max_bytes, self.allowed = app, max_bytes, allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if self.allowed is not None and not self.allowed(headers.get(b"authorization", b"").decode("latin-1")):
+            await _refuse(send, 401, NO_KEY, "authentication_error", "invalid_api_key")
+            return
+        declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._too_large(send)
             return
@@ -113,11 +119,16 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send) -> None:
-        text = json.dumps({"error": {"message": f"the request body is over {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": None, "code": "body_too_large"}})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": text.encode()})
+        await _refuse(send, 413, f"the request body is over {self.max_bytes} bytes", "invalid_request_error",
+                      "body_too_large")
+
+
+async def _refuse(send: Send, status: int, message: str, kind: str, code: str) -> None:
+    """Answer ``status`` in OpenAI's error format and close the connection (its body unread)."""
+    text = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": text.encode()})
 
 
 @dataclass

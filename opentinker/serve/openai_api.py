@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse
 from opentinker.bus import Client, RemoteError, is_loopback
 from opentinker.bus.auth import Credentials
 from opentinker.serve.admission import (
+    NO_KEY,
     Admission,
     BodyLimit,
     Limits,
@@ -252,22 +253,30 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
             ctx.destroy(linger=0)
             api.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def authorize(request: fastapi.Request) -> str:
-        """The client's name for admission: its key's index with several keys, else its address."""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    def key_index(authorization: str) -> int | None:
+        """Which key an ``Authorization`` header carries (0 when none is needed), or None."""
+        if not keys:
+            return 0
+        scheme, _, given = authorization.partition(" ")
         # Compared with every key, so that the time taken says nothing about which one is near.
         hits = [hmac.compare_digest(given.strip().encode(), k) for k in keys]
-        if keys and (scheme.lower() != "bearer" or not any(hits)):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
-                           code="invalid_api_key")
+        return hits.index(True) if scheme.lower() == "bearer" and any(hits) else None
+
+    async def authorize(request: fastapi.Request) -> str:
+        """The client's name for admission: its key's index with several keys, else its address."""
+        index = key_index(request.headers.get("authorization", ""))
+        if index is None:
+            raise ApiError(401, NO_KEY, "authentication_error", code="invalid_api_key")
         if len(keys) > 1:
-            return f"key {hits.index(True)}"
+            return f"key {index}"
         return request.client.host if request.client else "?"
 
     # FastAPI's own pages answer without the route dependencies: with a key, they are not served.
     pages = {} if not keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = fastapi.FastAPI(title="OpenTinker", lifespan=lifespan, dependencies=[fastapi.Depends(authorize)], **pages)
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    # A client without the key is refused before a byte of its body is read.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes,
+                       allowed=lambda authorization: key_index(authorization) is not None)
     app.state.api_key = api_key or (api_keys[0] if api_keys else None)
     app.state.admission = api.admission
 
