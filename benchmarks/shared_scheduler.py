@@ -536,7 +536,7 @@ def main() -> None:
                 raise RuntimeError(f"opentinker serve did not start; its output: {out / 'serve.log'}")
             info = ServiceInfo.read(file)
             result["service_start_s"] = time.perf_counter() - t0
-            client = openai.OpenAI(base_url=info.http + "/v1", api_key="unused", timeout=300, max_retries=0)
+            client = openai.OpenAI(base_url=info.http + "/v1", api_key=info.api_key, timeout=300, max_retries=0)
             with SyncClient(info.endpoint, "bench-owner", credentials=info.credentials()) as owner:
                 print(f"service up in {result['service_start_s']:.0f} s; chat completions at idle", flush=True)
                 chat = owner.request(OpenJob(name="chat_idle"), 60)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,3 +35,10 @@ def write_atomic(path: str | Path, text: str, *, mode: int = 0o666) -> Path:
     with replaced(path, mode=mode) as f:
         f.write(text)
     return Path(path)
+
+
+def root_holding(real: str, roots: Sequence[str]) -> str | None:
+    """The longest of ``roots`` (resolved paths) that is ``real`` (a resolved path) or holds
+    it; None when none does. Comparison is by whole names: ``/a/bc`` is not inside ``/a/b``."""
+    inside = [r for r in roots if real == r or real.startswith(r.rstrip(os.sep) + os.sep)]
+    return max(inside, key=len) if inside else None

@@ -465,12 +465,14 @@ class SubmitJob(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     :class:`QueueEntry`."""
 
     config: Annotated[str, msgspec.Meta(max_length=1 << 20)] = ""
-    """The resolved job config as TOML (paths absolute)."""
+    """The resolved job config as TOML (paths absolute; a relative ``out_dir`` lies in the
+    service's runs folder)."""
     eval: EvalJob | None = None
     infer: InferJob | None = None
     priority: float = 1.0
     memory_mb: float = 0.0
-    """What the job holds on the scheduler; 0: the service estimates it from the config."""
+    """What the job holds, MB: 0 or 1 to 2**24; the service charges at least its own estimate
+    (the job's processes and its share of the scheduler), so this may raise it, never lower it."""
 
 
 class ListQueue(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -163,3 +163,21 @@ def one_request_per_batch(monkeypatch):
         init(self, *args, **{**kwargs, "max_batch_rows": 1, "batch_window_s": 0.0})
 
     monkeypatch.setattr(service.SchedulerService, "__init__", alone)
+
+
+def start_serve(file, *args: str, **popen):
+    """``opentinker serve --no-http --service-file FILE ARGS`` in a process of its own,
+    returned once its service file is written (asserted within 120 s)."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "serve", "--no-http", "--service-file", str(file),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    deadline = time.monotonic() + 120
+    while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not file.is_file():
+        proc.kill()
+        raise AssertionError(f"no service file: {proc.communicate(timeout=60)[0][-3000:]}")
+    return proc

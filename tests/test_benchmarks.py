@@ -169,3 +169,11 @@ def test_train_memory_benchmark(tmp_path, tiny_path):
     # Bounded or not, the same step: the same loss and gradient.
     assert rows[2, 2, "auto"]["grad_rel_diff"] < 1e-5 and rows[2, 2, "auto"]["loss"] == pytest.approx(
         rows[2, 2, "0"]["loss"], rel=1e-5)
+
+
+def test_hostile_load_benchmark(tmp_path, tiny_path):
+    r = _run(["benchmarks/hostile_load.py", "--quick"], tmp_path)
+    check_provenance(r, "hostile_load.py")
+    assert r["huge_status"] == {"declared": 413, "chunked": 413} and r["small_status"] == 200
+    assert r["flood_200"] + r["flood_429"] == r["args"]["flood"]
+    assert r["small_baseline_s_median"] > 0 and r["rss_peak_growth_mb"] >= 0

@@ -62,12 +62,12 @@ def _read_command(s: socket.socket) -> bytes:
     return _exactly(s, size)
 
 
-def zmtp_plain(endpoint: str, socket_type: bytes) -> socket.socket:
+def zmtp_plain(endpoint: str, socket_type: bytes, source: str = "") -> socket.socket:
     """A peer that speaks ZMTP 3.0 with PLAIN itself (the run's user and secret, so it is
-    authenticated), as a ``socket_type`` socket: unlike libzmq, it can send a message's frames
-    and never its last one."""
+    authenticated), as a ``socket_type`` socket, from the loopback address ``source`` (default:
+    the OS's choice): unlike libzmq, it can send a message's frames and never its last one."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=10)
+    s = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0) if source else None)
     s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"PLAIN".ljust(20, b"\0") + b"\0" + b"\0" * 31)
     assert _exactly(s, 64)[12:17] == b"PLAIN"
     user, secret = run_user().encode(), run_secret()
@@ -201,14 +201,14 @@ def test_an_unfinished_message_over_the_bound_is_cut_and_the_server_serves_on(ca
 
 
 def test_peers_each_under_the_bound_are_cut_down_to_the_total():
-    """Seven peers each hold 3 MiB unfinished (under the per-connection bound of 4 MiB), 21 MiB
-    in all against a total bound of 16 MiB: two are cut, and the five left (15 MiB) keep their
-    connections."""
+    """Seven peers (each from its own loopback address) each hold 3 MiB unfinished (under the
+    per-connection bound of 4 MiB), 21 MiB in all against a total bound of 16 MiB: two are cut,
+    and the five left (15 MiB) keep their connections."""
 
     async def main():
         ctx = zmq.asyncio.Context()
         server, ep, watch = await ack_server(ctx, "held_total")
-        peers = [await asyncio.to_thread(zmtp_plain, ep, b"DEALER") for _ in range(7)]
+        peers = [await asyncio.to_thread(zmtp_plain, ep, b"DEALER", f"127.0.0.{2 + i}") for i in range(7)]
         for p in peers:
             await asyncio.to_thread(send_unfinished, p, 3)
         await until(lambda: server.counters["dropped/held_connections"] >= 2, "two cuts", n=1000)
@@ -220,6 +220,37 @@ def test_peers_each_under_the_bound_are_cut_down_to_the_total():
         closed = [await asyncio.to_thread(cut_off_soon, p) for p in peers]
         assert sum(closed) == 2
         for p in peers:
+            p.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main(), timeout=60)
+
+
+def test_one_peers_connections_are_cut_down_to_the_per_peer_bound():
+    """The attack: five connections of one peer each held 400 MB unfinished, under the
+    per-connection bound, 2,002 MB in all under the total of 2,056 MB, for as long as they
+    stayed open. Scaled: five connections from 127.0.0.2 each hold 3 MiB (per-connection bound
+    4 MiB, 15 MiB under the total of 16 MiB): they are cut down to the per-peer bound of 8 MiB
+    (three cut, two kept), and another peer's 3 MiB (from 127.0.0.3) is left alone."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server, ep, watch = await ack_server(ctx, "held_peer")
+        assert watch.per_peer == 2 * watch.per_connection and 15 << 20 < watch.total
+        mine = [await asyncio.to_thread(zmtp_plain, ep, b"DEALER", "127.0.0.2") for _ in range(5)]
+        other = await asyncio.to_thread(zmtp_plain, ep, b"DEALER", "127.0.0.3")
+        for p in [*mine, other]:
+            await asyncio.to_thread(send_unfinished, p, 3)
+        await until(lambda: server.counters["dropped/held_connections"] >= 3, "three cuts", n=1000)
+        for _ in range(5):  # a few more checks: nothing more is cut once each peer fits
+            await asyncio.sleep(watch.interval_s)
+        assert server.counters["dropped/held_connections"] == 3
+        closed = [await asyncio.to_thread(cut_off_soon, p) for p in mine]
+        assert sum(closed) == 3 and not await asyncio.to_thread(cut_off_soon, other)
+        held = watch.held()
+        assert len(held) == 3 and sum(held.values()) <= 2 * watch.per_peer
+        for p in [*mine, other]:
             p.close()
         await server.stop()
         ctx.destroy(0)

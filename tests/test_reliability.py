@@ -171,6 +171,25 @@ def test_corrupt_checkpoint_is_reported_by_file_and_skipped(finished, tmp_path, 
     assert (run / "metrics.jsonl").read_bytes() == before
 
 
+def test_what_a_checksum_manifest_does_not_protect_against(finished, tmp_path) -> None:
+    """docs/security.md: the manifest catches damage, not a writer who rewrites it too. Weights
+    rewritten with other finite values and the manifest rewritten after them are accepted (the
+    attack's "rewritten weights and manifest"); the checks of the values still refuse weights no
+    training makes (1e30), whatever the manifest says; weights rewritten without the manifest
+    are refused."""
+    run = _copy(finished, tmp_path)
+    newest = run / "checkpoints" / "step_3"
+    f = newest / "adapters" / "main" / "adapter_model.safetensors"
+    t = load_file(str(f))
+    t = {k: (-v if v.size else v) for k, v in t.items()}  # other weights, as plausible as the first
+    save_file(t, str(f))
+    problems = verify(newest, {"main": 1})
+    assert any(p.startswith(f"{f}: ") for p in problems), problems  # damage (size or checksum): caught
+    _resign(newest)
+    assert verify(newest, {"main": 1}) == []  # a consistent rewrite: a checksum cannot tell
+    assert _huge(newest) in " ".join(verify(newest, {"main": 1}))  # out of range: refused, manifest or not
+
+
 def test_a_full_disk_mid_checkpoint_leaves_the_older_ones_intact(finished, tmp_path, monkeypatch) -> None:
     run = _copy(finished, tmp_path)
     root = run / "checkpoints"

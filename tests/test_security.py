@@ -501,6 +501,211 @@ def test_adapter_paths_stay_inside_the_schedulers_folders(tiny_path, tmp_path):
     assert not Path("pol").exists()
 
 
+@pytest.fixture()
+def run_scheduler(tiny_path, tmp_path):
+    """A scheduler whose only folder is ``run`` (as a job's), with an adapter ``pol``; a run
+    folder's own files beside it; a folder ``outside``."""
+    from conftest import DEVICE
+
+    from opentinker.bus import SyncClient
+    from opentinker.engine.service import SchedulerService
+    from protocols.messages import CreateAdapter, LoraSpec
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    outside.mkdir()
+    (run_dir / "config.toml").write_text("name = 'x'\n")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "checkpoints" / "step_2" / "state.json").write_text("{}")
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE, adapter_roots=[str(run_dir)])
+    s.start()
+    with SyncClient(s.endpoint, name="owner") as c:
+        c.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)), 60)
+    yield s, run_dir, outside
+    s.stop()
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_save_cannot_replace_the_run_folder_or_its_files(run_scheduler):
+    """``SaveAdapter(path=<run folder>)`` replaced checkpoints, config and metrics with four
+    adapter files. The run's folder itself, its files and its folders that are not saved
+    adapters are refused as targets, and left as they were; a saved adapter is replaced whole."""
+    from opentinker.bus import RemoteError, SyncClient
+    from protocols.messages import ErrorCode, SaveAdapter
+
+    s, run_dir, _ = run_scheduler
+    before = _tree(run_dir)
+    refused = {}
+    with SyncClient(s.endpoint, name="peer") as c:
+        for target in (run_dir, run_dir / "config.toml", run_dir / "checkpoints", run_dir / "checkpoints" / "step_2",
+                       run_dir / "checkpoints" / ".." / "metrics.jsonl"):
+            with pytest.raises(RemoteError) as e:
+                c.request(SaveAdapter(adapter="pol", path=str(target)), 60)
+            assert e.value.error.code is ErrorCode.INVALID, e.value
+            refused[target.name] = e.value.error.message
+        assert _tree(run_dir) == before
+        assert "the run's folder itself" in refused["run"]
+        assert all("not a saved adapter" in m for k, m in refused.items() if k != "run"), refused
+        for _ in range(2):  # a saved adapter is replaced whole
+            assert c.request(SaveAdapter(adapter="pol", path=str(run_dir / "adapters" / "pol")), 60).version == 0
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["pol"]
+    assert (run_dir / "adapters" / "pol" / "opentinker.json").is_file()
+
+
+def test_a_race_on_the_path_cannot_put_a_save_outside(run_scheduler):
+    """The attack: 60 saves to ``run/race/aN`` while another thread flips ``run/race`` between
+    a folder and a symbolic link to a folder outside put a complete adapter outside (and 35
+    internal errors on the way). Now nothing lands outside, and every save is saved inside or
+    refused as ``invalid``."""
+    import threading
+
+    from opentinker.bus import RemoteError, SyncClient
+    from protocols.messages import ErrorCode, SaveAdapter
+
+    s, run_dir, outside = run_scheduler
+    race = run_dir / "race"
+    race.mkdir()
+    stop, flips = threading.Event(), [0]
+
+    def flip() -> None:  # the folder moves away (whatever is in it), a link takes its name, then a folder again
+        for i in range(100_000):  # bounded; stops with the saves
+            if stop.is_set():
+                return
+            kept = run_dir / f"kept{i}"
+            for step in (lambda: os.rename(race, kept), lambda: os.symlink(outside, race),  # noqa: B023 - called at once
+                         lambda: race.is_symlink() and os.unlink(race), lambda: os.mkdir(race)):
+                try:
+                    step()
+                except OSError:  # the scheduler made run/race meanwhile
+                    pass
+            flips[0] += 1
+
+    codes = []
+    t = threading.Thread(target=flip)
+    t.start()
+    try:
+        with SyncClient(s.endpoint, name="racer") as c:
+            for i in range(60):
+                try:
+                    c.request(SaveAdapter(adapter="pol", path=str(race / f"a{i}")), 60)
+                    codes.append("saved")
+                except RemoteError as e:
+                    codes.append(e.error.code.value)
+    finally:
+        stop.set()
+        t.join(30)
+    print(f"{flips[0]} flips; {codes.count('saved')} saved, {codes.count(ErrorCode.INVALID.value)} refused")
+    assert list(outside.iterdir()) == []
+    assert flips[0] > 0 and len(codes) == 60
+    assert set(codes) <= {"saved", ErrorCode.INVALID.value}, codes  # never an internal error
+    saved = [p for p in run_dir.rglob("opentinker.json") if p.parent.name.startswith("a")]
+    assert len(saved) >= codes.count("saved") // 2  # saves that were not moved away mid-write are complete
+
+
+def test_a_weights_file_that_is_a_link_is_refused(run_scheduler):
+    """A saved adapter whose weights file is a symbolic link to a file outside (or one inside)
+    is refused as ``invalid``, naming the file; the folder as saved loads."""
+    from opentinker.bus import RemoteError, SyncClient
+    from protocols.messages import ErrorCode, LoadAdapter, SaveAdapter
+
+    s, run_dir, outside = run_scheduler
+    folder = run_dir / "adapters" / "pol"
+    with SyncClient(s.endpoint, name="peer") as c:
+        c.request(SaveAdapter(adapter="pol", path=str(folder)), 60)
+        assert c.request(LoadAdapter(path=str(folder), name="copy"), 60).version == 0
+        weights = folder / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        for target in (outside / "weights.safetensors", run_dir / "weights.safetensors"):
+            target.write_bytes(data)
+            weights.unlink()
+            weights.symlink_to(target)
+            with pytest.raises(RemoteError) as e:
+                c.request(LoadAdapter(path=str(folder), name=f"linked_{target.parent.name}"), 60)
+            assert e.value.error.code is ErrorCode.INVALID
+            assert "adapter_model.safetensors: a symbolic link" in e.value.error.message, e.value.error.message
+
+
+def test_pruning_unlinks_a_symlinked_checkpoint_and_keeps_what_it_points_to(tmp_path):
+    """A symlinked checkpoint made pruning crash with a traceback: now the link is removed, never
+    followed, and the folder it pointed to (outside the run) is untouched."""
+    from opentinker.control.checkpoints import write_checkpoint
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    (outside / "adapters").mkdir(parents=True)
+    (outside / "precious.txt").write_text("keep me")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_1").symlink_to(outside)
+    (run_dir / "checkpoints" / "step_5").symlink_to(outside)  # the next step's own name: replaced, not followed
+
+    def save_adapters(folder: str) -> dict[str, str]:
+        Path(folder, "main").mkdir(parents=True)
+        Path(folder, "main", "opentinker.json").write_text("{}")
+        return {"main": str(Path(folder, "main"))}
+
+    for step in (2, 3, 5):
+        write_checkpoint(run_dir, step, save_adapters, lambda paths: None, {}, {}, keep=2)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_5"]
+    assert not (run_dir / "checkpoints" / "step_5").is_symlink()
+    assert (outside / "precious.txt").read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == [
+        "adapters", "precious.txt"]
+
+
+def test_infer_refuses_deeply_nested_json_in_one_line(tmp_path, capsys):
+    """``opentinker infer`` on a line of 10,000 nested arrays ended in a ``RecursionError``
+    traceback: now one line naming the line, exit 2, nothing written."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello"}\n' + "[" * 10_000 + "]" * 10_000 + "\n")
+    assert main(["infer", str(prompts), "--out", str(tmp_path / "out.jsonl"), "--model", "tiny-random"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"opentinker infer: {prompts}, line 2: not JSON this reader takes (nested too deep)\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+
+
+def test_repeated_log_lines_are_one_per_second(caplog):
+    """A reply-drop line was written once per message (17,997 lines in 3.4 s). A client that
+    has 400 replies dropped (each over its bound) logs one line, then one a second with the
+    count of those it left out, and every request still fails alone as ``too_large``."""
+    import asyncio
+    import time as _time
+
+    import numpy as np
+    import zmq.asyncio
+    from conftest import run
+
+    from opentinker.bus import Client, RemoteError, Server
+    from protocols.messages import ErrorCode, LogprobsRequest, LogprobsResult
+
+    async def handler(msg):
+        # Four 3.2 KB arrays: each frame under the bound, the message over it (cut by the reader).
+        return LogprobsResult(logprobs=[np.zeros(800, np.float32)] * 4, adapter_version=0)
+
+    async def main() -> tuple[list[RemoteError], float]:
+        ctx = zmq.asyncio.Context()
+        server = Server(handler, name="big")
+        ep = await server.start(ctx)
+        client = Client(ctx, ep, name="small", max_bytes=4096)
+        t0 = _time.monotonic()
+        try:
+            results = await asyncio.gather(*(client.request(LogprobsRequest(adapter=None, sequences=[
+                np.arange(3, dtype=np.int32)]), 60) for _ in range(400)), return_exceptions=True)
+            return results, _time.monotonic() - t0
+        finally:
+            client.close()
+            await server.stop()
+            ctx.destroy(0)
+
+    with caplog.at_level(logging.WARNING, logger="opentinker.bus.client"):
+        results, took = run(main())
+    assert all(isinstance(r, RemoteError) and r.error.code is ErrorCode.TOO_LARGE for r in results), {
+        repr(r)[:200] for r in results}
+    lines = [r for r in caplog.records if "dropped a reply" in r.getMessage()]
+    print(f"{len(lines)} log lines for 400 dropped replies in {took:.2f} s")
+    assert 1 <= len(lines) <= 2 + took  # one, then at most one a second
+
+
 # ------------------------------------------------------------------------------ timeouts
 
 @pytest.mark.slow
@@ -519,3 +724,413 @@ def test_a_timed_out_job_shuts_down_cleanly(engine, tmp_path):
     assert out.returncode == 3, out.stderr[-3000:]
     assert len(lines) == 1 and "no reply to RunEpisodes" in lines[0] and "runtime.timeout_s = 2 s" in lines[0]
     assert "Traceback" not in out.stderr and "terminate called" not in out.stderr
+
+
+# ------------------------------------------------------------------- the HTTP endpoint under load
+
+ATTACK_PROMPT_BYTES = 20 << 20
+"""The attack's prompt: 20 MB to /v1/completions (every client waited 25.2 s, memory 400 -> 3,039 MB)."""
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_path):
+    """A real scheduler (tiny-random) behind the endpoint on 127.0.0.1, on uvicorn."""
+    from conftest import DEVICE
+
+    from opentinker.engine.service import SchedulerService
+    from opentinker.serve.openai_api import make_app, start_http
+
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)
+    s.start()
+    app = make_app(s.endpoint, tiny_path, timeout_s=120)
+    server = start_http(app)
+    yield server, app
+    server.stop()
+    s.stop()
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def test_a_huge_prompt_is_refused_before_parsing_and_others_are_served(endpoint):
+    """The attack's 20 MB prompt is a 413 (declared or streamed without a length), read no
+    further; a 1 MB prompt, under the body bound, is refused by its length before it is
+    tokenized; memory stays put and a small request is answered meanwhile (before: every
+    client waited 25.2 s and the service grew by 2.6 GB)."""
+    import threading
+
+    import httpx2
+
+    server, _ = endpoint
+    small = {"model": "base", "prompt": "Bet or check?", "max_tokens": 2}
+    assert httpx2.post(server.url + "/v1/completions", json=small, timeout=60).status_code == 200
+    before = _rss_mb()
+    huge = b'{"model": "base", "max_tokens": 1, "prompt": "' + b"a" * ATTACK_PROMPT_BYTES + b'"}'
+    answers: dict[str, httpx2.Response] = {}
+
+    def send(name: str, content) -> None:
+        answers[name] = httpx2.post(server.url + "/v1/completions", content=content, timeout=120,
+                                    headers={"content-type": "application/json"})
+
+    def chunks():  # no Content-Length: the bound is applied to the bytes as they arrive
+        for i in range(0, len(huge), 1 << 20):
+            yield huge[i:i + (1 << 20)]
+
+    threads = [threading.Thread(target=send, args=(n, c)) for n, c in (("declared", huge), ("streamed", chunks()))]
+    for t in threads:
+        t.start()
+    small_answer = httpx2.post(server.url + "/v1/completions", json=small, timeout=60)
+    for t in threads:
+        t.join(120)
+    assert small_answer.status_code == 200
+    for name in ("declared", "streamed"):
+        r = answers[name]
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (name, r.text[:300])
+    grew = _rss_mb() - before
+    print(f"memory grew {grew:.0f} MB while two 20 MB prompts were refused (the attack: +2,639 MB)")
+    assert grew < 500  # the bodies themselves (this test holds 20 MB of them) but no parse or tokens of them
+    # Under the body bound but longer than any prompt the context holds: refused by its length.
+    r = httpx2.post(server.url + "/v1/completions", json={**small, "prompt": "a" * (1 << 20)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    assert "characters cannot fit the model's context of 2048 tokens" in r.json()["error"]["message"]
+    r = httpx2.post(server.url + "/v1/chat/completions", timeout=60,
+                    json={"model": "base", "messages": [{"role": "user", "content": "a" * (1 << 20)}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+
+
+def test_a_client_without_the_key_is_refused_before_its_body_is_read(tiny_path):
+    """With a key, a request without it is a 401 as soon as its headers arrive: a client that
+    announces a 1 MB body (under the bound) and sends none gets its answer (before, the body
+    was read first: the server waited for it, holding the connection and what had come)."""
+    import socket
+
+    from conftest import DEVICE
+
+    from opentinker.engine.service import SchedulerService
+    from opentinker.serve.openai_api import make_app, start_http
+
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)
+    s.start()
+    server = start_http(make_app(s.endpoint, tiny_path, api_key="k" * 32))
+    try:
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {1 << 20}\r\n\r\n".encode())
+            head = c.recv(4096)  # no body sent: only an answer that needs none can come
+        assert head.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in head, head[:300]
+    finally:
+        server.stop()
+        s.stop()
+
+
+def test_tokenizing_runs_off_the_event_loop(endpoint):
+    """While a prompt of the most characters the context allows is tokenized (in a worker
+    thread), the event loop answers ``/v1/models`` from another client: the request is
+    answered before the tokenizing one is."""
+    import threading
+
+    import httpx2
+
+    server, _ = endpoint
+    order: list[str] = []
+    # Text whose tokens are 1-2 characters, so the most characters allowed (2048 x the longest
+    # token) take the tokenizer a while, and the scheduler then refuses the tokens as too many.
+    text = "x y " * (2048 * 20)
+
+    def big() -> None:
+        r = httpx2.post(server.url + "/v1/completions", timeout=120,
+                        json={"model": "base", "prompt": [text] * 8, "max_tokens": 1})
+        order.append(f"big {r.status_code}")
+
+    t = threading.Thread(target=big)
+    t.start()
+    for _ in range(200):  # until the big request is in the tokenizer (bounded: 200 x 10 ms)
+        if threading.active_count() and any(th.name.startswith("openai-api-cpu") for th in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    r = httpx2.get(server.url + "/v1/models", timeout=60)
+    order.append(f"models {r.status_code}")
+    t.join(120)
+    assert order[0] == "models 200" and order[1].startswith("big 400"), order
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 10**30), ("max_tokens", 0), ("max_tokens", 2**31 - 1), ("max_tokens", 5000), ("n", 10**9), ("seed", -1), ("seed", 2**64), ("top_k", 2**70),
+    ("top_p", 0), ("temperature", -1), ("temperature", 1e300), ("prompt", [2**40]), ("prompt", [-1]),
+    ("prompt", [49152]), ("prompt", [[1, 2], [2**40]]), ("stop", "x" * 5000),
+])
+def test_numbers_out_of_range_are_400_naming_the_field(endpoint, field, value):
+    """``max_tokens = 10**30`` and a token id of ``2**40`` were a 500 with a traceback: every
+    number is range-checked into a 400 that names the field and no class of ours; the service
+    answers the next request."""
+    import httpx2
+
+    server, _ = endpoint
+    body = {"model": "base", "prompt": [1, 2, 3], "max_tokens": 2, field: value}
+    r = httpx2.post(server.url + "/v1/completions", json=body, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400, r.text[:500]
+    assert field in err["message"] and err["param"] in (field, None), err
+    assert not any(w in err["message"] for w in ("Traceback", "Error:", "int32", "numpy", "pydantic", "SamplingParams"))
+    good = {k: v for k, v in body.items() if k != field}
+    r = httpx2.post(server.url + "/v1/completions", json={"prompt": [1, 2], **good}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_non_finite_numbers_are_400():
+    """``Infinity`` and ``NaN`` (which Python's JSON reads) are refused as the field's error."""
+    from opentinker.serve.openai_bodies import ApiError, CompletionBody, parse_body
+
+    for raw in (b'{"model": "base", "prompt": "a", "temperature": Infinity}',
+                b'{"model": "base", "prompt": "a", "top_p": NaN}'):
+        with pytest.raises(ApiError) as e:
+            parse_body(raw, CompletionBody)
+        assert e.value.status == 400 and e.value.body["error"]["param"] in ("temperature", "top_p")
+
+
+def test_one_client_cannot_hold_the_endpoint(endpoint):
+    """The attack: sixteen parallel requests of ``n = 128`` and ``max_tokens = 256`` from one
+    client (here 127.0.0.2, another loopback address) made a legitimate request time out at
+    300 s. Now one of them runs and the rest are a 429 at once, and another client's small
+    request (from 127.0.0.1) is answered while that one is still drawing its 256 tokens."""
+    import threading
+    import time as _time
+
+    import httpx2
+
+    server, app = endpoint
+    admission = app.state.admission
+    flood = httpx2.Client(transport=httpx2.HTTPTransport(local_address="127.0.0.2"), timeout=300)
+    body = {"model": "base", "prompt": "Bet", "n": 128, "max_tokens": 256, "seed": 1}
+    done: dict[int, tuple[int, float]] = {}
+
+    def attack(i: int) -> None:
+        r = flood.post(server.url + "/v1/completions", json=body)
+        done[i] = (r.status_code, _time.monotonic())
+
+    threads = [threading.Thread(target=attack, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    deadline = _time.monotonic() + 60
+    while admission.running.rows < 128 and _time.monotonic() < deadline:  # the flood's first request runs
+        _time.sleep(0.01)
+    assert admission.clients.get("127.0.0.2") is not None
+    r = httpx2.post(server.url + "/v1/completions", json={"model": "base", "prompt": "Bet", "max_tokens": 3},
+                    timeout=120)
+    answered = _time.monotonic()
+    for t in threads:
+        t.join(300)
+    flood.close()
+    statuses = sorted(s for s, _ in done.values())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert statuses.count(429) >= 14 and set(statuses) <= {200, 429}, statuses
+    finished = [t for s, t in done.values() if s == 200]
+    assert finished and answered < min(finished), "the small request waited for the flood"
+    assert admission.running.rows == 0 and not admission.clients  # everything given back
+
+
+def test_clients_waiting_for_room_go_fewest_rows_first():
+    """When all clients together are at the bound, the next room goes to the waiting client
+    that runs the fewest rows, not to the one that asked first; a client over its own bound is
+    a 429; a request that waits past ``wait_s`` is a 503."""
+    import asyncio
+
+    from opentinker.serve.admission import Admission, Limits, Refused
+
+    async def body() -> list[str]:
+        adm = Admission(Limits(client_rows=4, total_rows=4, client_tokens=100, total_tokens=100, wait_s=5))
+        first = await adm.admit("a", 2, 2)
+        second = await adm.admit("a", 2, 2)  # a runs 4: all there is
+        with pytest.raises(Refused) as e:
+            await adm.admit("a", 1, 1)
+        assert e.value.status == 429
+        granted: list[str] = []
+
+        async def wait(client: str, rows: int) -> None:
+            (await adm.admit(client, rows, rows)) and granted.append(client)
+
+        waiting = [asyncio.ensure_future(wait("c", 2))]
+        await asyncio.sleep(0.01)
+        waiting.append(asyncio.ensure_future(wait("b", 2)))
+        await asyncio.sleep(0.01)
+        first.release()  # room for 2: c and b both wait, both run nothing: the older (c) goes
+        await asyncio.sleep(0.01)
+        assert granted == ["c"]
+        second.release()  # a runs nothing now, and b gets the room
+        await asyncio.sleep(0.01)
+        assert granted == ["c", "b"]
+        await asyncio.gather(*waiting)
+        slow = Admission(Limits(client_rows=4, total_rows=1, client_tokens=9, total_tokens=9, wait_s=0.05))
+        await slow.admit("x", 1, 1)
+        with pytest.raises(Refused) as e:
+            await slow.admit("y", 1, 1)
+        assert e.value.status == 503 and "y" not in slow.clients
+        return granted
+
+    assert asyncio.run(body()) == ["c", "b"]
+
+
+def test_a_service_makes_an_api_key_only_its_user_can_read(tiny_path, tmp_path):
+    """``opentinker serve`` on loopback: every local user reaches 127.0.0.1, so the endpoint
+    needs a key there too; the service makes one and writes it to its file (mode 0600)."""
+    import stat
+
+    import httpx2
+
+    from opentinker.serve.service import Service
+
+    file = tmp_path / "svc" / "service.json"
+    service = Service(tiny_path, service_file=file, budget_mb=64)
+    info = service.start()
+    try:
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600 and len(info.api_key) >= 32
+        assert json.loads(file.read_text())["api_key"] == info.api_key
+        assert httpx2.get(info.http + "/v1/models", timeout=60).status_code == 401
+        r = httpx2.get(info.http + "/v1/models", headers={"Authorization": f"Bearer {info.api_key}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "base"
+    finally:
+        service.stop()
+
+
+# ------------------------------------------------------------------------------ the job queue
+
+def _job_toml(tiny_path: str, out_dir: str, **extra: object) -> str:
+    """A small run's config as ``opentinker jobs submit`` sends it (``train.steps=400``: it
+    runs until stopped)."""
+    from opentinker.cli import _parse_set
+    from opentinker.config import to_toml
+
+    sets = {"model.base": tiny_path, "model.threads": 1, "runtime.backend": "local", "runtime.env_runners": 1,
+            "train.steps": 400, "train.groups_per_step": 2, "eval.every": 0, "sampling.max_tokens": 3,
+            "out_dir": out_dir, **extra}
+    return to_toml(load_config(None, _parse_set([f"{k}={v}" for k, v in sets.items()]))).decode()
+
+
+def _job_pids(file: Path) -> list[int]:
+    """The pids of the jobs a service's queue started (``proc.json`` in each job's folder)."""
+    return [json.loads(p.read_text())["pid"] for p in sorted(file.parent.glob("jobs-*/q*/proc.json"))]
+
+
+def _alive(pid: int) -> bool:
+    from opentinker.serve.job_procs import start_time
+
+    return start_time(pid) is not None and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+
+
+def test_the_queue_checks_every_number_and_confines_out_dir(tiny_path, tmp_path):
+    """``--memory-mb nan``, ``-5`` and ``1e-6`` were accepted, and a job's ``out_dir=/etc/...``
+    was made. Now each is refused naming the field, before anything is made; a relative
+    ``out_dir`` lies in the service's runs folder; ``--budget-mb`` is checked the same way."""
+    from opentinker.bus import RemoteError, SyncClient
+    from opentinker.serve.service import Service
+    from protocols.messages import CancelQueued, ErrorCode, SubmitJob
+
+    for bad in (math.nan, -5.0, 1e-6, math.inf, 1e12):
+        with pytest.raises(ValueError, match="--budget-mb must be 0"):
+            Service(tiny_path, http_port=None, service_file=tmp_path / "never" / "service.json", budget_mb=bad)
+    file, runs, outside = tmp_path / "svc" / "service.json", tmp_path / "runs", tmp_path / "outside"
+    outside.mkdir()
+    service = Service(tiny_path, http_port=None, service_file=file, budget_mb=2000, out_roots=[str(runs)])
+    info = service.start()
+    try:
+        with SyncClient(info.endpoint, "jobs", credentials=info.credentials()) as c:
+            for bad in (math.nan, -5.0, 1e-6, math.inf, -math.inf):
+                with pytest.raises(RemoteError) as e:
+                    c.request(SubmitJob(config=_job_toml(tiny_path, "mine"), memory_mb=bad), 60)
+                assert e.value.error.code is ErrorCode.INVALID and "memory_mb must be 0" in e.value.error.message
+            (runs / "link").symlink_to(outside)
+            for out_dir in ("/etc/opentinker_issue36", str(outside / "x"), str(runs / "link" / "x"), "../outside/y"):
+                with pytest.raises(RemoteError) as e:
+                    c.request(SubmitJob(config=_job_toml(tiny_path, out_dir)), 60)
+                assert "out_dir" in e.value.error.message and "outside the folders" in e.value.error.message
+            assert not Path("/etc/opentinker_issue36").exists() and list(outside.iterdir()) == []
+            ok = c.request(SubmitJob(config=_job_toml(tiny_path, "mine")), 60)
+            c.request(CancelQueued(id=ok.id), 120)
+        assert (runs / "mine").is_dir()
+    finally:
+        service.stop()
+
+
+def test_jobs_are_charged_their_processes_and_stop_with_the_service(tiny_path, tmp_path):
+    """200 jobs declared at about 1 MB each all ran at once (each is a process of hundreds of
+    MB) and the kernel killed 5 processes. Now a job is charged at least its processes: six
+    jobs of "1 MB" in a 700 MB budget run two at a time; stopping the service stops them all."""
+    from opentinker.bus import SyncClient
+    from opentinker.serve.queue import PROCESS_BYTES
+    from opentinker.serve.service import Service
+    from protocols.messages import ListQueue, SubmitJob
+
+    file = tmp_path / "svc" / "service.json"
+    service = Service(tiny_path, http_port=None, service_file=file, budget_mb=700)
+    info = service.start()
+    try:
+        with SyncClient(info.endpoint, "jobs", credentials=info.credentials()) as c:
+            entries = [c.request(SubmitJob(config=_job_toml(tiny_path, f"r{i}"), memory_mb=1.0), 120)
+                       for i in range(6)]
+            listing = c.request(ListQueue(), 60)
+        assert all(e.memory_mb >= PROCESS_BYTES / 2**20 for e in entries)
+        states = [e.state for e in listing.entries]
+        assert states.count("running") == 2 and states.count("queued") == 4, states
+        assert listing.used_mb <= 700
+        pids = _job_pids(file)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        service.stop()
+    assert not any(_alive(p) for p in pids)
+
+
+def test_jobs_die_with_a_killed_service_and_a_new_one_cleans_up_after_a_dead_one(tiny_path, tmp_path):
+    """After the service was signalled, 163 of its job processes kept running (each in a
+    session of its own). Now a job dies with its service, even one killed with SIGKILL (the
+    kernel's parent-death signal), and a service that starts stops the jobs a dead service's
+    queue left running (their pids and start times in its folder)."""
+    import signal
+    import time as _time
+
+    from opentinker.serve.job_procs import OWNER_FILE, PROC_FILE, start_time
+    from opentinker.serve.service import Service
+
+    file = tmp_path / "svc" / "service.json"
+    from conftest import start_serve
+
+    serve = start_serve(file, "--model", tiny_path, "--budget-mb", "2000", start_new_session=True)
+    try:
+        config = tmp_path / "job.toml"
+        config.write_text(_job_toml(tiny_path, str(file.parent / "runs" / "killed")))  # in the default root
+        r = subprocess.run([sys.executable, "-m", "opentinker.cli", "jobs", "submit", str(config), "--service",
+                            str(file)], capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+        pids = _job_pids(file)
+        assert len(pids) == 1 and _alive(pids[0])
+        os.killpg(serve.pid, signal.SIGKILL)  # no handler runs: only the kernel can stop the job now
+        serve.wait(60)
+        deadline = _time.monotonic() + 60
+        while _alive(pids[0]) and _time.monotonic() < deadline:
+            _time.sleep(0.2)
+        assert not _alive(pids[0]), "a job outlived its killed service"
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+        serve.communicate(timeout=60)
+    # A job left running by a service that died (here a stand-in process of ours, in a group of
+    # its own, recorded as the dead service's queue records its jobs) is stopped by the next one.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    orphan = subprocess.Popen(["sleep", "600"], process_group=0)
+    try:
+        old = file.parent / "jobs-999999"
+        (old / "q1").mkdir(parents=True)
+        (old / OWNER_FILE).write_text(json.dumps({"pid": gone.pid, "start_time": 1}))
+        (old / "q1" / PROC_FILE).write_text(json.dumps({"pid": orphan.pid, "start_time": start_time(orphan.pid)}))
+        service = Service(tiny_path, http_port=None, service_file=file, budget_mb=100)
+        service.start()
+        service.stop()
+        assert orphan.wait(30) == -signal.SIGTERM
+        assert (file.parent / "jobs-999999.ended" / "q1" / PROC_FILE).is_file()  # its records kept
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()

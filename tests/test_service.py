@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import start_serve
 from safetensors.numpy import load_file
 
 from opentinker.bus.auth import Credentials, run_secret, run_user
@@ -471,7 +472,7 @@ def test_the_endpoint_answers_while_a_job_trains_on_the_same_scheduler(service, 
     import openai
 
     info = json.loads(service.read_text())
-    client = openai.OpenAI(base_url=info["http"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=info["http"] + "/v1", api_key=info["api_key"], timeout=60, max_retries=0)
     job = subprocess.Popen(_cli("run", "--scheduler", str(service),
                                 *_job_args(tiny_path, tmp_path, "--set", "name=served", "--set", "train.steps=6")),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -510,13 +511,8 @@ def test_a_job_attaches_to_a_service_on_curve_with_a_copy_of_its_file(tiny_path,
     copy of it (as on another machine, its run folder on a shared file system) trains and
     evaluates over CURVE; ``status`` works with the copy; the owner's PLAIN secret gets nothing."""
     file = tmp_path / "service.json"
-    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--no-http", "--service-file", str(file),
-                                 "--bus-curve"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = start_serve(file, "--model", tiny_path, "--bus-curve", cwd=ROOT)
     try:
-        deadline = time.monotonic() + 120
-        while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert file.is_file(), "no service file"
         info = json.loads(file.read_text())
         assert all(len(info[k]) == 40 for k in ("curve_server", "curve_public", "curve_secret"))
         copy = tmp_path / "elsewhere" / "service.json"
@@ -555,20 +551,15 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
     their room and their adapters, and the queue goes on; an evaluation and a batch inference
     queue behind them and write their report and replies."""
     file = tmp_path / "service.json"
-    proc = subprocess.Popen(_cli("serve", "--model", tiny_path, "--no-http", "--service-file", str(file),
-                                 "--budget-mb", "60"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
+    proc = start_serve(file, "--model", tiny_path, "--budget-mb", "600", "--out-root", str(tmp_path / "runs"), cwd=ROOT)
     try:
-        deadline = time.monotonic() + 120
-        while not file.is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert file.is_file(), "no service file"
-        big = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs"), "--memory-mb", "100", service=file)
-        assert big.returncode == 2 and "needs about 100.0 MB" in big.stderr and "budget is 60.0 MB" in big.stderr
+        big = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs"), "--memory-mb", "1000", service=file)
+        assert big.returncode == 2 and "needs about 1000.0 MB" in big.stderr and "budget is 600.0 MB" in big.stderr
         ids = []
         for i, extra in enumerate((["--set", "name=first"], ["--set", "name=crashes", "--set", "train.steps=400"],
                                    ["--set", "name=cancelled"], ["--set", "name=last"])):
-            r = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs", *extra), "--memory-mb", "40", service=file)
+            # Each is charged at least its process (300 MB): 350 MB, one at a time in 600.
+            r = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs", *extra), "--memory-mb", "350", service=file)
             assert r.returncode == 0, r.stderr
             ids.append(r.stdout.split()[0])
         assert ids == ["q1", "q2", "q3", "q4"]
@@ -587,7 +578,7 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
         assert q["q1"]["state"] == "done" and q["q1"]["kind"] == "run" and Path(q["q1"]["output"]).is_dir()
         bad = _jobs("submit", "--eval", str(tmp_path / "nowhere"), service=file)
         assert bad.returncode == 2 and "nowhere: no such file or folder" in bad.stderr
-        r = _jobs("submit", "--eval", q["q1"]["output"], "--games-per-stratum", "1", "--memory-mb", "40", service=file)
+        r = _jobs("submit", "--eval", q["q1"]["output"], "--games-per-stratum", "1", "--memory-mb", "350", service=file)
         assert r.returncode == 0 and r.stdout.startswith("q5 queued (eval_kuhn_poker_v0__first__"), r.stderr
         ids.append("q5")
         # Batch inference with the first run's adapter, queued behind it too.
@@ -596,8 +587,8 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
         bad = _jobs("submit", "--infer", str(tmp_path / "none.jsonl"), service=file)
         assert bad.returncode == 2 and "none.jsonl: no such file" in bad.stderr
         infer_args = ["--adapter", q["q1"]["output"], "--max-tokens", "4", "--seed", "3"]
-        r = _jobs("submit", "--infer", str(prompts), *infer_args, "--memory-mb", "40", service=file)
-        assert r.returncode == 0 and r.stdout.startswith("q6 queued (infer_prompts, ~40 MB)"), r.stderr
+        r = _jobs("submit", "--infer", str(prompts), *infer_args, "--memory-mb", "350", service=file)
+        assert r.returncode == 0 and r.stdout.startswith("q6 queued (infer_prompts, ~350 MB)"), r.stderr
         ids.append("q6")
         pid = _pid_of_job(q["q2"]["log"])
         os.kill(pid, 9)

@@ -45,6 +45,7 @@ from opentinker.bus.common import (
     BeatCounter,
     Counters,
     CurveKeys,
+    LogEvery,
     PartialCallbackFailed,
     PeerLost,
     RemoteError,
@@ -127,6 +128,7 @@ class Client:
         self.name = name
         self.heartbeat_s = heartbeat_s
         self.limits = (limits or REPLY_LIMITS).with_max_bytes(max_bytes)
+        self._log = LogEvery(log)
         self.max_bytes = self.limits.max_bytes
         self.counters = Counters()
         self.welcome: Welcome | None = None
@@ -343,7 +345,7 @@ class Client:
         """A reply over ``limits``, not kept: its request fails with ``too_large``."""
         self.beats.heard()
         rid, err = cut_error(kept[0] if kept else None, cut, self.limits, self.counters)
-        log.warning("%s: dropped a reply from %s: %s", self.name, self.endpoint, err.message)
+        self._log.warning("drop", "%s: dropped a reply from %s: %s", self.name, self.endpoint, err.message)
         self._answer(rid, err)
 
     def _answer(self, rid: int | None, reply: Message) -> None:

@@ -15,14 +15,18 @@ A :class:`HeldWatch` checks every connection of its socket each ``interval_s`` (
 connections come from the socket's monitor). A connection holding more than ``per_connection``
 bytes at two checks in a row, with no message from it read in between, is cut
 (``shutdown(2)`` on its descriptor): libzmq drops the unfinished message and frees its frames.
-When all connections together hold more than ``total``, the largest of those that made no
-progress since the last check are cut until the rest fit. A legitimate sender's message in
+When the connections from one address together hold more than ``per_peer``, and when all
+connections together hold more than ``total``, the largest of those that made no progress
+since the last check are cut until the rest fit (five connections of one peer, each under the
+per-connection bound, held 2,002 MB under a total of 2,056 MB before ``per_peer``). A peer is
+its address: on loopback every local process shares one, so there ``per_peer`` bounds them
+together. A legitimate sender's message in
 flight is at most ``max_bytes`` (and one complete message the reader has not been handed yet),
 so ``per_connection`` (``max_bytes`` plus the frame cap plus 1 MiB by default) never cuts one.
 Each cut is counted (``dropped/held_connections``, ``dropped/held_bytes``) and logged in one line.
 
-What a peer can make the receiver hold is thus ``per_connection`` (and ``total`` over all
-peers) plus what it sends in two intervals. Linux only (TCP_INFO's byte counts, Linux 4.1+),
+What a peer can make the receiver hold is thus ``per_peer`` over all its connections (and
+``total`` over all peers) plus what it sends in two intervals. Linux only (TCP_INFO's byte counts, Linux 4.1+),
 and ``tcp://`` only: elsewhere :func:`supported` is False and nothing is watched.
 """
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from opentinker.bus.common import LogEvery
 from opentinker.bus.loop import Cut, frame_wire
 
 log = logging.getLogger(__name__)
@@ -137,11 +142,17 @@ class HeldWatch:
 
     def __init__(self, sock: zmq.Socket, name: str, counters: dict, *, per_connection: int,
                  total: int, interval_s: float = DEFAULT_INTERVAL_S, router: bool = False,
-                 curve: bool = False, follows_reader: bool = False, ctx: zmq.Context | None = None) -> None:
-        if per_connection < 1 or total < per_connection:
-            raise ValueError(f"HeldWatch: need 1 <= per_connection <= total, got {per_connection}, {total}")
+                 curve: bool = False, follows_reader: bool = False, ctx: zmq.Context | None = None,
+                 per_peer: int | None = None) -> None:
+        per_peer = total if per_peer is None else per_peer
+        if per_connection < 1 or not per_connection <= per_peer <= total:
+            raise ValueError(f"HeldWatch: need 1 <= per_connection <= per_peer <= total, got {per_connection}, "
+                             f"{per_peer}, {total}")
+        self.per_peer = per_peer
+        """What all connections from one address may hold together."""
         self.name = name
         self.counters = counters
+        self._log = LogEvery(log)
         self.per_connection = per_connection
         self.total = total
         self.interval_s = interval_s
@@ -283,16 +294,26 @@ class HeldWatch:
         # Held at this check and the last, with no message read from it in between.
         stalled = {fd: c for fd, c in conns.items() if c.messages == c.seen_messages and c.held and c.prev_held}
         cut = [fd for fd, c in stalled.items() if c.held > self.per_connection and c.prev_held > self.per_connection]
-        rest = sum(c.held for fd, c in conns.items() if fd not in cut)
-        for fd in sorted(stalled, key=lambda fd: -stalled[fd].held):
-            if rest <= self.total:
-                break
-            if fd not in cut:
-                cut.append(fd)
-                rest -= stalled[fd].held
+        # Then each address down to per_peer (five connections of one peer, each under the
+        # per-connection bound, held 2,002 MB), then all of them down to total.
+        for address in {c.addrs[1][0] for c in conns.values()}:
+            mine = {fd for fd, c in conns.items() if c.addrs[1][0] == address}
+            self._cut_down(stalled, cut, mine, self.per_peer)
+        self._cut_down(stalled, cut, set(conns), self.total)
         for c in conns.values():
             c.prev_held, c.seen_messages = c.held, c.messages
         return [fd for fd in cut if self._cut(fd)]
+
+    def _cut_down(self, stalled: dict[int, _Conn], cut: list[int], among: set[int], bound: int) -> None:
+        """Add to ``cut`` the largest ``stalled`` connections of ``among`` until what the rest
+        of ``among`` holds is within ``bound``."""
+        rest = sum(self._conns[fd].held for fd in among if fd not in cut)
+        for fd in sorted(set(stalled) & among, key=lambda fd: -stalled[fd].held):
+            if rest <= bound:
+                return
+            if fd not in cut:
+                cut.append(fd)
+                rest -= stalled[fd].held
 
     def _cut(self, fd: int) -> bool:
         conn = self._conns[fd]
@@ -318,9 +339,9 @@ class HeldWatch:
         who = f"{conn.addrs[1][0]}:{conn.addrs[1][1]}"
         if conn.identity:
             who += f" (routing id {conn.identity.hex()})"
-        log.warning("%s: cut the connection from %s: libzmq held %d bytes of an unfinished message "
-                    "with nothing read from it (limit %d per connection, %d in all)",
-                    self.name, who, conn.held, self.per_connection, self.total)
+        self._log.warning("cut", "%s: cut the connection from %s: libzmq held %d bytes of an unfinished message "
+                          "with nothing read from it (limit %d per connection, %d per address, %d in all)",
+                          self.name, who, conn.held, self.per_connection, self.per_peer, self.total)
         return True
 
     def close(self) -> None:
@@ -376,10 +397,10 @@ def watch(sock: zmq.Socket, endpoint: str, name: str, counters: dict, *, max_byt
           router: bool = False, curve: bool = False, follows_reader: bool = False,
           ctx: zmq.Context | None = None) -> HeldWatch | None:
     """A :class:`HeldWatch` for ``sock`` bound at ``endpoint`` with the default bounds (per
-    connection :func:`per_connection_bound`, four times that in all); None where nothing can be
-    watched (not Linux, not ``tcp://``)."""
+    connection :func:`per_connection_bound`, twice that per peer address, four times that in
+    all); None where nothing can be watched (not Linux, not ``tcp://``)."""
     if not supported() or not endpoint.startswith("tcp://"):
         return None
     per = per_connection_bound(max_bytes, frame_cap)
-    return HeldWatch(sock, name, counters, per_connection=per, total=4 * per, router=router, curve=curve,
-                     follows_reader=follows_reader, ctx=ctx)
+    return HeldWatch(sock, name, counters, per_connection=per, per_peer=2 * per, total=4 * per, router=router,
+                     curve=curve, follows_reader=follows_reader, ctx=ctx)

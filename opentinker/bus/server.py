@@ -314,8 +314,8 @@ class Server:
             peer = self._peers[ident]
             names.append(peer.name)
             self.counters["peer_lost"] += 1
-            log.warning("%s: peer %s lost (no frame in %d heartbeats); cancelling %d requests",
-                        self.name, peer.name, peer.beats.limit, len(peer.inflight))
+            self._log.warning("lost", "%s: peer %s lost (no frame in %d heartbeats); cancelling %d requests",
+                              self.name, peer.name, peer.beats.limit, len(peer.inflight))
             self._drop(ident)
         return names
 
@@ -404,7 +404,8 @@ class Server:
     def _hello(self, identity: bytes, rid: int, msg: Hello, principal: str) -> None:
         if msg.version != PROTOCOL_VERSION:  # the header said otherwise: a broken peer
             self.counters["error/bad_version"] += 1
-            log.warning("%s: peer %s says protocol %d, this side %d", self.name, msg.peer, msg.version, PROTOCOL_VERSION)
+            self._log.warning("version", "%s: peer %s says protocol %d, this side %d", self.name, msg.peer, msg.version,
+                              PROTOCOL_VERSION)
             self._send(identity, Error(code=ErrorCode.BAD_VERSION,
                                        message=f"peer speaks protocol {msg.version}, this side {PROTOCOL_VERSION}"), rid)
             return
@@ -463,7 +464,8 @@ class Server:
                 self._outbox.finish(em)
         if type(reply) in _PARTIALS:  # a client would wait on for the final reply
             self.counters["error/internal"] += 1
-            log.error("%s: the handler answered %s with a partial %s", self.name, type(msg).__name__, type(reply).__name__)
+            self._log.error("partial", "%s: the handler answered %s with a partial %s", self.name, type(msg).__name__,
+                            type(reply).__name__)
             reply = Error(code=ErrorCode.INTERNAL, message=f"the handler answered with a partial {type(reply).__name__}")
         self._send(identity, reply, rid, final=True)
 
@@ -506,7 +508,7 @@ class Server:
             self.counters["error/invalid"] += 1
             return Error(code=ErrorCode.INVALID, message=f"{type(e).__name__}: {e}")
         self.counters["error/internal"] += 1
-        log.error("%s: handler failed", self.name, exc_info=e)
+        self._log.error(f"internal/{type(e).__name__}", "%s: handler failed", self.name, exc_info=e)
         return Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
 
     def _send(self, identity: bytes, reply: Message, rid: int, final: bool = False) -> None:
@@ -519,8 +521,10 @@ class Server:
         if why is None or (why == "full" and final and self._parked.add(frames)):
             return
         self.counters["error/send"] += 1  # the peer is gone, or its queue is full: dropped
-        (log.debug if why == "unroutable" else log.warning)(
-            "%s: %s to %s dropped: %s", self.name, type(reply).__name__, identity.hex(), why)
+        if why == "unroutable":
+            log.debug("%s: %s to %s dropped: %s", self.name, type(reply).__name__, identity.hex(), why)
+        else:
+            self._log.warning("send", "%s: %s to %s dropped: %s", self.name, type(reply).__name__, identity.hex(), why)
 
     def _route(self, frames: list[Any]) -> str | None:
         """Send ``[identity, *frames]`` now: None, or why it could not go (``full``: the

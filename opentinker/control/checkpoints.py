@@ -68,14 +68,24 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
         raise
-    if final.exists():
-        shutil.rmtree(final)
+    if os.path.lexists(final):
+        _remove(final)
     os.replace(tmp, final)
     done = sorted((int(p.name.removeprefix("step_")), p) for p in root.iterdir()
                   if p.name.startswith("step_") and p.name.removeprefix("step_").isdigit())
     for _, old in done[:-keep]:
-        shutil.rmtree(old)
+        _remove(old)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint's entry in ``checkpoints/``: a symbolic link (made by someone else)
+    is unlinked, never followed, so pruning removes nothing outside the run (before, it crashed
+    with a traceback on one)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def latest_checkpoint(run_dir: Path, cfg: JobConfig | None = None) -> Checkpoint:

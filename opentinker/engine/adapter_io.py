@@ -15,18 +15,21 @@ sees half a checkpoint. Nothing is pickled: tensors are safetensors, the rest JS
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
-from opentinker.engine import value_head
+from opentinker.engine import anchored, value_head
+from opentinker.engine.anchored import Anchored
 from opentinker.engine.spec_checks import check_spec
 from protocols.messages import LoraSpec
 
@@ -139,35 +142,75 @@ def write_folder(final: Path, fill: Callable[[Path], None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def read_meta(path: Path) -> AdapterMeta:
+class Folder:
+    """The files of a saved adapter's folder, read by name: through its path, or (an
+    :class:`~opentinker.engine.anchored.Anchored` folder of a scheduler with roots) opened
+    from its descriptor without following a link, so a file that is a link is refused."""
+
+    def __init__(self, where: Path, fd: int | None = None) -> None:
+        self.where, self.fd = where, fd
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, where: str | Path | Anchored) -> Iterator[Folder]:
+        """The folder ``where``; ``ValueError`` when it is not one (or, anchored, is reached
+        through a link)."""
+        if not isinstance(where, Anchored):
+            if not Path(where).is_dir():
+                raise ValueError(f"{where}: no such adapter folder")
+            yield cls(Path(where))
+            return
+        with anchored.open_folder(where) as fd:
+            yield cls(Path(str(where)), fd)
+
+    def read_bytes(self, name: str) -> bytes:
+        """A file's bytes; ``ValueError`` naming it when it is missing (or, anchored, a link)."""
+        if self.fd is not None:
+            return anchored.read_file(self.fd, name, str(self.where / name))
+        if not (self.where / name).is_file():
+            raise ValueError(f"{self.where}: missing {name}")
+        return (self.where / name).read_bytes()
+
+    def exists(self, name: str) -> bool:
+        if self.fd is None:
+            return (self.where / name).is_file()
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A safetensors file, on CPU; ``ValueError`` naming it when it is missing, unreadable
+        or (anchored) a link."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        file = self.where / name
+        if self.fd is None and not file.is_file():
+            raise ValueError(f"{self.where}: missing {name}")
+        fd = None if self.fd is None else anchored.open_file(self.fd, name, str(file))
+        try:
+            # /proc/self/fd/N names the file the descriptor holds (mapped, not copied).
+            return load_file(str(file) if fd is None else str(anchored.folder_path(fd, str(file))), device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{file} is corrupt: {e}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def read_meta(folder: Folder) -> AdapterMeta:
     """``opentinker.json`` of a saved adapter; ``ValueError`` naming the path and the fault."""
-    file = path / META
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such adapter folder")
-    if not file.is_file():
-        raise ValueError(f"{path}: missing {META} (not a folder written by ModelHost.save)")
+    file = folder.where / META
+    if folder.fd is None and not folder.exists(META):  # (anchored: read_bytes says missing, or a link)
+        raise ValueError(f"{folder.where}: missing {META} (not a folder written by ModelHost.save)")
     try:
-        meta = msgspec.json.decode(file.read_bytes(), type=AdapterMeta)
+        meta = msgspec.json.decode(folder.read_bytes(META), type=AdapterMeta)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ValueError(f"{file} is corrupt: {e}") from None
     if meta.format != FORMAT:
         raise ValueError(f"{file}: format {meta.format}, this version reads format {FORMAT}")
     return meta
-
-
-def read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
-    """A safetensors file of a saved adapter, on CPU; ``ValueError`` naming it when it is
-    missing or unreadable."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    file = path / name
-    if not file.is_file():
-        raise ValueError(f"{path}: missing {name}")
-    try:
-        return load_file(str(file), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{file} is corrupt: {e}") from None
 
 
 def write_meta(folder: Path, meta: AdapterMeta) -> None:
@@ -196,12 +239,13 @@ def peft_model_files(model: torch.nn.Module, adapter: str) -> Callable[[Path], N
 
 
 def write_adapter(
-    final: Path, write_peft: Callable[[Path], None], named: Mapping[str, torch.nn.Parameter],
+    final: Path | Anchored, write_peft: Callable[[Path], None], named: Mapping[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer | None, meta: AdapterMeta,
 ) -> None:
-    """Write an adapter to the folder ``final`` atomically (:func:`write_folder`): its PEFT
-    files (``write_peft(folder)``), value head (if ``named`` holds one), AdamW state of the
-    ``named`` parameters, and ``meta``."""
+    """Write an adapter to the folder ``final`` atomically (:func:`write_folder`, or for an
+    anchored folder :func:`~opentinker.engine.anchored.write_folder_at`): its PEFT files
+    (``write_peft(folder)``), value head (if ``named`` holds one), AdamW state of the ``named``
+    parameters, and ``meta``."""
 
     def fill(tmp: Path) -> None:
         write_peft(tmp)
@@ -211,17 +255,20 @@ def write_adapter(
         save_tensors(tmp, OPTIMIZER, optimizer_tensors(optimizer, named))
         write_meta(tmp, meta)
 
-    write_folder(final, fill)
+    if isinstance(final, Anchored):
+        anchored.write_folder_at(final, fill, META)
+    else:
+        write_folder(final, fill)
 
 
-def read_adapter(folder: Path, spec: LoraSpec, trainable: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def read_adapter(folder: Folder, spec: LoraSpec, trainable: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(weights, optimizer moments)`` of a saved adapter (moments only when ``trainable``);
     the weights include the value head when ``spec`` has one. ``ValueError`` naming a missing
     or corrupt file."""
-    weights = read_tensors(folder, FULL_WEIGHTS if spec.full else WEIGHTS)
+    weights = folder.tensors(FULL_WEIGHTS if spec.full else WEIGHTS)
     if spec.value_head:
-        weights.update(read_tensors(folder, value_head.FILE))
-    return weights, (read_tensors(folder, OPTIMIZER) if trainable else {})
+        weights.update(folder.tensors(value_head.FILE))
+    return weights, (folder.tensors(OPTIMIZER) if trainable else {})
 
 
 @torch.no_grad()
@@ -241,10 +288,11 @@ def restore(
         restore_optimizer(optimizer, named, moments, str(folder / OPTIMIZER))
 
 
-def save(registry: AdapterRegistry, adapter: str, path: str) -> int:
+def save(registry: AdapterRegistry, adapter: str, path: str | Anchored) -> int:
     """Write ``adapter`` to the folder ``path`` atomically (temporary folder, then rename):
     PEFT format, its value head if it has one, its AdamW state, its version and the base
-    model's name and fingerprint. Returns its version."""
+    model's name and fingerprint. Returns its version. An anchored ``path`` is written without
+    following a link (:mod:`opentinker.engine.anchored`)."""
     state = registry.get(adapter)
     meta = AdapterMeta(
         format=FORMAT, version=state.version, spec=state.spec,
@@ -255,23 +303,30 @@ def save(registry: AdapterRegistry, adapter: str, path: str) -> int:
             registry.write_peft_files(adapter, tmp)
     else:
         write_peft = peft_model_files(registry.model, adapter)
-    write_adapter(Path(path), write_peft, state.named, state.optimizer, meta)
+    write_adapter(path if isinstance(path, Anchored) else Path(path), write_peft, state.named, state.optimizer, meta)
     return state.version
 
 
 @torch.no_grad()
-def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True, fresh: bool = False) -> int:
+def load(registry: AdapterRegistry, path: str | Anchored, name: str, trainable: bool = True,
+         fresh: bool = False) -> int:
     """Load a folder written by :func:`save` as adapter ``name``: weights (and value head),
     AdamW state (for a trainable adapter) and version (returned); ``fresh``: the weights only,
     with a fresh AdamW state and version 0 (a warm start of a new job).
 
     Raises:
         ValueError: naming ``path`` and the fault: no such folder, a missing or corrupt
-            file, a base model other than the registry's, weights that do not fit the spec.
+            file, a base model other than the registry's, weights that do not fit the spec; for
+            an anchored ``path``, a folder or file reached through a link.
             Nothing is left behind: the registry keeps serving as before.
     """
-    folder = Path(path)
-    meta = read_meta(folder)
+    with Folder.open(path) as files:
+        return _load(registry, files, name, trainable, fresh)
+
+
+def _load(registry: AdapterRegistry, files: Folder, name: str, trainable: bool, fresh: bool) -> int:
+    folder = files.where
+    meta = read_meta(files)
     if meta.base_fingerprint != registry.base_fingerprint:
         raise ValueError(
             f"{folder}: saved on base model {meta.base_model!r} (fingerprint "
@@ -282,7 +337,7 @@ def load(registry: AdapterRegistry, path: str, name: str, trainable: bool = True
         check_spec(meta.spec, registry.hidden_size)  # before anything is allocated
     except ValueError as e:
         raise ValueError(f"{folder / META}: {e}") from None
-    weights, moments = read_adapter(folder, meta.spec, trainable and not fresh)
+    weights, moments = read_adapter(files, meta.spec, trainable and not fresh)
     state = registry.add(name, meta.spec, trainable=trainable)
     try:
         restore(folder, meta.spec, state.named, state.optimizer, weights, moments)

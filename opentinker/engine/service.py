@@ -51,8 +51,10 @@ from opentinker.bus.common import CurveKeys
 from opentinker.bus.auth import new_secret, run_user
 from opentinker.bus.stream import wants_stream
 from opentinker.engine.rss import process_memory, reset_peak_memory
+from opentinker.engine.anchored import Anchored, PathNotAllowed, anchor
 from opentinker.engine.spec_checks import check_adam, check_spec
 from opentinker.engine.tenants import Tenants
+from opentinker.files import root_holding
 from opentinker.logs import escape_controls
 from protocols.codec import Limits
 from protocols.messages import (
@@ -154,23 +156,26 @@ def check_tokens(arr: Any, where: str, vocab_size: int, max_len: int | None = No
         raise ValueError(f"{where}: token id {lo if lo < 0 else hi} out of range [0, {vocab_size})")
 
 
-class PathNotAllowed(ValueError):
-    """An adapter path outside the scheduler's folders (an ``invalid`` error on the bus)."""
-
-
 def confined(path: str, roots: Sequence[str] | None) -> str:
     """``path`` with symbolic links resolved, if it lies inside one of ``roots`` (resolved
     already; ``None``: anywhere), else :class:`PathNotAllowed`. The message is the same whether or
-    not the path exists, and nothing outside the roots is opened."""
+    not the path exists, and nothing outside the roots is opened. (The write or read itself
+    then opens it from its root without following links: :func:`placed`.)"""
     if roots is None:
         return path
     if not _absolute(path):
         raise PathNotAllowed(f"adapter path {path!r}: must be an absolute path inside the run's folder")
-    real = os.path.realpath(path)
-    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
-        raise PathNotAllowed(f"adapter path {path!r}: outside the folders this scheduler reads and writes "
-                              f"(the run's folder)")
-    return real
+    return str(anchor(path, roots))
+
+
+def placed(path: str, roots: Sequence[str] | None) -> str | Anchored:
+    """Where a ``SaveAdapter`` or ``LoadAdapter`` of ``path`` is written or read: anchored at
+    the longest of ``roots`` that holds it (opened from there without following links,
+    :mod:`opentinker.engine.anchored`); the plain path when no root holds it and ``roots`` are
+    not a bound (``None``: a scheduler that takes any path)."""
+    if roots is None:
+        return path
+    return anchor(confined(path, roots), roots)
 
 
 STOP_TIMEOUT_S = 60.0
@@ -595,6 +600,16 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
             max_tokens=max_tokens)
         return ForwardBackwardResult(loss=loss, metrics=metrics)
 
+    def _placed(self, path: str, roots: Sequence[str] | None) -> str | Anchored:
+        """:func:`placed` with this scheduler's ``roots``; on a shared scheduler (no roots of
+        its own), a job's path, confined to the job's folders on arrival, is anchored at the
+        job's root, and the owner's (in no job's folders) is taken as given."""
+        if roots is None and self.tenants is not None:
+            jobs = [r for t in list(self.tenants.jobs.values()) for r in t.roots + t.read_roots]
+            if root_holding(path, jobs) is not None:
+                return placed(path, jobs)
+        return placed(path, roots)
+
     def _run(self, msg: Message) -> Message:
         host = self.host
         self.compute_counters[type(msg).__name__] += 1
@@ -616,14 +631,14 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         if isinstance(msg, DiscardGradients):
             return AdapterInfo(name=msg.adapter, version=host.discard_gradients(msg.adapter))
         if isinstance(msg, SaveAdapter):
-            return Saved(path=msg.path, version=host.save(msg.adapter, confined(msg.path, self.adapter_roots)))
+            return Saved(path=msg.path, version=host.save(msg.adapter, self._placed(msg.path, self.adapter_roots)))
         if isinstance(msg, DropAdapter):
             host.drop_adapter(msg.name)
             return AdapterInfo(name=msg.name, version=-1)
         if isinstance(msg, SnapshotAdapter):
             return AdapterInfo(name=msg.name, version=host.snapshot(msg.adapter, msg.name))
         if isinstance(msg, LoadAdapter):
-            return AdapterInfo(name=msg.name, version=host.load(confined(msg.path, self.load_roots), msg.name,
+            return AdapterInfo(name=msg.name, version=host.load(self._placed(msg.path, self.load_roots), msg.name,
                                                                 trainable=msg.trainable, fresh=msg.fresh))
         raise ValueError(f"unexpected {type(msg).__name__}")
 

@@ -22,7 +22,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bus-host", default="127.0.0.1", help="where the scheduler's bus binds: an address other machines "
                    "reach puts it on CURVE, and a job there attaches with a copy of the service file (default 127.0.0.1)")
     p.add_argument("--bus-curve", action="store_true", help="the bus on CURVE on loopback too")
-    p.add_argument("--api-key-file", metavar="FILE", help="a file whose first line is the API key HTTP clients must send")
+    p.add_argument("--api-key-file", metavar="FILE", help="a file of the API keys HTTP clients may send, one per line: each key is a client of "
+                   "its own for the per-client bounds (default: a key made at start, in the service file)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="load a saved adapter at start, served under NAME (repeatable)")
     p.add_argument("--service-file", metavar="PATH", help="where to write the service file "
@@ -43,7 +44,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-priority", type=float, default=1.0, help="the HTTP endpoint's share of compute against "
                    "jobs' runtime.priority (default 1)")
     p.add_argument("--budget-mb", type=float, default=0.0, help="memory the job queue may fill with running jobs "
-                   "(default: half of this machine's memory)")
+                   "(default: half of this machine's memory); jobs also start only while free memory holds them")
+    p.add_argument("--out-root", action="append", default=[], metavar="DIR", help="a folder queued runs may write "
+                   "their out_dir in (repeatable; default: runs/ beside the service file; a relative out_dir lies in "
+                   "the first)")
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,20 +66,21 @@ def serve_main(args: argparse.Namespace) -> int:
             print(f"opentinker serve: --adapter {escape_controls(item)!r}: expected NAME=PATH", file=sys.stderr)
             return 2
         adapters[name] = path
-    api_key = None
+    api_key, more_keys = None, []
     if args.api_key_file:
         try:
-            api_key = Path(args.api_key_file).read_text().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
+            api_key, *more_keys = [k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()]
+        except (OSError, ValueError) as e:
             print(f"opentinker serve: --api-key-file: {escape_controls(str(e)) or 'empty file'}", file=sys.stderr)
             return 2
     try:
         service = Service(args.model, device=args.device, http_host=args.host,
-                          http_port=None if args.no_http else args.port, api_key=api_key, adapters=adapters,
+                          http_port=None if args.no_http else args.port, api_key=api_key, api_keys=more_keys,
+                          adapters=adapters,
                           service_file=Path(args.service_file) if args.service_file else None, budget_mb=args.budget_mb,
                           ray=args.ray, fair_window_s=args.fair_window_s,
                           fair_anticipate_s=args.fair_anticipate_s, owner_priority=args.http_priority,
-                          bus_host=args.bus_host, bus_curve=args.bus_curve,
+                          bus_host=args.bus_host, bus_curve=args.bus_curve, out_roots=args.out_root,
                           engine_options={"max_rows": args.max_rows, "kv_budget_bytes": args.kv_budget_mb << 20,
                                           "max_batch_tokens": args.max_batch_tokens})
         info = service.start()
@@ -86,7 +91,8 @@ def serve_main(args: argparse.Namespace) -> int:
           + (f"  bus:  {info.endpoint}  (CURVE: jobs attach with a copy of the service file, "
              f"opentinker run CONFIG --scheduler SERVICE_FILE)\n" if info.curve_server else
              f"  bus:  {info.endpoint}  (jobs: opentinker run CONFIG --scheduler {info.endpoint})\n")
-          + (f"  http: {info.http}/v1  (OpenAI-compatible; model names: opentinker status)\n" if info.http else "")
+          + (f"  http: {info.http}/v1  (OpenAI-compatible; model names: opentinker status; its API key is the "
+             f"service file's api_key)\n" if info.http else "")
           + f"  service file: {service.service_file}\n  Ctrl-C stops it.", flush=True)
     try:
         service.wait()
@@ -198,14 +204,15 @@ def add_jobs_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _absolute(cfg):
-    """``cfg`` with its paths absolute: the service runs the job from another folder."""
+    """``cfg`` with its paths absolute: the service runs the job from another folder. A relative
+    ``out_dir`` stays relative: the service puts it in its first ``--out-root``."""
     import msgspec
 
     def absolute(path: str) -> str:
         return os.path.abspath(os.path.expanduser(path)) if path and ("/" in path or os.path.exists(path)) else path
 
     policies = [msgspec.structs.replace(p, init=absolute(p.init)) for p in cfg.policies]
-    changes = {"out_dir": os.path.abspath(os.path.expanduser(cfg.out_dir)), "policies": policies,
+    changes = {"out_dir": os.path.expanduser(cfg.out_dir), "policies": policies,
                "model": msgspec.structs.replace(cfg.model, base=absolute(cfg.model.base))}
     oc = cfg.offline_job()
     if oc is not None:

@@ -70,6 +70,8 @@ def read_prompts(path: str, tok: Any, room: int) -> list[Prompt]:
             raw = json.loads(line)
         except ValueError as e:
             raise InferError(f"{where}: not JSON ({e})") from None
+        except RecursionError:  # 10,000 nested arrays ended in a traceback
+            raise InferError(f"{where}: not JSON this reader takes (nested too deep)") from None
         if not isinstance(raw, dict) or ("messages" in raw) == ("prompt" in raw):
             raise InferError(f'{where}: an object with "messages" (a chat) or "prompt" (a text), one of the two')
         pid = raw.get("id", n)

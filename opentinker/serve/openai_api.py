@@ -29,7 +29,15 @@ when the awaiting task is cancelled), which frees its rows at the next step.
 
 Errors are OpenAI's ``{"error": {message, type, param, code}}``: a bad field or a scheduler
 ``invalid`` error 400, a missing or wrong API key 401, an unknown model 404
-(``model_not_found``), a busy scheduler 503, others 500.
+(``model_not_found``), a body over the bound 413, a client over its share 429, a busy
+scheduler 503, others 500 (whose message never names our code: the cause is logged).
+
+Hostile load (``docs/security.md``): a body is bounded before it is parsed, a text prompt
+before it is tokenized (:mod:`opentinker.serve.admission`); parsing, tokenizing and decoding
+run in worker threads, so the event loop answers every client while one sends megabytes; each
+client (per API key, or per peer address) holds a bounded number of rows and tokens in flight,
+and clients waiting for room are served fewest-rows first; every number is range-checked
+(:mod:`opentinker.serve.openai_bodies`).
 """
 
 from __future__ import annotations
@@ -41,8 +49,9 @@ import json
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import fastapi
@@ -50,20 +59,36 @@ import numpy as np
 import uvicorn
 import zmq.asyncio
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse
 
 from opentinker.bus import Client, RemoteError, is_loopback
 from opentinker.bus.auth import Credentials
+from opentinker.serve.admission import (
+    NO_KEY,
+    Admission,
+    BodyLimit,
+    Limits,
+    Refused,
+    max_prompt_chars,
+)
 from opentinker.serve.detokenize import (
     ChoiceText,
     TokenText,
-    finish_choices,
     reply_params,
 )
+from opentinker.serve.openai_bodies import (
+    MAX_ROWS,
+    MAX_STOPS,
+    ApiError,
+    BaseBody,
+    ChatBody,
+    CompletionBody,
+    bad_body,
+    parse_body,
+)
+from opentinker.serve.openai_replies import EventStream, Reply, api_error, events, whole
 from protocols.messages import (
     AdapterList,
-    ErrorCode,
     ListAdapters,
     SampleChunk,
     SampleRequest,
@@ -71,87 +96,17 @@ from protocols.messages import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+B = TypeVar("B", bound=BaseBody)
+WORKERS = 2
+"""Threads that parse bodies, tokenize prompts and decode replies, off the event loop."""
+MAX_CONNECTIONS = 128
+"""Open HTTP connections uvicorn serves at once (beyond: 503)."""
 
 BASE = "base"
 """The model name of the bare base model (an adapter of that name is not reachable here)."""
-MAX_ROWS = 128
-"""Choices (prompts times ``n``) one HTTP request may ask for."""
-MAX_STOPS = 4
 _UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": None,
                 "frequency_penalty": None, "repetition_penalty": 1, "echo": None, "suffix": None, "best_of": 1}
 """Fields this server cannot honour -> the one value besides unset (falsy) that it accepts."""
-_STATUS = {ErrorCode.INVALID: 400, ErrorCode.TOO_LARGE: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.BUSY: 503}
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's format, with HTTP status ``status``."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _api_error(e: Exception) -> ApiError:
-    """The HTTP error for a failure: a scheduler ``Error`` by its code, a bus timeout 504, an
-    unreachable scheduler 503, anything else 500."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, RemoteError):
-        status = _STATUS.get(e.error.code, 500)
-        code = "model_not_found" if status == 404 else e.error.code.value
-        return ApiError(status, e.error.message, "invalid_request_error" if status < 500 else "server_error", code=code)
-    if isinstance(e, (TimeoutError, ConnectionError)):
-        status = 504 if isinstance(e, TimeoutError) else 503
-        return ApiError(status, f"the scheduler: {type(e).__name__}: {e}", "server_error",
-                        code="timeout" if status == 504 else "unavailable")
-    log.error("openai api: unexpected error", exc_info=e)
-    return ApiError(500, f"{type(e).__name__}: {e}", "server_error")
-
-
-class _Body(BaseModel):
-    """Fields of both routes; other fields are ignored, except those in ``_UNSUPPORTED``."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    """vLLM's extension: keep the k most likely tokens (0 or unset: all)."""
-    max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=MAX_ROWS)
-    seed: int | None = Field(None, ge=0, lt=1 << 62)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-
-
-class _Message(BaseModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        parts = self.content if isinstance(self.content, list) else [{"type": "text", "text": self.content or ""}]
-        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in parts):
-            raise ApiError(400, "only text content parts are supported", param="messages")
-        return "".join(p["text"] for p in parts)
-
-
-class ChatBody(_Body):
-    """``POST /v1/chat/completions``."""
-
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
-
-
-class CompletionBody(_Body):
-    """``POST /v1/completions``."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)
 
 
 async def _unless_gone(request: fastapi.Request, work: Awaitable[T]) -> T:
@@ -175,106 +130,54 @@ async def _unless_gone(request: fastapi.Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-class _Reply:
-    """The JSON of one response: its head, each choice (text, log-probs, finish) and the usage."""
-
-    def __init__(self, tokens: TokenText, body: _Body, rows: list[ChoiceText], prompt_tokens: int, logprobs: bool) -> None:
-        self.tokens, self.rows, self.prompt_tokens, self.logprobs = tokens, rows, prompt_tokens, logprobs
-        self.chat = isinstance(body, ChatBody)
-        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                     "model": body.model}
-
-    def choice(self, i: int, text: str, toks: range, delta: bool = False) -> dict[str, Any]:
-        row, lp = self.rows[i], None
-        pieces = [self.tokens.bytes_of(row.ids[k]) for k in toks]
-        if self.logprobs and self.chat:
-            lp = {"content": [{"token": b.decode(errors="replace"), "logprob": row.logprobs[k], "bytes": list(b),
-                               "top_logprobs": []} for k, b in zip(toks, pieces)]}
-        elif self.logprobs:
-            lp = {"tokens": [b.decode(errors="replace") for b in pieces], "token_logprobs": [row.logprobs[k] for k in toks],
-                  "text_offset": [row.offsets[k] for k in toks], "top_logprobs": None}
-        out = ({"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}) \
-            if self.chat else {"text": text}
-        return {"index": i, **out, "logprobs": lp, "finish_reason": row.finish}
-
-    def usage(self) -> dict[str, int]:
-        drawn = sum(r.drawn for r in self.rows)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": drawn, "total_tokens": self.prompt_tokens + drawn}
-
-    def whole(self) -> dict[str, Any]:
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "usage": self.usage(),
-                "choices": [self.choice(i, *r.take()) for i, r in enumerate(self.rows)]}
-
-    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        """One SSE event of the stream (with ``usage``: the last one, with no choices)."""
-        body = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion", "choices": choices}
-        return f"data: {json.dumps({**body, 'usage': usage} if usage else body, ensure_ascii=False)}\n\n"
-
-
-async def _events(reply: _Reply, task: asyncio.Task, queue: asyncio.Queue, event: SampleChunk | None,
-                  usage: bool) -> AsyncIterator[str]:
-    """The SSE stream of a request, from its first partial ``event`` on (then the others from
-    ``queue``; ``None``: ``task`` has the reply)."""
-    rows, seq, lossy = reply.rows, 0, False
-    try:
-        if reply.chat:
-            yield reply.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None} for i in range(len(rows))])
-        while True:
-            if event is None:
-                finish_choices(rows, task.result())
-            elif event.seq == seq and not lossy:
-                for i, tokens_T, logprobs_T in zip(event.rows, event.tokens, event.logprobs):
-                    rows[i].push(tokens_T, logprobs_T)
-                seq += 1
-            else:
-                lossy = True  # a chunk was dropped (a slow reader): the rest comes with the reply
-            out = []
-            for i, row in enumerate(rows):
-                if not row.reported and ((taken := row.take())[0] or taken[1] or row.finish):
-                    out.append(reply.choice(i, *taken, delta=True))
-                    row.reported = row.finish is not None
-            if out:
-                yield reply.event(out)
-            if all(r.finish for r in rows) and (event is None or any(r.cut for r in rows)):
-                break
-            event = await queue.get()
-        if usage:
-            yield reply.event([], reply.usage())
-    except Exception as e:  # noqa: BLE001 - the stream has begun: the error is its last event
-        yield f"data: {json.dumps(_api_error(e).body)}\n\n"
-    finally:
-        task.cancel()  # every choice met a stop string, or the client went away: free the rows
-    yield "data: [DONE]\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """SSE whose generator is closed however the response ends, so its request is cancelled."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
 class _Api:
-    """What the routes share: the tokenizer, the bus client (made in the lifespan), the defaults."""
+    """What the routes share: the tokenizer and its bounds, the worker threads, the admission of
+    clients, the bus client (made in the lifespan), the defaults."""
 
-    def __init__(self, model_path: str, timeout_s: float, max_tokens: int) -> None:
+    def __init__(self, model_path: str, timeout_s: float, max_tokens: int, limits: Limits) -> None:
         self.tokens = TokenText(model_path)
         self.tok = self.tokens.tok
         self.timeout_s, self.max_tokens = timeout_s, max_tokens
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        self.vocab_size = int(config.get("vocab_size") or self.tok.vocab_size)
+        self.max_context = int(config.get("max_position_embeddings") or 1 << 20)
+        longest = max(len(self.tokens.bytes_of(i)) for i in range(self.tok.vocab_size))
+        self.max_chars = max_prompt_chars(self.max_context, longest)
+        """A text prompt (or a conversation's text) longer than this cannot fit the context."""
+        self.admission = Admission(limits)
+        self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="openai-api-cpu")
         self.client: Client
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the worker threads: the event loop keeps answering other clients."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def body(self, request: fastapi.Request, kind: type[B]) -> B:
+        """The request's body as ``kind``, parsed in the worker threads (its size is bounded by
+        :class:`~opentinker.serve.admission.BodyLimit` before it is read)."""
+        return await self.off_loop(parse_body, await request.body(), kind)
+
+    def check_text(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise ApiError(400, f"{param}: {chars} characters cannot fit the model's context of {self.max_context} "
+                           "tokens", param=param, code="context_length_exceeded")
+
+    def check_ids(self, ids: list[int]) -> None:
+        if len(ids) > self.max_context:
+            raise ApiError(400, f"prompt: {len(ids)} tokens cannot fit the model's context of {self.max_context} "
+                           "tokens", param="prompt", code="context_length_exceeded")
+        if ids and max(ids) >= self.vocab_size:
+            raise ApiError(400, f"prompt: token id {max(ids)} is not in the vocabulary (0 to {self.vocab_size - 1})",
+                           param="prompt")
 
     async def adapters(self) -> list[str]:
         reply = await self.client.request(ListAdapters(), self.timeout_s)
         assert isinstance(reply, AdapterList)
         return [a.name for a in reply.adapters]
 
-    async def serve(self, request: fastapi.Request, body: _Body, prompts: list[np.ndarray], limit: int | None,
-                    logprobs: bool) -> Any:
-        """``body.n`` choices of each prompt: the whole reply, or its SSE stream."""
+    async def serve(self, request: fastapi.Request, client: str, body: BaseBody, prompts: list[np.ndarray],
+                    limit: int | None, logprobs: bool) -> Any:
+        """``body.n`` choices of each prompt for ``client``: the whole reply, or its SSE stream."""
         for name, ok in _UNSUPPORTED.items():
             if (value := (body.model_extra or {}).get(name)) and value != ok:
                 raise ApiError(400, f"{name} is not supported by this server", param=name)
@@ -290,28 +193,37 @@ class _Api:
                               body.seed or 0)
         req = SampleRequest(adapter=None if body.model == BASE else body.model, params=params, client="openai-api",
                             prompts=[p for p in prompts for _ in range(body.n)], stream=body.stream)
-        rows = [ChoiceText(self.tok, stops, params.max_tokens) for _ in req.prompts]
-        reply = _Reply(self.tokens, body, rows, sum(map(len, prompts)), logprobs)
-        if not body.stream:
-            finish_choices(rows, await _unless_gone(request, self.client.request(req, self.timeout_s)))
-            return reply.whole()
-        queue: asyncio.Queue[SampleChunk | None] = asyncio.Queue()
-        task = asyncio.ensure_future(self.client.request(req, self.timeout_s, on_partial=queue.put_nowait))
-        task.add_done_callback(lambda _: queue.put_nowait(None))
-        try:  # wait for the first tokens, so that a request the scheduler refuses is an HTTP error
-            first = await _unless_gone(request, queue.get())
-            if first is None:
-                task.result()
-        except BaseException:
-            task.cancel()
-            raise
-        usage = (body.stream_options or {}).get("include_usage", False)
-        return _EventStream(_events(reply, task, queue, first, usage),
-                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        tokens = sum(len(p) + params.max_tokens for p in req.prompts)
+        ticket = await _unless_gone(request, self.admission.admit(client, len(req.prompts), tokens))
+        try:
+            rows = [ChoiceText(self.tok, stops, params.max_tokens) for _ in req.prompts]
+            reply = Reply(self.tokens, body, rows, sum(map(len, prompts)), logprobs)
+            if not body.stream:
+                result = await _unless_gone(request, self.client.request(req, self.timeout_s))
+                return await self.off_loop(whole, reply, result)
+            queue: asyncio.Queue[SampleChunk | None] = asyncio.Queue()
+            task = asyncio.ensure_future(self.client.request(req, self.timeout_s, on_partial=queue.put_nowait))
+            task.add_done_callback(lambda _: queue.put_nowait(None))
+            try:  # wait for the first tokens, so that a request the scheduler refuses is an HTTP error
+                first = await _unless_gone(request, queue.get())
+                if first is None:
+                    task.result()
+            except BaseException:
+                task.cancel()
+                raise
+            usage = (body.stream_options or {}).get("include_usage", False)
+            stream = EventStream(events(self.off_loop, reply, task, queue, first, usage, ticket),
+                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            ticket = None  # the stream gives it back when it ends
+            return stream
+        finally:
+            if ticket is not None:
+                ticket.release()
 
 
 def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-             max_tokens: int = 256, credentials: Credentials | None = None) -> fastapi.FastAPI:
+             max_tokens: int = 256, credentials: Credentials | None = None, api_keys: Sequence[str] = (),
+             limits: Limits | None = None) -> fastapi.FastAPI:
     """The OpenAI-compatible app in front of the scheduler at bus ``endpoint``.
 
     Args:
@@ -322,9 +234,13 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
         max_tokens: tokens drawn per choice when the request names no limit.
         credentials: what it presents to the scheduler (default: this process's own; the
             owner's CURVE pair for a service on CURVE).
+        api_keys: further keys, each a client of its own: with two or more keys, what a client
+            may hold in flight (``limits``) is counted per key; else per peer address.
+        limits: the bounds on bodies and on what clients hold in flight (default :class:`Limits`).
     """
-    api = _Api(model_path, timeout_s, max_tokens)
-    key = api_key.encode() if api_key else None
+    limits = limits or Limits()
+    api = _Api(model_path, timeout_s, max_tokens, limits)
+    keys = [k.encode() for k in ([api_key] if api_key else []) + list(api_keys)]
 
     @contextlib.asynccontextmanager
     async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -335,29 +251,44 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
         finally:
             api.client.close()
             ctx.destroy(linger=0)
+            api.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def authorize(request: fastapi.Request) -> None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if key is not None and (scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key)):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
-                           code="invalid_api_key")
+    def key_index(authorization: str) -> int | None:
+        """Which key an ``Authorization`` header carries (0 when none is needed), or None."""
+        if not keys:
+            return 0
+        scheme, _, given = authorization.partition(" ")
+        # Compared with every key, so that the time taken says nothing about which one is near.
+        hits = [hmac.compare_digest(given.strip().encode(), k) for k in keys]
+        return hits.index(True) if scheme.lower() == "bearer" and any(hits) else None
+
+    async def authorize(request: fastapi.Request) -> str:
+        """The client's name for admission: its key's index with several keys, else its address."""
+        index = key_index(request.headers.get("authorization", ""))
+        if index is None:
+            raise ApiError(401, NO_KEY, "authentication_error", code="invalid_api_key")
+        if len(keys) > 1:
+            return f"key {index}"
+        return request.client.host if request.client else "?"
 
     # FastAPI's own pages answer without the route dependencies: with a key, they are not served.
-    pages = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    pages = {} if not keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = fastapi.FastAPI(title="OpenTinker", lifespan=lifespan, dependencies=[fastapi.Depends(authorize)], **pages)
-    app.state.api_key = api_key
+    # A client without the key is refused before a byte of its body is read.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes,
+                       allowed=lambda authorization: key_index(authorization) is not None)
+    app.state.api_key = api_key or (api_keys[0] if api_keys else None)
+    app.state.admission = api.admission
 
     async def on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
-        err = _api_error(e)
+        err = api_error(e)
         return JSONResponse(err.body, status_code=err.status)
 
     async def on_bad_body(_: fastapi.Request, e: RequestValidationError) -> JSONResponse:
-        first = (e.errors() or [{}])[0]
-        loc = first.get("loc", ())
-        param = ".".join(map(str, loc[1:])) if len(loc) > 1 and isinstance(loc[1], str) else None
-        return JSONResponse(ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param).body, 400)
+        err = bad_body(list(e.errors()))
+        return JSONResponse(err.body, 400)
 
-    for kind in (ApiError, RemoteError, TimeoutError, ConnectionError):
+    for kind in (ApiError, Refused, RemoteError, TimeoutError, ConnectionError):
         app.add_exception_handler(kind, on_error)
     app.add_exception_handler(RequestValidationError, on_bad_body)  # type: ignore[arg-type]
 
@@ -369,31 +300,47 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
         return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "opentinker",
                                             "root": model_path, "parent": None if n == BASE else BASE} for n in names]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: fastapi.Request) -> Any:
+    @app.post("/v1/chat/completions", openapi_extra=_schema(ChatBody))
+    async def chat_completions(request: fastapi.Request, client: str = fastapi.Depends(authorize)) -> Any:
         """A chat completion (or its SSE stream) of the conversation, rendered by the chat template."""
+        body = await api.body(request, ChatBody)
         if body.top_logprobs:
             raise ApiError(400, "top_logprobs > 0 is not supported: only the drawn token's log-prob is known",
                            param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = np.asarray(api.tok.encode(api.tok.render(messages, add_generation_prompt=True)), np.int32)
-        return await api.serve(request, body, [prompt], body.max_completion_tokens or body.max_tokens,
-                               bool(body.logprobs))
+        api.check_text(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        ids = await api.off_loop(lambda: api.tok.encode(api.tok.render(messages, add_generation_prompt=True)))
+        api.check_ids(ids)
+        return await api.serve(request, client, body, [np.asarray(ids, np.int32)],
+                               body.max_completion_tokens or body.max_tokens, bool(body.logprobs))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: fastapi.Request) -> Any:
+    @app.post("/v1/completions", openapi_extra=_schema(CompletionBody))
+    async def completions(request: fastapi.Request, client: str = fastapi.Depends(authorize)) -> Any:
         """A completion (or its SSE stream) of each prompt: text, or token ids as given."""
+        body = await api.body(request, CompletionBody)
         if body.logprobs:
             raise ApiError(400, "logprobs > 0 asks for alternatives, which are not computed: logprobs=0 gives the "
                            "drawn tokens' log-probs", param="logprobs")
         p = body.prompt
         many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        prompts = [np.asarray(api.tok.encode(x) if isinstance(x, str) else x, np.int32) for x in many]
-        if not prompts or not all(len(x) for x in prompts):
+        if len(many) > MAX_ROWS:
+            raise ApiError(400, f"at most {MAX_ROWS} prompts per request", param="prompt")
+        for x in many:
+            api.check_text(len(x), "prompt") if isinstance(x, str) else api.check_ids(x)
+        ids = await api.off_loop(lambda: [api.tok.encode(x) if isinstance(x, str) else x for x in many])
+        for x in ids:
+            api.check_ids(x)
+        if not ids or not all(ids):
             raise ApiError(400, "prompt is empty", param="prompt")
-        return await api.serve(request, body, prompts, body.max_tokens, body.logprobs is not None)
+        return await api.serve(request, client, body, [np.asarray(x, np.int32) for x in ids], body.max_tokens,
+                               body.logprobs is not None)
 
     return app
+
+
+def _schema(kind: type[BaseBody]) -> dict[str, Any]:
+    """The OpenAPI entry of a body the route parses itself (off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": kind.model_json_schema()}}}}
 
 
 class HttpServer:
@@ -423,8 +370,10 @@ def start_http(app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, *, 
     if not is_loopback(f"tcp://{host}:0") and not getattr(app.state, "api_key", None):
         raise ValueError(f"refusing to serve on {host} without an API key: a non-loopback address is reachable "
                          "from the network (make_app(..., api_key=...)), or serve on 127.0.0.1")
+    # Connections beyond MAX_CONNECTIONS are answered 503 at once: each may hold a body of up
+    # to Limits.max_body_bytes while it is read.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, limit_concurrency=MAX_CONNECTIONS)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="openai-api-http", daemon=True)
     thread.start()
@@ -436,3 +385,6 @@ def start_http(app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, *, 
         time.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
     return HttpServer(server, thread, f"http://{f'[{host}]' if ':' in host else host}:{bound}")
+
+
+_api_error = api_error  # the name tests and callers used before the replies had a module of their own

@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.bus.auth import Credentials
+from opentinker.files import root_holding
+from opentinker.logs import escape_controls
+from opentinker.serve import job_procs
 from protocols.messages import EvalJob, InferJob, QueueEntry
 
 log = logging.getLogger(__name__)
@@ -45,14 +48,36 @@ JOB_ENV = "OPENTINKER_JOB"
 FLOAT_BYTES = 4
 ADAM_COPIES = 4
 """A trained fp32 tensor's bytes, times: the weights, the gradient and AdamW's two moments."""
+PROCESS_BYTES = 300 << 20
+"""What one process of a job costs the machine beside the scheduler, which the budget did not
+count (200 jobs of "1 MB" filled 23 GB): an ``opentinker run`` attached to a service peaked at
+309 MB proportional set size (288 MB of its own pages, 394 MB resident) with the tiny model
+(``benchmarks/hostile_load.py``; the attack measured 165 MB a process with 200 of them
+sharing libraries)."""
+MAX_MEMORY_MB = 1 << 24
+"""The largest ``memory_mb`` a job may declare (16 TB): past any machine, short of overflow."""
+RESERVE_FRACTION = 0.05
+"""Of the machine's memory, what is left free when jobs start (and at least 256 MB)."""
+STARTUP_S = 60.0
+"""How long after its start a job is assumed not to hold its memory yet: free memory is
+counted less what such jobs will still take."""
 
 
-def estimate_bytes(cfg: Any, model_config: dict) -> dict[str, int]:
-    """What a job holds on the scheduler, from its config and the model's ``config.json``:
-    each policy's trained tensors with their gradients and AdamW moments (LoRA: rank x (in +
-    out) per adapted module and layer; ``full``: every weight), its league snapshots (weights
-    only), and the KV cache of one step's rows (``groups_per_step x group_size`` rows of at
-    most ``sampling.max_tokens`` plus a prompt of ``prompt_tokens``). An estimate: the
+def job_processes(cfg: Any) -> int:
+    """The processes a run starts: one on the local backend; on Ray, the driver, each env
+    runner, a learner per trained policy and the coordinator."""
+    if cfg.runtime.backend == "local":
+        return 1
+    return 2 + cfg.runtime.env_runners + sum(1 for p in cfg.policies if not p.frozen)
+
+
+def estimate_bytes(cfg: Any, model_config: dict, processes: int | None = None) -> dict[str, int]:
+    """What a job holds, from its config and the model's ``config.json``: its own processes
+    (``processes``, default :func:`job_processes`, of :data:`PROCESS_BYTES` each) and, on the
+    scheduler, each policy's trained tensors with their gradients and AdamW moments (LoRA: rank
+    x (in + out) per adapted module and layer; ``full``: every weight), its league snapshots
+    (weights only), and the KV cache of one step's rows (``groups_per_step x group_size`` rows
+    of at most ``sampling.max_tokens`` plus a prompt of ``prompt_tokens``). An estimate: the
     scheduler's own counters say what a running job really holds."""
     h = int(model_config["hidden_size"])
     layers = int(model_config["num_hidden_layers"])
@@ -62,7 +87,8 @@ def estimate_bytes(cfg: Any, model_config: dict) -> dict[str, int]:
     shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
               "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
     total = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + int(model_config.get("vocab_size", 0)) * h
-    out: dict[str, int] = {}
+    n = job_processes(cfg) if processes is None else processes
+    out: dict[str, int] = {f"{n} process{'es' if n > 1 else ''}": n * PROCESS_BYTES}
     snapshots = cfg.league.keep if cfg.league.snapshot_every else 0
     for p in cfg.policies:
         if p.kind == "full":
@@ -166,22 +192,70 @@ def infer_config(spec: InferJob, model_path: str, out_dir: str) -> Any:
         raise ValueError(f"--adapter {spec.adapter}: {e}") from None
 
 
+def check_budget_mb(budget_mb: float) -> None:
+    """``ValueError`` unless ``budget_mb`` is 0 (half the machine's memory) or from 1 MB to the
+    machine's memory (``nan``, ``-5`` and ``1e-6`` were taken)."""
+    total = _total_bytes() / 2**20
+    if not (budget_mb == 0 or 1 <= budget_mb <= total):
+        raise ValueError(f"--budget-mb must be 0 (half of this machine's memory) or from 1 to {total:.0f} (this "
+                         f"machine's memory, MB), got {budget_mb}")
+
+
+def _total_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_bytes() -> int | None:
+    """Memory the machine can still give (``MemAvailable``), or None where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def confine_out_dir(out_dir: str, roots: list[str]) -> str:
+    """A queued run's ``out_dir``, resolved: relative to the first of ``roots``, and lying in
+    one of them (as an adapter path must lie in its run's folder); ``ValueError`` naming it
+    otherwise, before anything is made (a run's ``out_dir=/etc/...`` was made)."""
+    real = os.path.realpath(os.path.join(roots[0], os.path.expanduser(out_dir)))
+    if root_holding(real, roots) is None:
+        raise ValueError(f"out_dir: {out_dir!r} lies outside the folders this service writes runs in "
+                         f"({', '.join(roots)}; opentinker serve --out-root DIR adds one)")
+    return real
+
+
 class JobQueue:
-    """Jobs submitted to a service, run within ``budget_bytes`` (None: one at a time is not
-    enforced, every job starts at once).
+    """Jobs submitted to a service, run within ``budget_bytes`` (None: not bounded) and the
+    machine's free memory.
 
     ``open_job(name, roots, read_roots, priority) -> Credentials`` and ``close_job(job)`` open and close
-    tenants on the scheduler; ``service_file`` is what the jobs attach to."""
+    tenants on the scheduler; ``service_file`` is what the jobs attach to; a run's ``out_dir``
+    must lie in ``out_roots``. Every job is started from the queue's one thread
+    (:mod:`opentinker.serve.job_procs`: it dies with the service)."""
 
     def __init__(self, folder: Path, service_file: Path, model_config: dict, budget_bytes: int | None,
-                 open_job: Any, close_job: Any, poll_s: float = 0.5) -> None:
+                 open_job: Any, close_job: Any, poll_s: float = 0.5, out_roots: list[str] | None = None) -> None:
+        if budget_bytes is not None and budget_bytes < 2**20:
+            raise ValueError(f"JobQueue: budget_bytes must be at least 1 MB, got {budget_bytes}")
         self.folder, self.service_file = folder, service_file
         self.model_config, self.budget = model_config, budget_bytes
+        self.out_roots = [os.path.realpath(r) for r in (out_roots or [str(service_file.parent / "runs")])]
+        for root in self.out_roots:
+            os.makedirs(root, exist_ok=True)
         self._open, self._close = open_job, close_job
         self.entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._n = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._pumped = threading.Condition()
+        self._passes = 0
+        job_procs.clean_orphans(folder.parent)
+        job_procs.claim(folder)
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="job-queue", daemon=True)
         self._thread.start()
 
@@ -199,6 +273,9 @@ class JobQueue:
 
         if not (0 < priority <= 1e6):
             raise ValueError(f"SubmitJob.priority must be in (0, 1e6], got {priority}")
+        if not (memory_mb == 0 or 1 <= memory_mb <= MAX_MEMORY_MB):  # nan, -5, 1e-6 and inf fail
+            raise ValueError(f"SubmitJob.memory_mb must be 0 (estimated) or from 1 to {MAX_MEMORY_MB} MB, got "
+                             f"{memory_mb}")
         if bool(config_toml) + (evaluation is not None) + (inference is not None) != 1:
             raise ValueError("SubmitJob: give exactly one of config (a run), eval (an evaluation) and infer "
                              "(an inference)")
@@ -214,16 +291,24 @@ class JobQueue:
             elif inference is not None:
                 cfg = infer_config(inference, model_path, str(folder))
             else:
+                import msgspec
+
+                from opentinker.config import to_toml
+
                 (folder / "config.toml").write_text(config_toml)
                 cfg = load_config(folder / "config.toml")
+                cfg = msgspec.structs.replace(cfg, out_dir=confine_out_dir(cfg.out_dir, self.out_roots))
                 check_config(cfg)
+                (folder / "config.toml").write_bytes(to_toml(cfg))  # the out_dir it runs in, resolved
         except (ConfigError, OSError, ValueError) as e:
             shutil.rmtree(folder, ignore_errors=True)
             raise ValueError(f"bad config: {e}" if config_toml else str(e)) from None
-        parts = estimate_bytes(cfg, self.model_config)
-        need = int(memory_mb * 2**20) if memory_mb > 0 else sum(parts.values())
+        parts = estimate_bytes(cfg, self.model_config, processes=1 if inference is not None else None)
+        # What it declares is a floor, never less than what it costs (200 jobs of 1e-6 MB all ran).
+        need = max(int(memory_mb * 2**20), sum(parts.values()))
         if self.budget is not None and need > self.budget:
             detail = ", ".join(f"{k} {v / 2**20:.1f} MB" for k, v in parts.items())
+            detail += f"; declared {memory_mb:g} MB" if memory_mb else ""
             shutil.rmtree(folder, ignore_errors=True)
             raise ValueError(f"job {cfg.name!r} needs about {need / 2**20:.1f} MB on the scheduler ({detail}); the "
                              f"service's budget is {self.budget / 2**20:.1f} MB: it can never run here")
@@ -270,12 +355,7 @@ class JobQueue:
             proc = entry.proc
         if entry.state == "running" and proc is not None:
             entry.state = "cancelling"
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+            job_procs.stop_all([proc])  # its process group: what it started goes too
             self._ended(entry, "cancelled")
         return entry.info()
 
@@ -290,15 +370,37 @@ class JobQueue:
     # ------------------------------------------------------------------------------- running
 
     def _pump(self) -> None:
-        """Start queued jobs in order while the budget holds them (the lock is not held while a
-        job is opened on the scheduler: the scheduler's loop may be reading the listing)."""
-        while True:
+        """Have the queue's thread start what fits, and wait (a bounded while) until it has
+        looked: jobs are started only from that thread (their death signal follows it)."""
+        with self._pumped:
+            target = self._passes + 1
+            self._wake.set()
+            self._pumped.wait_for(lambda: self._passes >= target or self._stop.is_set(), timeout=120)
+
+    def _fits(self, entry: _Entry) -> bool:
+        """``entry`` fits the budget beside the jobs running, and the machine's free memory,
+        less what jobs started within :data:`STARTUP_S` will still take, and a reserve."""
+        if self.budget is not None and self.used() + entry.need > self.budget:
+            return False
+        free = free_bytes()
+        if free is None:
+            return True
+        now = time.time()
+        growing = sum(e.need for e in list(self.entries.values())
+                      if e.state in ("starting", "running") and now - e.started_at < STARTUP_S)
+        reserve = max(256 << 20, int(RESERVE_FRACTION * _total_bytes()))
+        return free - growing - reserve >= entry.need
+
+    def _start_fitting(self) -> None:
+        """Start queued jobs in order while they fit (the lock is not held while a job is opened
+        on the scheduler: the scheduler's loop may be reading the listing)."""
+        while not self._stop.is_set():
             with self._lock:
                 entry = next((e for e in self.entries.values() if e.state == "queued"), None)
                 # First come, first served: a small job does not overtake a large one.
-                if entry is None or (self.budget is not None and self.used() + entry.need > self.budget):
+                if entry is None or not self._fits(entry):
                     return
-                entry.state = "starting"  # counted in used(); no other pump starts it
+                entry.state, entry.started_at = "starting", time.time()  # counted in used()
             self._start(entry)
 
     def _start(self, entry: _Entry) -> None:
@@ -315,10 +417,8 @@ class JobQueue:
         env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, USER_ENV)}
         env[JOB_ENV] = json.dumps(list(credentials.pair()))
         env["TMPDIR"] = str(entry.folder)  # an evaluation's staged adapters: inside its roots
-        with open(entry.log, "ab") as out:
-            entry.proc = subprocess.Popen(
-                [sys.executable, "-m", "opentinker.cli", *entry.command, "--scheduler", str(self.service_file)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=entry.folder, start_new_session=True)
+        entry.proc = job_procs.start([sys.executable, "-m", "opentinker.cli", *entry.command, "--scheduler",
+                                      str(self.service_file)], entry.folder, entry.log, env)
         entry.job, entry.state, entry.started_at = job, "running", time.time()
         log.info("queue: started %s (%s) as job %s, pid %d", entry.id, entry.name, job, entry.proc.pid)
 
@@ -329,20 +429,34 @@ class JobQueue:
             self._close(entry.job)  # its adapters freed, if the job did not close itself
         except Exception as e:  # noqa: BLE001 - already closed
             log.debug("close %s: %s", entry.job, e)
-        self._pump()
+        self._wake.set()
 
     def _watch(self, poll_s: float) -> None:
-        while not self._stop.wait(poll_s):
+        """The queue's thread: notes jobs that ended, starts what fits."""
+        while not self._stop.is_set():
+            self._wake.wait(poll_s)
+            self._wake.clear()
             for entry in list(self.entries.values()):
                 if entry.state == "running" and entry.proc is not None and entry.proc.poll() is not None:
                     self._ended(entry, "done" if entry.proc.returncode == 0 else "failed")
+            try:
+                self._start_fitting()
+            except Exception as e:  # noqa: BLE001 - e.g. a full disk starting one: the queue goes on
+                log.warning("queue: %s", escape_controls(str(e)))
+            with self._pumped:
+                self._passes += 1
+                self._pumped.notify_all()
 
     def stop(self) -> None:
-        """Stop watching; cancel every running job (their processes are stopped)."""
+        """Stop every running job at once (their process groups: SIGTERM, then SIGKILL after
+        :data:`~opentinker.serve.job_procs.GRACE_S`), then the queue's thread."""
         self._stop.set()
-        for entry in list(self.entries.values()):
-            if entry.state == "running":
-                self.cancel(entry.id)
+        self._wake.set()
+        self._thread.join(60)
+        running = [e for e in list(self.entries.values()) if e.state in ("running", "cancelling") and e.proc]
+        job_procs.stop_all([e.proc for e in running if e.proc is not None])
+        for entry in running:
+            self._ended(entry, "cancelled")
 
 
 def job_credentials() -> Credentials | None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,9 @@ class ServiceInfo:
     the owner's client pair (``curve_public``, ``curve_secret``); ``""``: PLAIN on loopback."""
     curve_public: str = ""
     curve_secret: str = ""
+    api_key: str = ""
+    """The key HTTP clients send (``Authorization: Bearer <api_key>``): made at start unless
+    given, so that another local user, who cannot read this file, cannot reach the endpoint."""
 
     def credentials(self) -> Credentials:
         """The owner's: PLAIN, or its CURVE pair on a service on CURVE."""
@@ -143,8 +148,6 @@ def attach(address: str, name: str, model_path: str, roots: list[str], read_root
     :class:`~opentinker.config.ConfigError` (``runtime.scheduler``) when the service serves
     another model, cannot be reached, does not see the job's folders (a probe file the job
     writes in its first root, which the scheduler reads), or refuses the job."""
-    import secrets
-
     from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
     from opentinker.config import ConfigError
@@ -185,7 +188,12 @@ class ServiceCore:
 
     def __init__(self, model_path: str, device: str = "cpu", service_file: str = "", budget_mb: float = 0.0,
                  adapters: dict[str, str] | None = None, owner_priority: float = 1.0, bus_host: str = "",
-                 curve: dict[str, str] | None = None, **scheduler: Any) -> None:
+                 curve: dict[str, str] | None = None, out_roots: list[str] | None = None, **scheduler: Any) -> None:
+        from opentinker.serve.queue import check_budget_mb
+
+        check_budget_mb(budget_mb)
+        self.out_roots = out_roots
+        """Where queued runs' ``out_dir`` may lie (default: ``runs/`` beside the service file)."""
         self.model_path, self.device = model_path, device
         self.service_file = Path(service_file or home() / SERVICE_FILE)
         self.budget_mb = budget_mb
@@ -247,7 +255,8 @@ class ServiceCore:
 
         budget = self.budget_mb * 2**20 if self.budget_mb > 0 else _half_the_memory()
         q = self.queue = JobQueue(self.service_file.parent / f"jobs-{os.getpid()}", self.service_file,
-                                  read_model_config(self.model_path), int(budget), open_job, close_job)
+                                  read_model_config(self.model_path), int(budget), open_job, close_job,
+                                  out_roots=self.out_roots)
 
         def listing() -> QueueList:
             return QueueList(entries=q.listing(), budget_mb=q.budget / 2**20, used_mb=q.used() / 2**20)
@@ -285,11 +294,17 @@ class Service:
     Args:
         model: a model spec (``smollm2-135m``, ``tiny-random``, a folder, a hub id).
         http_port: the OpenAI-compatible endpoint's port (0: the OS picks; ``None``: no HTTP).
-        http_host: where it binds; anything but loopback needs ``api_key``.
+        http_host: where it binds.
+        api_key: the key HTTP clients must send; ``None``: one is made at start. Either way it
+            is written to the service file (mode 0600), so only this user's processes read it.
+        api_keys: further keys, each a client of its own for the endpoint's per-client bounds.
         adapters: saved adapters to load at start, name -> folder (served as model names).
         service_file: where to write the service file (default :func:`home`).
-        budget_mb: the memory the job queue may fill with running jobs (estimated per job,
-            :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this machine's memory.
+        budget_mb: the memory the job queue may fill with running jobs (estimated per job, its
+            processes too, :func:`~opentinker.serve.queue.estimate_bytes`); 0: half of this
+            machine's memory. Jobs also start only while the machine's free memory holds them.
+        out_roots: the folders a queued run's ``out_dir`` may lie in (default: ``runs/`` beside
+            the service file; a relative ``out_dir`` lies in the first).
         ray: run the scheduler and the queue in a Ray actor (``"local"``: a Ray instance
             started here on 127.0.0.1; else the address of a running cluster, ``auto`` or
             ``host:port``), placed on a GPU when ``device`` is CUDA; ``""``: in this process.
@@ -301,10 +316,13 @@ class Service:
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "cpu", http_host: str = "127.0.0.1",
-                 http_port: int | None = 0, api_key: str | None = None, adapters: dict[str, str] | None = None,
+                 http_port: int | None = 0, api_key: str | None = None, api_keys: Sequence[str] = (), adapters: dict[str, str] | None = None,
                  service_file: Path | None = None, budget_mb: float = 0.0, ray: str = "", bus_host: str = "127.0.0.1",
-                 bus_curve: bool = False, **scheduler: Any) -> None:
+                 bus_curve: bool = False, out_roots: Sequence[str] = (), **scheduler: Any) -> None:
         from opentinker.bus.common import is_loopback, tcp_endpoint
+        from opentinker.serve.queue import check_budget_mb
+
+        check_budget_mb(budget_mb)
 
         if bus_host in ("0.0.0.0", "::", "*", ""):  # refused: not an address to connect to
             raise ValueError(f"--bus-host {bus_host!r}: give the address other machines reach this one at (jobs "
@@ -322,11 +340,11 @@ class Service:
                           "owner_public": owner[0].decode(), "owner_secret": owner[1].decode()}
         self.model = model
         self.device = device
-        self.http_host, self.http_port, self.api_key = http_host, http_port, api_key
+        self.http_host, self.http_port, self.api_key, self.api_keys = http_host, http_port, api_key, list(api_keys)
         self.service_file = service_file or home() / SERVICE_FILE
         self.core_args = dict(device=device, service_file=str(self.service_file), budget_mb=budget_mb,
                               adapters=dict(adapters or {}), bus_host="" if bus_host == "127.0.0.1" else bus_host,
-                              curve=self.curve, **scheduler)
+                              curve=self.curve, out_roots=[os.path.abspath(r) for r in out_roots] or None, **scheduler)
         self.ray = ray
         self.core: Any = None
         self.actor: Any = None
@@ -344,14 +362,17 @@ class Service:
             if self.http_port is not None:
                 from opentinker.serve.openai_api import make_app, start_http
 
-                app = make_app(endpoint, model_path, api_key=self.api_key, credentials=owner_credentials(self.curve))
+                # A shared service needs a key on loopback too: every local user reaches 127.0.0.1.
+                self.api_key = self.api_key or secrets.token_urlsafe(32)
+                app = make_app(endpoint, model_path, api_key=self.api_key, api_keys=self.api_keys,
+                               credentials=owner_credentials(self.curve))
                 self.http = start_http(app, host=self.http_host, port=self.http_port)
                 url = self.http.url
             c = self.curve or {}
             self.info = ServiceInfo(endpoint=endpoint, model_path=model_path, user=run_user(),
                                     secret=run_secret().decode(), http=url, pid=os.getpid(), device=self.device,
                                     curve_server=c.get("server_public", ""), curve_public=c.get("owner_public", ""),
-                                    curve_secret=c.get("owner_secret", ""))
+                                    curve_secret=c.get("owner_secret", ""), api_key=self.api_key or "")
             self.info.write(self.service_file)
         except BaseException:
             self.stop()
