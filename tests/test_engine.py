@@ -555,3 +555,40 @@ def test_bf16_engine_samples_and_trains_close_to_fp32(hosts, tiny_path):
     half.forward_backward("pol", [_datum(20)], "ppo", {}, 10.0)
     half.optim_step("pol", AdamParams(lr=1e-2))
     assert any(not torch.equal(p, before[k]) for k, p in half.adapters["pol"].named.items())
+
+
+def test_waiting_rows_are_admitted_fairly_over_peers(tiny_path):
+    """One peer's flood of rows does not queue another peer's few behind it: waiting rows are
+    admitted round-robin over the scheduler's peers, fewest running first (the attack's case:
+    a 3-token request behind 512 maximum-length rows of one peer)."""
+    from opentinker.engine.host import ModelHost
+
+    host = ModelHost(tiny_path, threads=1, engine="own", engine_options={"max_rows": 4})
+    eng = host.engine
+    eng.scheduler.fair_key = lambda seq: seq.owner
+    long, short = SamplingParams(max_tokens=50), SamplingParams(max_tokens=3)
+    flood = [eng.add(None, p, long, i, owner="flood") for i, p in enumerate(_prompts(12, seed=1))]
+    eng.step()  # four of the flood run; eight wait
+    polite = eng.add(None, _prompts(1, seed=2)[0], short, 99, owner="polite")
+    done_at, steps = None, 0
+    while done_at is None and steps < 200:
+        _, finished = eng.step()
+        steps += 1
+        if polite in finished:
+            done_at = steps
+    assert done_at is not None and polite.stop_reason is not None
+    # It went in at the first free row, ahead of the flood's eight waiting rows: done long
+    # before the first of those (which need 50 tokens after a row frees) could be.
+    assert sum(1 for s in flood if s.status.name == "FINISHED") <= 4 and done_at < 60
+    eng.cancel(flood)
+    eng.step()
+    # Without fairness the same arrival order waits behind the flood.
+    eng.scheduler.fair_key = None
+    flood = [eng.add(None, p, long, i, owner="flood") for i, p in enumerate(_prompts(12, seed=3))]
+    eng.step()
+    polite = eng.add(None, _prompts(1, seed=4)[0], short, 98, owner="polite")
+    steps = 0
+    while polite.stop_reason is None and steps < 200:
+        eng.step()
+        steps += 1
+    assert steps > done_at + 40

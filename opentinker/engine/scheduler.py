@@ -154,6 +154,10 @@ class Scheduler:
         the rows running are what fits."""
         self.on_admit: Callable[[Sequence], None] | None = None
         """Called with each row admitted (to running, or as a running row's twin)."""
+        self.fair_key: Callable[[Sequence], Hashable] | None = None
+        """Who a row is for (a scheduler's bus peer): waiting rows are admitted round-robin
+        over these, fewest running first, so one peer's flood of rows does not queue another's
+        few behind it; ``None``: first come, first served."""
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -246,8 +250,26 @@ class Scheduler:
             finished.append(seq)
         return finished + self._admit()
 
+    def _fair_order(self) -> None:
+        """Reorder the waiting rows by :attr:`fair_key`: each row ranks by the rows of its key
+        running or ahead of it in the queue (the k-th waiting row of a key with r running
+        ranks r + k), ties by arrival. One key only: the order stays."""
+        if self.fair_key is None or len(self.waiting) < 2:
+            return
+        keys = [self.fair_key(s) for s in self.waiting]
+        if len(set(keys)) < 2:
+            return
+        ahead = collections.Counter(self.fair_key(s) for s in self.running)
+        ranked = []
+        for i, (k, seq) in enumerate(zip(keys, self.waiting)):
+            ranked.append((ahead[k], i, seq))
+            ahead[k] += 1
+        self.waiting = collections.deque(seq for _, _, seq in sorted(ranked, key=lambda r: r[:2]))
+
     def _admit(self) -> list[Sequence]:
-        """Move waiting rows into the running set while blocks and row slots last."""
+        """Move waiting rows into the running set while blocks and row slots last (in
+        :meth:`_fair_order`)."""
+        self._fair_order()
         gone: list[Sequence] = []
         keep: collections.deque[Sequence] = collections.deque()
         # Rows computing their prompt, by (namespace, prompt): a waiting row with the same key

@@ -244,6 +244,9 @@ class _Job:
     """Its caller cancelled before it started: it never runs."""
     tenant: str = ""
     """The job it came from on a shared scheduler (its compute time is charged to it)."""
+    peer: str = ""
+    """The bus peer that sent it (its ``Hello`` name): waiting rows are admitted fairly over
+    ``(tenant, peer)``."""
 
 
 class SchedulerService:
@@ -459,11 +462,18 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
             self.tenant_ms[tenant] += 1000.0 * seconds
         return charged
 
+    def _peer(self) -> str:
+        """The name of the peer whose request is being served ("" outside a handler)."""
+        try:
+            return self.server.peer_name()
+        except (RuntimeError, AttributeError):
+            return ""
+
     async def _submit(self, msg: Message, tenant: str = "") -> Message:
         """Queue ``msg`` for the compute thread and wait for its reply (a cancelled caller drops
         it while queued, frees its rows while sampling, else waits for the state change)."""
         loop = asyncio.get_running_loop()
-        job = _Job(msg, loop.create_future(), loop, tenant=tenant)
+        job = _Job(msg, loop.create_future(), loop, tenant=tenant, peer=self._peer())
         if isinstance(msg, SampleRequest) and wants_stream(msg):
             job.emit = self.server.emitter()
         with self._cv:

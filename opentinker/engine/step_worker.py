@@ -198,6 +198,9 @@ class StepWorker:
         self.parts: dict[str, Generator[None, None, Any]] = {}
         """Adapter -> the operation at its queue's head that has run some of its parts."""
         self.jobs = JobShare(fair_window_s, anticipate_s=anticipate_s)
+        # Waiting rows admitted round-robin over the peers (and jobs) that sent them.
+        self.engine.scheduler.fair_key = lambda seq: (getattr(seq.owner, "tenant", ""),
+                                                      getattr(seq.owner, "peer", ""))
         self.behind: set[str] = set()
         """Jobs held back this turn (:class:`JobShare`); empty unless the scheduler is shared."""
         self.slots: dict[str, int] = {}
