@@ -5,6 +5,7 @@ The OpenAI-compatible endpoint has its own tests (``tests/test_openai_api.py``).
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import os
 import subprocess
@@ -555,6 +556,12 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
     try:
         big = _jobs("submit", *_job_args(tiny_path, tmp_path / "runs"), "--memory-mb", "1000", service=file)
         assert big.returncode == 2 and "needs about 1000.0 MB" in big.stderr and "budget is 600.0 MB" in big.stderr
+        assert not big.stderr.startswith("opentinker jobs submit: ValueError")  # the reason, not our class
+        # A job naming another model than the service's is refused, as run --scheduler refuses it.
+        other = tmp_path / "other_model"
+        shutil.copytree(tiny_path, other)
+        wrong = _jobs("submit", *_job_args(str(other), tmp_path / "runs"), service=file)
+        assert wrong.returncode == 2 and "model.base: the service serves" in wrong.stderr, wrong.stderr
         ids = []
         for i, extra in enumerate((["--set", "name=first"], ["--set", "name=crashes", "--set", "train.steps=400"],
                                    ["--set", "name=cancelled"], ["--set", "name=last"])):

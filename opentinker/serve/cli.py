@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import sys
 import time
@@ -265,6 +266,7 @@ def jobs_main(args: argparse.Namespace) -> int:
             reply = c.request(msg, 600)
     except (ValueError, OSError, TimeoutError, RemoteError) as e:
         text = str(e.error.message) if isinstance(e, RemoteError) else str(e)
+        text = re.sub(r"^(ValueError|KeyError|OSError|TypeError): ", "", text)  # the service's reason, not our class
         print(f"opentinker jobs {args.jobs_command}: {escape_controls(text)}", file=sys.stderr)
         return 2
     if args.jobs_command in ("submit", "cancel"):

@@ -299,6 +299,13 @@ class JobQueue:
                 cfg = load_config(folder / "config.toml")
                 cfg = msgspec.structs.replace(cfg, out_dir=confine_out_dir(cfg.out_dir, self.out_roots))
                 check_config(cfg)
+                if model_path:  # a job runs on the service's model: its config must say so (as run --scheduler)
+                    from opentinker.engine.model_specs import resolve_model
+
+                    if os.path.realpath(resolve_model(cfg.model.base)) != os.path.realpath(model_path):
+                        raise ConfigError("model.base", f"the service serves {model_path}, this job names "
+                                                        f"{cfg.model.base!r}: set model.base to the service's "
+                                                        f"(--set model.base={model_path})")
                 (folder / "config.toml").write_bytes(to_toml(cfg))  # the out_dir it runs in, resolved
         except (ConfigError, OSError, ValueError) as e:
             shutil.rmtree(folder, ignore_errors=True)
