@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
+import re
 import sys
 import time
 from pathlib import Path
