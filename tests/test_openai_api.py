@@ -146,6 +146,13 @@ def test_models_list_adapters_and_unknown_models_are_404(api):
                 {"max_tokens": 10 ** 6}, {"presence_penalty": 0.5}, {"stop": [""]}):
         with pytest.raises(openai.BadRequestError):
             api.chat.completions.create(**{"model": "base", "messages": MESSAGES, **bad})
+    # A format or tools the server cannot honour are refused by name, never silently ignored.
+    for field, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}])):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model="base", messages=MESSAGES, max_tokens=2, **{field: value})
+        assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
+    ok = api.chat.completions.create(model="base", messages=MESSAGES, max_tokens=2, response_format={"type": "text"})
+    assert len(ok.choices) == 1
 
 
 def test_scheduler_errors_map_to_http_statuses():

@@ -105,7 +105,8 @@ MAX_CONNECTIONS = 128
 BASE = "base"
 """The model name of the bare base model (an adapter of that name is not reachable here)."""
 _UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": None,
-                "frequency_penalty": None, "repetition_penalty": 1, "echo": None, "suffix": None, "best_of": 1}
+                "frequency_penalty": None, "repetition_penalty": 1, "echo": None, "suffix": None, "best_of": 1,
+                "response_format": {"type": "text"}, "tool_choice": "none"}
 """Fields this server cannot honour -> the one value besides unset (falsy) that it accepts."""
 
 
@@ -369,7 +370,8 @@ def start_http(app: fastapi.FastAPI, host: str = "127.0.0.1", port: int = 0, *, 
     """
     if not is_loopback(f"tcp://{host}:0") and not getattr(app.state, "api_key", None):
         raise ValueError(f"refusing to serve on {host} without an API key: a non-loopback address is reachable "
-                         "from the network (make_app(..., api_key=...)), or serve on 127.0.0.1")
+                         "from the network (opentinker serve --api-key-file FILE; from Python, make_app(..., "
+                         "api_key=...)), or serve on 127.0.0.1")
     # Connections beyond MAX_CONNECTIONS are answered 503 at once: each may hold a body of up
     # to Limits.max_body_bytes while it is read.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None, access_log=False,
