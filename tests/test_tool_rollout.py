@@ -116,3 +116,40 @@ def test_a_tool_result_is_observation_tokens_with_mask_zero(chat_tok):
     ev = GameEval(unit="success", competitive=False)
     metrics = pairing_metrics(ev, "main", [spec], [summary])
     assert metrics["success"] == 1.0 and metrics["tool_calls"] == 1.0 and metrics["invalid_tool_calls"] == 0.0
+
+
+def test_a_two_seat_game_gives_only_the_seat_with_tools_its_declarations_and_results(chat_tok):
+    import games
+    from games.negotiation import worth
+
+    main = PolicyRef(kind=PolicyKind.ADAPTER, name="main")
+    spec = EpisodeSpec(episode_id=4, group_id=0, game="negotiation_v0", game_kwargs={"value_tool": True}, seed=0,
+                       seats={"player_0": main, "player_1": main}, train=True)
+    probe = games.make("negotiation_v0", value_tool=True)
+    probe.reset(seed=0)  # the episode's hand
+    pool, values = probe.unwrapped.pool, probe.unwrapped.values
+    take = {"book": 0, "hat": pool["hat"], "ball": 0}
+    msg = RunEpisodes(episodes=[spec], sampling=SamplingParams(max_tokens=48), system_prompt="You negotiate.",
+                      learners={"main": "tcp://127.0.0.1:1"})
+    replies = iter([format_call("value_of", {"item": "hat"}), format_call("value_of", {"item": "ball"}),
+                    f"propose: books=0 hats={pool['hat']} balls=0", "accept"])
+    prompts = []
+
+    async def sample(ref, prompt, params):  # what the model writes: two calls, a proposal, an accept
+        prompts.append(chat_tok.decode(prompt, skip_special_tokens=False))
+        toks = np.asarray([*chat_tok.encode(next(replies)), chat_tok.eos_id], np.int32)
+        return SampleResult(tokens=[toks], logprobs=[np.zeros(len(toks), np.float32)],
+                            stop_reasons=[StopReason.STOP], adapter_version=0, batch_id=0)
+
+    summary, trajectories = run(play_episode(spec, msg, chat_tok, sample))
+    by_seat = {t.seat: t for t in trajectories}
+    rest = {i: pool[i] - take[i] for i in pool}
+    assert summary.rewards == {"player_0": worth(take, values["player_0"]), "player_1": worth(rest, values["player_1"])}
+    assert summary.tool_calls == {"player_0": 2, "player_1": 0} and summary.turns == {"player_0": 3, "player_1": 1}
+    assert [t.parse for t in by_seat["player_0"].turns] == [ParseOutcome.TOOL_CALL] * 2 + [ParseOutcome.OK]
+    assert [chat_tok.decode(t.obs_tokens, skip_special_tokens=False) for t in by_seat["player_0"].turns[1:]] == [
+        f"\n<|im_start|>tool\n{values['player_0'][i]}<|im_end|>\n<|im_start|>assistant\n" for i in ("hat", "ball")]
+    # Only player_0 has the tool: its declarations, and its values only through the tool.
+    assert all('"name": "value_of"' in p and "ask the value_of tool" in p for p in prompts[:3])
+    assert "You may call" not in prompts[3] and "tool_call" not in prompts[3]
+    assert "Your values: book {book}, hat {hat}, ball {ball}".format(**values["player_1"]) in prompts[3]
