@@ -119,7 +119,7 @@ def test_lora_vs_full_on_the_tool_task_runs_the_bundled_tools_job(monkeypatch) -
     # Flags left at Kuhn poker's defaults take the bundled job's values; a flag given wins.
     assert (args.steps, args.max_tokens, args.lora_lr, args.target) == (3, tools.sampling.max_tokens, tools.train.lr,
                                                                         0.5)
-    assert args.opponents == "calc_tool_user=1" and args.eval_every == tools.eval.every
+    assert args.opponents == "random=1" and args.eval_every == tools.eval.every
     for kind, lr in (("lora", tools.train.lr), ("full", args.full_lr)):
         cfg = lvf.job_config(args, kind, 1)
         assert (cfg.game, cfg.seed, cfg.policies[0].kind, cfg.train.lr, cfg.train.steps) == ("calculator_v0", 1, kind,
