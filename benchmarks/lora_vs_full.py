@@ -68,6 +68,9 @@ class Args:
     game: str = "kuhn_poker_v0"
     """Kuhn poker, or a game of ``GAME_JOBS`` (its bundled job)."""
     seeds: str = "0,1"
+    full_seeds: str = ""
+    """Seeds of the full-training runs, a subset of ``seeds`` (``""``: all of them); the ratios
+    are over the seeds that have both kinds."""
     model: str = "smollm2-135m"
     steps: int = 24
     groups_per_step: int = 8
@@ -204,14 +207,15 @@ def scripted_baselines(game: str, n: int = 200) -> dict[str, dict[str, float]]:
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """full / LoRA of each measure, per seed and as the mean over seeds with its bootstrap
-    interval (time to target only where both kinds reached it)."""
+    interval (over the seeds run with both kinds; time to target only where both reached it)."""
     out: dict[str, dict[str, float]] = {}
     keys = ("s_per_step", "learn_s_per_step", "peak_rss_total_mb", "peak_rss_largest_mb", "train_tokens_per_s",
             "decode_tokens_per_s", "wall_s_to_target")
     seeds = sorted({r["seed"] for r in rows})
+    both = [s for s in seeds if {r["kind"] for r in rows if r["seed"] == s} >= set(KINDS)]
     for k in keys:
         per_seed = []
-        for s in seeds:
+        for s in both:
             lora, full = (next(r for r in rows if r["seed"] == s and r["kind"] == kind) for kind in KINDS)
             if lora[k] and full[k] is not None:
                 per_seed.append(full[k] / lora[k])
@@ -251,9 +255,10 @@ def main() -> None:
                       {k: msgspec.to_builtins(job_config(args, k, seeds[0])) for k in KINDS},
                       args.threads or None, args.device)
     t0 = time.perf_counter()
+    full_seeds = [int(s) for s in args.full_seeds.split(",")] if args.full_seeds else seeds
     rows = []
     for seed in seeds:
-        for kind in KINDS:
+        for kind in (k for k in KINDS if k == "lora" or seed in full_seeds):
             print(f"{kind}, seed {seed}: {args.steps} steps x {args.groups_per_step * args.group_size} episodes", flush=True)
             rows.append(run_one(args, kind, seed, ev))
     r = ratios(rows)

@@ -408,7 +408,10 @@ def render_lora_vs_full(results: Path, name: str = "lora_vs_full") -> str:
     header = ["kind", f"final {unit} vs random (per seed, 95% CI)", f"time to {r['args']['target']:+g}",
               "episodes to it", *(label for _, label, _ in LVF_COLUMNS)]
     p = r["provenance"]
-    head = (f"`{r['game']}`, {len({row['seed'] for row in r['rows']})} seeds, {r['args']['steps']} steps of "
+    seeds = {k: sorted({row["seed"] for row in r["rows"] if row["kind"] == k}) for k in ("lora", "full")}
+    said = (f"{len(seeds['lora'])} seeds" if seeds["lora"] == seeds["full"] else
+            f"seeds {', '.join(map(str, seeds['lora']))} with LoRA, {', '.join(map(str, seeds['full']))} with full training")
+    head = (f"`{r['game']}`, {said}, {r['args']['steps']} steps of "
             f"{r['args']['groups_per_step'] * r['args']['group_size']} episodes; "
             f"{_machine_label({**p, 'cpu_capability': p['capability']})}; {r['wall_s'] / 60:.0f} min in all "
             f"(commit `{p['commit'][:7]}`: `{p['command']}`)\n\n")
@@ -417,8 +420,8 @@ def render_lora_vs_full(results: Path, name: str = "lora_vs_full") -> str:
 
 def render_tools_job(results: Path) -> str:
     """The bundled ``tools`` job per seed (the LoRA runs of ``lora_vs_full_tools.json``): the
-    success rate before and after with 95% intervals, tool calls and invalid calls per problem,
-    the wall time; then the scripted seats on the same task."""
+    success rate at every evaluation, at the end with its 95% interval, tool calls and invalid
+    calls per problem at the end, the wall time; then the scripted seats on the same task."""
     r = load(results, "lora_vs_full_tools")
     unit = r["unit"]
 
@@ -427,8 +430,9 @@ def render_tools_job(results: Path) -> str:
 
     rows = []
     for row in (row for row in r["rows"] if row["kind"] == "lora"):
-        first, f = row["curve"][0], row["final"]
-        rows.append([str(row["seed"]), f"{first[unit]:.3f}", rate(f[unit], f["ci95"]), f"{f.get('tool_calls', 0):.2f}",
+        f = row["final"]
+        curve = ", ".join(f"{c[unit]:.3f} ({c['step']})" for c in row["curve"])
+        rows.append([str(row["seed"]), curve, rate(f[unit], f["ci95"]), f"{f.get('tool_calls', 0):.2f}",
                      f"{f.get('invalid_tool_calls', 0):.2f}", f"{row['wall_s'] / 60:.1f} min"])
     for name, b in r.get("scripted", {}).items():
         rows.append([f"scripted `{name}`", "", rate(b[unit], b["ci95"]), f"{b['tool_calls']:.2f}", "", ""])
@@ -437,8 +441,8 @@ def render_tools_job(results: Path) -> str:
             f"problems, evaluated on {int(r['rows'][0]['final']['hands'])} problems; "
             f"{_machine_label({**p, 'cpu_capability': p['capability']})}"
             + (f"; {r['args']['note']}" if r["args"].get("note") else "") + "\n\n")
-    header = ["seed", f"{unit} before", f"{unit} after (95% CI)", "tool calls / problem", "invalid calls / problem",
-              "wall time"]
+    header = ["seed", f"{unit} at each evaluation (step)", f"{unit} at the end (95% CI)", "tool calls / problem",
+              "invalid calls / problem", "wall time"]
     return head + table(header, rows)
 
 
