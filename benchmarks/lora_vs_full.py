@@ -232,8 +232,9 @@ def claim(r: dict[str, dict[str, float]]) -> str:
     fast, small = speed >= PAPER["speedup"], mem >= PAPER["memory_saving"]
     parts = [(f"full training takes {speed:.2f}x LoRA's time per step (paper: LoRA ~{PAPER['speedup']:.0f}x faster: "
               f"{'holds' if fast else 'does not hold'} here)"),
-             (f"LoRA's scheduler peaks at {100 * mem:.0f}% less memory than full training's (paper: ~"
-              f"{100 * PAPER['memory_saving']:.0f}% less: {'holds' if small else 'does not hold'} here)")]
+             (f"LoRA's scheduler peaks at {abs(100 * mem):.0f}% {'less' if mem >= 0 else 'more'} memory than full "
+              f"training's (paper: ~{100 * PAPER['memory_saving']:.0f}% less: {'holds' if small else 'does not hold'} "
+              "here)")]
     if "wall_s_to_target" in r:
         n = len(r["wall_s_to_target"]["per_seed"])
         parts.append(f"time to the target result, on the {n} seed(s) where both kinds reached it: full / LoRA = "
