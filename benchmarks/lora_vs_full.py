@@ -266,7 +266,7 @@ def main() -> None:
     words = claim(r)
     result = {"provenance": prov, "args": asdict(args), "game": args.game, "unit": ev.unit, "rows": rows, "ratios": r,
               "claim": words, "paper": PAPER, "scripted": scripted_baselines(args.game),
-              "wall_s": time.perf_counter() - t0}
+              "wall_s": time.perf_counter() - t0, "runs_wall_s": sum(row["wall_s"] for row in rows)}
     text = json.dumps(result, indent=1)
     (out / "lora_vs_full.json").write_text(text)
     if args.json:

@@ -413,7 +413,8 @@ def render_lora_vs_full(results: Path, name: str = "lora_vs_full") -> str:
             f"seeds {', '.join(map(str, seeds['lora']))} with LoRA, {', '.join(map(str, seeds['full']))} with full training")
     head = (f"`{r['game']}`, {said}, {r['args']['steps']} steps of "
             f"{r['args']['groups_per_step'] * r['args']['group_size']} episodes; "
-            f"{_machine_label({**p, 'cpu_capability': p['capability']})}; {r['wall_s'] / 60:.0f} min in all "
+            f"{_machine_label({**p, 'cpu_capability': p['capability']})}; "
+            f"{r.get('runs_wall_s', r['wall_s']) / 60:.0f} min in all "
             f"(commit `{p['commit'][:7]}`: `{p['command']}`)\n\n")
     return head + table(header, rows) + "\n" + lora_vs_full_claim(r["ratios"]) + "\n"
 
