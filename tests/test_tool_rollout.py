@@ -153,3 +153,26 @@ def test_a_two_seat_game_gives_only_the_seat_with_tools_its_declarations_and_res
     assert all('"name": "value_of"' in p and "ask the value_of tool" in p for p in prompts[:3])
     assert "You may call" not in prompts[3] and "tool_call" not in prompts[3]
     assert "Your values: book {book}, hat {hat}, ball {ball}".format(**values["player_1"]) in prompts[3]
+
+
+def test_the_final_table_and_the_progress_line_show_tool_calls():
+    import io
+
+    from rich.console import Console
+
+    import games
+    from opentinker.eval.report import summary_table
+    from opentinker.run import _status
+
+    ev = games.evaluation("calculator_v0")
+    first = {"eval/main/vs_random/success": 0.0, "eval/main/vs_random/ci95": 0.0,
+             "eval/main/vs_random/tool_calls": 0.0, "eval/main/vs_random/invalid_tool_calls": 0.0}
+    last = {**first, "eval/main/vs_random/tool_calls": 1.25, "eval/main/vs_random/invalid_tool_calls": 0.5}
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table(first, last, ["main"], 10, ev))
+    lines = [line for line in out.getvalue().splitlines() if "tool calls" in line]
+    assert len(lines) == 2 and "1.2500" in lines[0] and "0.5000" in lines[1], lines
+    line = _status({"train/main/reward": 0.5, "train/main/invalid_rate": 0.0, "train/main/tool_calls": 1.5,
+                    "train/main/invalid_tool_calls": 0.25}, ["main"], "train", ev)
+    assert line == "reward +0.50 invalid 0% tool calls 1.50 (0.25 invalid)"
+    assert "tool" not in _status({"train/main/reward": 0.5, "train/main/invalid_rate": 0.0}, ["main"], "train", ev)
