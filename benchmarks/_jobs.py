@@ -122,13 +122,17 @@ def eval_curve(rows: list[dict[str, Any]], name: str, ev: games.GameEval, per_st
 
 def final_metrics(ev_row: dict[str, Any], name: str, ev: games.GameEval) -> dict[str, float]:
     """A learner's final evaluation: the unit against random with its interval and invalid
-    rate, and the exact measures with the canonical mass where the game has them."""
+    rate, the exact measures with the canonical mass where the game has them, and the tool
+    calls and invalid calls per game where it has tools."""
     p = f"eval/{name}/vs_random/"
     out = {ev.unit: ev_row[p + ev.unit], "ci95": ev_row[p + "ci95"], "invalid_rate": ev_row[p + "invalid_rate"],
            "hands": ev_row[p + "hands"]}
     for m in (*(x.name for x in ev.exact), "canonical_mass"):
         if ev_row.get(f"eval/{name}/{m}") is not None:
             out[m] = ev_row[f"eval/{name}/{m}"]
+    for m in ("tool_calls", "invalid_tool_calls"):  # a game with tools: per game
+        if ev_row.get(p + m) is not None:
+            out[m] = ev_row[p + m]
     return out
 
 

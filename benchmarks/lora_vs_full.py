@@ -1,15 +1,17 @@
 """LoRA against full-parameter training: the same job, the same seeds, one run per (kind, seed).
 
-Each run is ``opentinker run`` of the same Kuhn poker job (by default the one
-``compare_learners.py`` runs, with one policy), once with ``kind = "lora"`` (an adapter on the
+Each run is ``opentinker run`` of the same job: by default a Kuhn poker job (the one
+``compare_learners.py`` runs, with one policy); with ``--game`` another game's bundled job
+(``--game calculator_v0``: the ``tools`` job, whose flags' values it takes for every flag left
+at its default, and a success rate of ``--target 0.5``). Each job runs once with ``kind = "lora"`` (an adapter on the
 shared base model) and once with ``kind = "full"`` (a private copy of every base weight on the
 same scheduler, AdamW on all of them), each at its own learning rate (``--lora_lr``,
 ``--full_lr``: full fine-tuning wants a far smaller step). Measured per run, then as ratios
 full / LoRA (mean over seeds):
 
 * time to the same evaluation result: the job's training wall-clock (rollout + learning,
-  evaluations left out) at the first evaluation with ``<unit>`` against random at or above
-  ``--target``;
+  evaluations left out) and its episodes, at the first evaluation with ``<unit>`` against
+  random at or above ``--target``; the final ``<unit>`` with its 95% interval;
 * seconds per training step, and the learner's own update time per step (``learn_s``);
 * peak memory: the sum over the job's processes and the largest process (the scheduler,
   which holds the weights, the optimizer states and the activations), sampled every 0.5 s;
@@ -20,6 +22,7 @@ The OpenTinker paper reports LoRA about 3x faster and using about 40% less memor
 training; the script says whether that holds on this machine and model.
 
     python benchmarks/lora_vs_full.py --json benchmarks/results/lora_vs_full.json
+    python benchmarks/lora_vs_full.py --game calculator_v0 --json benchmarks/results/lora_vs_full_tools.json
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 from _args import parse_args
 
 from _machine import provenance  # isort: skip  (first: before torch)
@@ -51,7 +55,8 @@ from _jobs import (
 )
 
 import games
-from opentinker.config import JobConfig, to_toml
+from games.tool_use import find_tool_use
+from opentinker.config import JobConfig, load_config, to_toml
 
 KINDS = ("lora", "full")
 PAPER = {"speedup": 3.0, "memory_saving": 0.40}
@@ -60,7 +65,12 @@ PAPER = {"speedup": 3.0, "memory_saving": 0.40}
 
 @dataclass
 class Args:
+    game: str = "kuhn_poker_v0"
+    """Kuhn poker, or a game of ``GAME_JOBS`` (its bundled job)."""
     seeds: str = "0,1"
+    full_seeds: str = ""
+    """Seeds of the full-training runs, a subset of ``seeds`` (``""``: all of them); the ratios
+    are over the seeds that have both kinds."""
     model: str = "smollm2-135m"
     steps: int = 24
     groups_per_step: int = 8
@@ -82,23 +92,55 @@ class Args:
     json: str = ""
     quick: bool = False
     """A smoke run: the tiny random model, one seed, two steps, local backend (the test's)."""
+    note: str = ""
+    """Saved with the result (e.g. what else the machine was running)."""
 
 
 QUICK = {"model": "tiny-random", "seeds": "0", "steps": 2, "groups_per_step": 2, "group_size": 2, "eval_every": 1,
          "eval_hands": 1, "final_hands": 1, "backend": "local", "threads": 1, "max_tokens": 4}
 GAME = "kuhn_poker_v0"
+GAME_JOBS = {"calculator_v0": ("tools", 0.5)}
+"""Other games: (the bundled job this script runs, the target of its unit)."""
+
+
+def bundled(game: str) -> dict[str, Any]:
+    """The bundled job of ``game`` as a dict (``{}`` for Kuhn poker, whose job is built here)."""
+    if game == GAME:
+        return {}
+    if game not in GAME_JOBS:
+        raise SystemExit(f"--game {game!r}: lora_vs_full knows {GAME} and {', '.join(GAME_JOBS)}")
+    return msgspec.to_builtins(load_config(GAME_JOBS[game][0]))
+
+
+def game_defaults(args: Args) -> Args:
+    """``args`` with every flag still at its (Kuhn poker) default set from the game's bundled job."""
+    job = bundled(args.game)
+    if not job:
+        return args
+    t, e, p = job["train"], job["eval"], job["policies"][0]
+    own = {"steps": t["steps"], "groups_per_step": t["groups_per_step"], "group_size": t["group_size"],
+           "lora_lr": t["lr"], "max_tokens": job["sampling"]["max_tokens"], "eval_every": e["every"],
+           "eval_hands": e["hands_per_stratum"], "final_hands": e["final_hands_per_stratum"],
+           "opponents": ",".join(f"{k}={v:g}" for k, v in p["opponents"].items()), "target": GAME_JOBS[args.game][1],
+           "out": f"runs/lora_vs_full_{GAME_JOBS[args.game][0]}"}
+    default = Args()
+    return replace(args, **{k: v for k, v in own.items() if getattr(args, k) == getattr(default, k)})
 
 
 def job_config(args: Args, kind: str, seed: int) -> JobConfig:
-    """The job of one (kind, seed): one policy ``main`` of that kind, all else shared."""
+    """The job of one (kind, seed): one policy ``main`` of that kind, all else shared (a bundled
+    job's other settings, e.g. its system prompt and exploration, kept)."""
+    job = bundled(args.game)
     return msgspec.convert({
-        "name": f"lvf_{kind}", "seed": seed, "game": GAME, "out_dir": str(Path(args.out).resolve() / "runs"),
+        **job,
+        "name": f"lvf_{kind}", "seed": seed, "game": args.game, "out_dir": str(Path(args.out).resolve() / "runs"),
         "model": model_table(args.model, args.device, args.threads),
         "policies": [{"name": "main", "kind": kind, "opponents": opponent_mix(args.opponents)}],
-        "train": {"steps": args.steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size,
-                  "lr": args.lora_lr if kind == "lora" else args.full_lr, "checkpoint_every": 0},
-        "sampling": {"max_tokens": args.max_tokens},
-        "eval": {"every": args.eval_every, "hands_per_stratum": args.eval_hands,
+        "train": {**job.get("train", {}), "steps": args.steps, "groups_per_step": args.groups_per_step,
+                  "group_size": args.group_size, "lr": args.lora_lr if kind == "lora" else args.full_lr,
+                  "checkpoint_every": 0},
+        "sampling": {**job.get("sampling", {}), "max_tokens": args.max_tokens},
+        "eval": {**job.get("eval", {}), "every": args.eval_every, "hands_per_stratum": args.eval_hands,
                  "final_hands_per_stratum": args.final_hands, "head_to_head_per_stratum": 0, "ratings": False},
         "runtime": {"backend": args.backend},
     }, JobConfig)
@@ -137,16 +179,43 @@ def run_one(args: Args, kind: str, seed: int, ev: games.GameEval) -> dict[str, A
     }
 
 
+def scripted_baselines(game: str, n: int = 200) -> dict[str, dict[str, float]]:
+    """A one-seat task's scripted seats (its evaluation hook's), each over ``n`` seeded
+    episodes: the mean reward with its 95% normal interval, and tool calls per episode."""
+    ev = games.evaluation(game)
+    if len(games.make(game).possible_agents) != 1:
+        return {}
+    out = {}
+    for name in ev.scripted:
+        seat, rng, rewards, calls = games.make_scripted(name), np.random.default_rng(0), [], 0
+        for seed in range(n):
+            env = games.make(game)
+            env.reset(seed=10_000 + seed)
+            total = 0.0
+            for _ in env.agent_iter(max_iter=100):
+                obs, _, term, trunc, info = env.last()
+                env.step(None if term or trunc else seat.act(obs["text"], info, rng))
+                total += sum(env.rewards.values())
+            rewards.append(total)
+            box = find_tool_use(env)
+            calls += sum(box.tool_calls.values()) if box else 0
+        x = np.asarray(rewards)
+        out[name] = {ev.unit: float(x.mean()), "ci95": float(1.96 * x.std(ddof=1) / np.sqrt(n)),
+                     "tool_calls": calls / n, "episodes": n}
+    return out
+
+
 def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """full / LoRA of each measure, per seed and as the mean over seeds with its bootstrap
-    interval (time to target only where both kinds reached it)."""
+    interval (over the seeds run with both kinds; time to target only where both reached it)."""
     out: dict[str, dict[str, float]] = {}
     keys = ("s_per_step", "learn_s_per_step", "peak_rss_total_mb", "peak_rss_largest_mb", "train_tokens_per_s",
             "decode_tokens_per_s", "wall_s_to_target")
     seeds = sorted({r["seed"] for r in rows})
+    both = [s for s in seeds if {r["kind"] for r in rows if r["seed"] == s} >= set(KINDS)]
     for k in keys:
         per_seed = []
-        for s in seeds:
+        for s in both:
             lora, full = (next(r for r in rows if r["seed"] == s and r["kind"] == kind) for kind in KINDS)
             if lora[k] and full[k] is not None:
                 per_seed.append(full[k] / lora[k])
@@ -163,8 +232,9 @@ def claim(r: dict[str, dict[str, float]]) -> str:
     fast, small = speed >= PAPER["speedup"], mem >= PAPER["memory_saving"]
     parts = [(f"full training takes {speed:.2f}x LoRA's time per step (paper: LoRA ~{PAPER['speedup']:.0f}x faster: "
               f"{'holds' if fast else 'does not hold'} here)"),
-             (f"LoRA's scheduler peaks at {100 * mem:.0f}% less memory than full training's (paper: ~"
-              f"{100 * PAPER['memory_saving']:.0f}% less: {'holds' if small else 'does not hold'} here)")]
+             (f"LoRA's scheduler peaks at {abs(100 * mem):.0f}% {'less' if mem >= 0 else 'more'} memory than full "
+              f"training's (paper: ~{100 * PAPER['memory_saving']:.0f}% less: {'holds' if small else 'does not hold'} "
+              "here)")]
     if "wall_s_to_target" in r:
         n = len(r["wall_s_to_target"]["per_seed"])
         parts.append(f"time to the target result, on the {n} seed(s) where both kinds reached it: full / LoRA = "
@@ -177,24 +247,26 @@ def claim(r: dict[str, dict[str, float]]) -> str:
 
 
 def main() -> None:
-    args = parse_args(Args, __doc__, quick=QUICK)[0]
+    args = game_defaults(parse_args(Args, __doc__, quick=QUICK)[0])
     seeds = [int(s) for s in args.seeds.split(",")]
-    ev = games.evaluation(GAME)
+    ev = games.evaluation(args.game)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prov = provenance([Path(sys.argv[0]).name, *sys.argv[1:]],
                       {k: msgspec.to_builtins(job_config(args, k, seeds[0])) for k in KINDS},
                       args.threads or None, args.device)
     t0 = time.perf_counter()
+    full_seeds = [int(s) for s in args.full_seeds.split(",")] if args.full_seeds else seeds
     rows = []
     for seed in seeds:
-        for kind in KINDS:
+        for kind in (k for k in KINDS if k == "lora" or seed in full_seeds):
             print(f"{kind}, seed {seed}: {args.steps} steps x {args.groups_per_step * args.group_size} episodes", flush=True)
             rows.append(run_one(args, kind, seed, ev))
     r = ratios(rows)
     words = claim(r)
-    result = {"provenance": prov, "args": asdict(args), "game": GAME, "unit": ev.unit, "rows": rows, "ratios": r,
-              "claim": words, "paper": PAPER, "wall_s": time.perf_counter() - t0}
+    result = {"provenance": prov, "args": asdict(args), "game": args.game, "unit": ev.unit, "rows": rows, "ratios": r,
+              "claim": words, "paper": PAPER, "scripted": scripted_baselines(args.game),
+              "wall_s": time.perf_counter() - t0, "runs_wall_s": sum(row["wall_s"] for row in rows)}
     text = json.dumps(result, indent=1)
     (out / "lora_vs_full.json").write_text(text)
     if args.json:

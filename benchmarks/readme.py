@@ -386,36 +386,73 @@ def lora_vs_full_claim(ratios: dict[str, Any]) -> str:
     return lora_vs_full.claim(ratios)
 
 
-def render_lora_vs_full(results: Path) -> str:
+def render_lora_vs_full(results: Path, name: str = "lora_vs_full") -> str:
     """Mean over seeds per kind, the full / LoRA ratios, and whether the paper's claim holds."""
-    r = load(results, "lora_vs_full")
+    r = load(results, name)
     unit = r["unit"]
     rows = []
     for kind in ("lora", "full"):
         mine = [row for row in r["rows"] if row["kind"] == kind]
-        finals = [row["final"][unit] for row in mine]
+        finals = [f"{row['final'][unit]:+.3f}" + ("" if row["final"]["ci95"] is None else f" ± {row['final']['ci95']:.3f}")
+                  for row in mine]
         reach = [row["wall_s_to_target"] for row in mine]
-        cells = [kind, ", ".join(f"{v:+.3f}" for v in finals),
-                 ", ".join("never" if w is None else f"{w:.0f} s" for w in reach)]
+        cells = [kind, ", ".join(finals),
+                 ", ".join("never" if w is None else f"{w:.0f} s" for w in reach),
+                 ", ".join("never" if row["episodes_to_target"] is None else str(row["episodes_to_target"])
+                           for row in mine)]
         cells += [fmt.format(sum(row[k] for row in mine) / len(mine)) for k, _, fmt in LVF_COLUMNS]
         rows.append(cells)
     ratio = r["ratios"]
-    rows.append(["full / LoRA", "", x(ratio["wall_s_to_target"]["mean"]) if "wall_s_to_target" in ratio else "n/a"]
+    rows.append(["full / LoRA", "", x(ratio["wall_s_to_target"]["mean"]) if "wall_s_to_target" in ratio else "n/a", ""]
                 + [x(ratio[k]["mean"]) if k in ratio else "n/a" for k, _, _ in LVF_COLUMNS])
-    header = ["kind", f"final {unit} vs random (per seed)", f"time to {r['args']['target']:+g}",
-              *(label for _, label, _ in LVF_COLUMNS)]
+    header = ["kind", f"final {unit} vs random (per seed, 95% CI)", f"time to {r['args']['target']:+g}",
+              "episodes to it", *(label for _, label, _ in LVF_COLUMNS)]
     p = r["provenance"]
-    head = (f"{len({row['seed'] for row in r['rows']})} seeds, {r['args']['steps']} steps of "
+    seeds = {k: sorted({row["seed"] for row in r["rows"] if row["kind"] == k}) for k in ("lora", "full")}
+    said = (f"{len(seeds['lora'])} seeds" if seeds["lora"] == seeds["full"] else
+            f"seeds {', '.join(map(str, seeds['lora']))} with LoRA, {', '.join(map(str, seeds['full']))} with full training")
+    head = (f"`{r['game']}`, {said}, {r['args']['steps']} steps of "
             f"{r['args']['groups_per_step'] * r['args']['group_size']} episodes; "
-            f"{_machine_label({**p, 'cpu_capability': p['capability']})}; {r['wall_s'] / 60:.0f} min in all "
+            f"{_machine_label({**p, 'cpu_capability': p['capability']})}; "
+            f"{r.get('runs_wall_s', r['wall_s']) / 60:.0f} min in all "
             f"(commit `{p['commit'][:7]}`: `{p['command']}`)\n\n")
     return head + table(header, rows) + "\n" + lora_vs_full_claim(r["ratios"]) + "\n"
+
+
+def render_tools_job(results: Path) -> str:
+    """The bundled ``tools`` job per seed (the LoRA runs of ``lora_vs_full_tools.json``): the
+    success rate at every evaluation, at the end with its 95% interval, tool calls and invalid
+    calls per problem at the end, the wall time; then the scripted seats on the same task."""
+    r = load(results, "lora_vs_full_tools")
+    unit = r["unit"]
+
+    def rate(value: float, ci: float | None) -> str:
+        return f"{value:.3f}" + ("" if ci is None else f" ± {ci:.3f}")
+
+    rows = []
+    for row in (row for row in r["rows"] if row["kind"] == "lora"):
+        f = row["final"]
+        curve = ", ".join(f"{c[unit]:.3f} ({c['step']})" for c in row["curve"])
+        rows.append([str(row["seed"]), curve, rate(f[unit], f["ci95"]), f"{f.get('tool_calls', 0):.2f}",
+                     f"{f.get('invalid_tool_calls', 0):.2f}", f"{row['wall_s'] / 60:.1f} min"])
+    for name, b in r.get("scripted", {}).items():
+        rows.append([f"scripted `{name}`", "", rate(b[unit], b["ci95"]), f"{b['tool_calls']:.2f}", "", ""])
+    p = r["provenance"]
+    head = (f"`{r['game']}`, {r['args']['steps']} steps of {r['args']['groups_per_step'] * r['args']['group_size']} "
+            f"problems, evaluated on {int(r['rows'][0]['final']['hands'])} problems; "
+            f"{_machine_label({**p, 'cpu_capability': p['capability']})}"
+            + (f"; {r['args']['note']}" if r["args"].get("note") else "") + "\n\n")
+    header = ["seed", f"{unit} at each evaluation (step)", f"{unit} at the end (95% CI)", "tool calls / problem",
+              "invalid calls / problem", "wall time"]
+    return head + table(header, rows)
 
 
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "default_job_times": render_default_job_times,
     "compare_learners": render_compare_learners,
     "lora_vs_full": render_lora_vs_full,
+    "lora_vs_full_tools": lambda results: render_lora_vs_full(results, "lora_vs_full_tools"),
+    "tools_job": render_tools_job,
     "default_job": render_default_job,
     "default_job_sweep": render_default_job_sweep,
     "pipeline_pace": render_pipeline_pace,

@@ -2,7 +2,7 @@
 
 `make(name, **kwargs)` returns the order-enforced AEC env; registering a game is what puts it
 under the conformance tests (`tests/test_games.py` parametrizes over `names()`). This package
-imports only PettingZoo, Gymnasium, NumPy and the standard library.
+imports only PettingZoo, Gymnasium, NumPy, jsonschema (tool arguments) and the standard library.
 
 A name that is not registered but is a dotted module path, ``"pettingzoo.classic.connect_four_v3"``
 (its ``env`` function) or ``"package.module:factory"``, is imported and its AEC env (a Parallel
@@ -26,7 +26,7 @@ from typing import Any
 from gymnasium import spaces
 from pettingzoo import AECEnv, ParallelEnv
 
-from games import kuhn_poker, liars_dice, negotiation, prisoners_dilemma, referential, tictactoe, twenty_questions
+from games import calculator, kuhn_poker, liars_dice, negotiation, prisoners_dilemma, referential, tictactoe, twenty_questions
 from games.bridge import from_pettingzoo
 from games.evaluation import ExactMeasure, GameEval
 from games.scripted import SCRIPTED, ScriptedPolicy, make_scripted
@@ -171,6 +171,7 @@ def make_parallel(name: str, **kwargs: Any) -> ParallelEnv:
     return _PARALLEL[name](**kwargs)
 
 
+register("calculator_v0", calculator.env, evaluation=calculator.EVALUATION)
 register("kuhn_poker_v0", kuhn_poker.env, evaluation=kuhn_poker.EVALUATION)
 register("tictactoe_v0", tictactoe.env, evaluation=tictactoe.EVALUATION)
 register("negotiation_v0", negotiation.env, evaluation=negotiation.EVALUATION)

@@ -39,7 +39,7 @@ class DecisionPoint(Protocol):
     """The canonical one-word replies of the legal moves."""
 
 
-PAIRING_METRICS = ("ci95", "invalid_rate", "hands", "wins", "draws", "losses")
+PAIRING_METRICS = ("ci95", "invalid_rate", "hands", "wins", "draws", "losses", "tool_calls", "invalid_tool_calls")
 """The runtime's own metrics of a pairing beside the unit's (``eval/<p>/vs_<o>/<name>``)."""
 POLICY_METRICS = ("canonical_mass", "version")
 """The runtime's own metrics of a policy beside its exact measures (``eval/<p>/<name>``)."""

@@ -46,7 +46,11 @@ a proposal ("no_deal"); a proposal made on the last turn still gets its answer.
 `proposal` (None, or {"by": seat, "shares": {seat: {item: count}}}), `last_turn` (True when
 this is the last turn to propose) and at the end `deal` (the shares, or None).
 
-**Arguments.** `max_rounds`; `view`. `reset(options={"pool": {...}, "values": {"player_0":
+**Tools.** With `value_tool=True`, player_0's brief does not give its values: it has a tool
+`value_of(item)` (item "book", "hat" or "ball", or the plural) that returns its value of one
+item, called as `games.tool_use` describes (3 calls per turn, 12 per game).
+
+**Arguments.** `max_rounds`; `view`; `value_tool`. `reset(options={"pool": {...}, "values": {"player_0":
 {...}, "player_1": {...}}})` fixes the hand (checked against the rules above).
 
 **Version history.** v0: initial release.
@@ -65,8 +69,12 @@ from pettingzoo.utils import wrappers
 
 from games.dialogue import DialogueEnv, View, check_decision
 from games.evaluation import GameEval
+from games.tool_use import ToolUse
+from games.tools import Tool
 
 AGENTS = ("player_0", "player_1")
+TOOL_SEAT = "player_0"
+"""The seat that has the `value_of` tool when the game is made with `value_tool=True`."""
 ITEMS = ("book", "hat", "ball")
 TOTAL_VALUE = 10
 """What the whole pool is worth to each seat."""
@@ -166,9 +174,11 @@ class raw_env(DialogueEnv):
     }
 
     def __init__(
-        self, max_rounds: int = 3, view: View = "new", render_mode: str | None = None
+        self, max_rounds: int = 3, view: View = "new", render_mode: str | None = None,
+        value_tool: bool = False,
     ) -> None:
         super().__init__(AGENTS, max_rounds=max_rounds, view=view, render_mode=render_mode)
+        self.value_tool = value_tool
         self.pool: Bundle = dict.fromkeys(ITEMS, 1)
         self.values: dict[str, Bundle] = {a: dict.fromkeys(ITEMS, 0) for a in AGENTS}
         self.proposal: tuple[str, Bundle] | None = None
@@ -205,9 +215,15 @@ class raw_env(DialogueEnv):
         )
         for a in AGENTS:
             vals = ", ".join(f"{i} {self.values[a][i]}" for i in ITEMS)
+            if a == TOOL_SEAT and self.value_tool:
+                vals = "ask the value_of tool"
             self.announce(
                 f"Your values: {vals} (the whole pool is worth {TOTAL_VALUE} points to you).", to=a
             )
+
+    def value_of(self, item: str) -> int:
+        """The `value_of` tool of `TOOL_SEAT`: its value of one `item` (singular or plural)."""
+        return self.values[TOOL_SEAT][item.removesuffix("s")]
 
     def _example(self) -> str:
         """A proposal to show the syntax: half of each item, rounded down (it reveals no values)."""
@@ -301,8 +317,16 @@ class raw_env(DialogueEnv):
 
 
 def env(**kwargs: Any) -> AECEnv[str, dict[str, str], str]:
-    """Make the order-enforced negotiation game (`raw_env(**kwargs)`)."""
-    return wrappers.OrderEnforcingWrapper(raw_env(**kwargs))
+    """Make the order-enforced negotiation game (`raw_env(**kwargs)`); with `value_tool=True`,
+    `TOOL_SEAT` learns its values only from its `value_of` tool (`games.tool_use`)."""
+    raw = raw_env(**kwargs)
+    if not raw.value_tool:
+        return wrappers.OrderEnforcingWrapper(raw)
+    tool = Tool(name="value_of", description="Your value, in points, of one item of the pool.",
+                parameters={"type": "object", "properties": {"item": {"enum": [*ITEMS, *(f"{i}s" for i in ITEMS)]}},
+                            "required": ["item"], "additionalProperties": False},
+                fn=raw.value_of)
+    return wrappers.OrderEnforcingWrapper(ToolUse(raw, {TOOL_SEAT: [tool]}))
 
 
 # --- Scripted policies --------------------------------------------------------------------

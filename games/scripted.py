@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from games import liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions
+from games import calculator, liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions
 from games.kuhn_poker import equilibrium_policy
 from games.tictactoe import minimax_moves, to_move
 
@@ -97,7 +97,7 @@ TABLE = "table"
 """The name of :class:`TablePolicy` for `make_scripted` (not a config opponent: it needs its
 table, which the runtime computes)."""
 
-GAME_POLICIES = (liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions)
+GAME_POLICIES = (calculator, liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions)
 """Game modules whose `SCRIPTED_POLICIES` join `SCRIPTED`."""
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import games
+from games.tool_use import find_tool_use
 from opentinker.eval.cli_eval import (
     CliError,
     base_model,
@@ -89,7 +90,9 @@ def play_game(game: str, kwargs: dict, seed: int, index: int, human: str, agent:
     env = games.make(game, **kwargs)
     env.reset(seed=seed)
     agents = list(env.possible_agents)
-    renderers = {a: SeatRenderer(agent.tok, agent.system_prompt) for a in agents if a != human}
+    tool_use = find_tool_use(env)
+    renderers = {a: SeatRenderer(agent.tok, agent.system_prompt, tool_use.schemas(a) if tool_use else ())
+                 for a in agents if a != human}
     turns = {a: 0 for a in agents}
     totals = {a: 0.0 for a in agents}
     history: list[str | None] = []
@@ -119,7 +122,7 @@ def play_game(game: str, kwargs: dict, seed: int, index: int, human: str, agent:
                     break
                 say(f"{text!r} is not a legal move here{why}; try again.")
         else:
-            renderers[seat].observe(obs["text"])
+            renderers[seat].observe(obs["text"], "user" if info.get("tool_result") is None else "tool")
             before = invalid_count(env, seat)
             text = agent.reply(renderers[seat], sample_seed(seed, index, agents.index(seat), turns[seat]))
             turns[seat] += 1

@@ -329,7 +329,10 @@ def _status(m: dict[str, float], policies: list[str], kind: str, game_eval: game
     (and the game's exact measures)."""
     p = policies[0]
     if kind == "train":
-        return f"reward {m.get(f'train/{p}/reward', float('nan')):+.2f} invalid {m.get(f'train/{p}/invalid_rate', float('nan')):.0%}"
+        line = f"reward {m.get(f'train/{p}/reward', float('nan')):+.2f} invalid {m.get(f'train/{p}/invalid_rate', float('nan')):.0%}"
+        if f"train/{p}/tool_calls" in m:  # a game with tools
+            line += f" tool calls {m[f'train/{p}/tool_calls']:.2f} ({m[f'train/{p}/invalid_tool_calls']:.2f} invalid)"
+        return line
     unit = game_eval.unit
     line = f"eval vs random {m.get(f'eval/{p}/vs_random/{unit}', float('nan')):+.3f} {game_eval.label}"
     for x in game_eval.exact:

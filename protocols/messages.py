@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -50,6 +50,12 @@ class ParseOutcome(enum.StrEnum):
     """The reply named a legal action."""
     INVALID = "invalid"
     """No legal action could be read; the game applied its defined outcome (e.g. forfeit)."""
+    TOOL_CALL = "tool_call"
+    """The reply called tools (``games.tool_use``), all validly; their result is the seat's next
+    observation."""
+    INVALID_TOOL_CALL = "invalid_tool_call"
+    """The reply called tools and at least one call was invalid (malformed, unknown tool, bad
+    arguments, failed, timed out); the error is the seat's next observation."""
 
 
 class PolicyKind(enum.StrEnum):
@@ -616,6 +622,10 @@ class EpisodeSummary(msgspec.Struct, frozen=True, kw_only=True):
     transcript: list[str] = []
     """Readable lines of the episode: what each LLM seat saw (its observation, indented), each
     reply (``"agent [policy]: 'text'"``, marked when invalid), and the outcome."""
+    tool_calls: dict[str, int] = {}
+    """Agent -> tool calls made (a game with tools, ``games.tool_use``; invalid ones included)."""
+    invalid_tool_calls: dict[str, int] = {}
+    """Agent -> invalid tool calls."""
 
 
 class EpisodesDone(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -106,3 +106,26 @@ def test_lora_vs_full_reports_ratios_of_its_own_rows(tmp_path, tiny_path) -> Non
     assert r["claim"] == lvf.claim(r["ratios"]) and r["claim"].endswith(want)
     runs = [json.loads(line) for line in (Path(by_kind["full"]["run"]) / "metrics.jsonl").read_text().splitlines()]
     assert [x["train/main/version"] for x in runs if x["kind"] == "train"] == [1, 2]
+
+
+def test_lora_vs_full_on_the_tool_task_runs_the_bundled_tools_job(monkeypatch) -> None:
+    import lora_vs_full as lvf
+
+    from opentinker.config import load_config
+
+    monkeypatch.setattr(sys, "argv", ["lora_vs_full.py", "--game", "calculator_v0", "--steps", "3"])
+    args = lvf.game_defaults(lvf.parse_args(lvf.Args, None)[0])
+    tools = load_config("tools")
+    # Flags left at Kuhn poker's defaults take the bundled job's values; a flag given wins.
+    assert (args.steps, args.max_tokens, args.lora_lr, args.target) == (3, tools.sampling.max_tokens, tools.train.lr,
+                                                                        0.5)
+    assert args.opponents == "random=1" and args.eval_every == tools.eval.every
+    for kind, lr in (("lora", tools.train.lr), ("full", args.full_lr)):
+        cfg = lvf.job_config(args, kind, 1)
+        assert (cfg.game, cfg.seed, cfg.policies[0].kind, cfg.train.lr, cfg.train.steps) == ("calculator_v0", 1, kind,
+                                                                                           lr, 3)
+        # What makes it the same job: the bundled system prompt and exploration.
+        assert cfg.system_prompt == tools.system_prompt and cfg.sampling.explore == tools.sampling.explore > 0
+    base = lvf.scripted_baselines("calculator_v0", n=20)
+    assert base["calc_tool_user"] == {"success": 1.0, "ci95": 0.0, "tool_calls": 1.0, "episodes": 20}
+    assert base["calc_no_tool"]["success"] < 0.2 and base["calc_no_tool"]["tool_calls"] == 0.0

@@ -232,7 +232,7 @@ class Coordinator:
         by_id = {s.episode_id: s for s in summaries}
         metrics: dict[str, float] = {}
         for p in self.cfg.policies:
-            rewards, invalid, turns = [], 0, 0
+            rewards, invalid, turns, calls, bad_calls = [], 0, 0, 0, 0
             for spec in specs:
                 s = by_id[spec.episode_id]
                 for seat, ref in spec.seats.items():
@@ -241,8 +241,13 @@ class Coordinator:
                         rewards.append(s.rewards[seat])
                         invalid += s.invalid.get(seat, 0)
                         turns += s.turns.get(seat, 0)
+                        calls += s.tool_calls.get(seat, 0)
+                        bad_calls += s.invalid_tool_calls.get(seat, 0)
             metrics[f"train/{p.name}/reward"] = float(np.mean(rewards)) if rewards else float("nan")
             metrics[f"train/{p.name}/invalid_rate"] = invalid / max(turns, 1)
+            if any(s.tool_calls for s in summaries):  # a game with tools: per episode of the policy
+                metrics[f"train/{p.name}/tool_calls"] = calls / max(len(rewards), 1)
+                metrics[f"train/{p.name}/invalid_tool_calls"] = bad_calls / max(len(rewards), 1)
         metrics.update(exploit)
         metrics.update(await deliver(step, specs, by_id, self.runners, self.learners, self.cfg.runtime.timeout_s))
         results = await asyncio.gather(
@@ -291,9 +296,9 @@ class Coordinator:
             # The group's own seat (train_episodes: the policy in it, one opponent in the others).
             seat = next(a for a, g in spec.seat_groups.items() if g == spec.group_id)
             me = spec.seats[seat].name
-            opp = next(r for a, r in spec.seats.items() if a != seat)
-            if opp.kind is not PolicyKind.ADAPTER or opp.name == me:
-                continue  # scripted, the base model, or plain self-play
+            opp = next((r for a, r in spec.seats.items() if a != seat), None)
+            if opp is None or opp.kind is not PolicyKind.ADAPTER or opp.name == me:
+                continue  # a one-seat task, scripted, the base model, or plain self-play
             counts = tally.setdefault((me, opp.name), np.zeros(3, dtype=np.int64))
             counts[game_result(by_id[spec.episode_id].rewards, seat)] += 1
         out = {}

@@ -42,6 +42,8 @@ def game_result(rewards: dict[str, float], seat: str) -> int:
     """0 (won), 1 (drawn) or 2 (lost) for ``seat``: won when its reward exceeds the mean
     reward of the other seats."""
     mine = rewards[seat]
+    if len(rewards) == 1:  # a one-seat game (a task): nobody to beat
+        return 1
     others = float(np.mean([r for a, r in rewards.items() if a != seat]))
     return 0 if mine > others else 1 if mine == others else 2
 
@@ -51,19 +53,24 @@ def pairing_metrics(game_eval: GameEval, policy: str, specs: Sequence[EpisodeSpe
     """One pairing's metrics from its games (``specs[i]`` played as ``summaries[i]``; the
     policy's seat is the one its adapter held), without the ``eval/<policy>/vs_<opponent>/``
     prefix: the game's unit (stratified over ``EpisodeSpec.group_id``), ``ci95``,
-    ``invalid_rate``, ``hands`` and, in a competitive game, ``wins`` / ``draws`` / ``losses``
+    ``invalid_rate``, ``hands``, in a game with tools ``tool_calls`` and ``invalid_tool_calls``
+    (per game, the policy's seat) and, in a competitive game, ``wins`` / ``draws`` / ``losses``
     (:func:`game_result`)."""
     strata: dict[int, list[float]] = {}
-    invalid = turns = 0
+    invalid = turns = calls = bad_calls = 0
     outcome = np.zeros(3, dtype=np.int64)  # wins, draws, losses
     for spec, s in zip(specs, summaries):
         seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
         strata.setdefault(spec.group_id, []).append(s.rewards[seat])
         invalid += s.invalid.get(seat, 0)
         turns += s.turns.get(seat, 0)
+        calls += s.tool_calls.get(seat, 0)
+        bad_calls += s.invalid_tool_calls.get(seat, 0)
         outcome[game_result(s.rewards, seat)] += 1
     mean, ci = stratified_mean_ci(list(strata.values()))
     out = {game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs))}
+    if any(s.tool_calls for s in summaries):
+        out.update(tool_calls=calls / max(len(specs), 1), invalid_tool_calls=bad_calls / max(len(specs), 1))
     if game_eval.competitive:
         out.update(wins=float(outcome[0]), draws=float(outcome[1]), losses=float(outcome[2]))
     return out

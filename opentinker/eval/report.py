@@ -252,6 +252,8 @@ def summary_table(
             if o == "random":
                 rows += [(f"{game_eval.per}s vs random", f"eval/{p}/vs_random/hands", None, False)]
             rows += [(f"invalid replies vs {o}", f"eval/{p}/vs_{o}/invalid_rate", None, True)]
+            rows += [(f"tool calls / {game_eval.per} vs {o}", f"eval/{p}/vs_{o}/tool_calls", None, False),
+                     (f"invalid tool calls / {game_eval.per} vs {o}", f"eval/{p}/vs_{o}/invalid_tool_calls", None, False)]
         rows += [(m.description or m.name, f"eval/{p}/{m.name}", None, False) for m in game_eval.exact]
         rows += [("prob. mass on canonical replies", f"eval/{p}/canonical_mass", None, False)]
         for label, key, ci, pct in rows:

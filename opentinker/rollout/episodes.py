@@ -17,6 +17,7 @@ import numpy as np
 
 import games
 from games.scripted import SCRIPTED, TABLE
+from games.tool_use import find_tool_use
 from opentinker.config import JobConfig, opponent_pool
 from opentinker.rollout.matchmaking import WinRates, draw_opponent
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
@@ -208,7 +209,9 @@ async def play_episode(
             raise ValueError(f"episode {spec.episode_id}: {spec.game} has no seat {agent!r}")
     scripted = {a: scripted_seat(ref) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED}
     rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
-    renderers = {a: SeatRenderer(tok, msg.system_prompt) for a in agents if a not in scripted}
+    tool_use = find_tool_use(env)
+    renderers = {a: SeatRenderer(tok, msg.system_prompt, tool_use.schemas(a) if tool_use else ())
+                 for a in agents if a not in scripted}
     turns: dict[str, list[Turn]] = {a: [] for a in agents}
     totals = {a: 0.0 for a in agents}
     invalid = {a: 0 for a in agents}
@@ -224,13 +227,16 @@ async def play_episode(
             raise ValueError(f"episode {spec.episode_id}: no policy for seat {agent!r}")
         decisions[agent] += 1
         invalid_before = invalid_count(env, agent)
+        calls_before = (tool_use.tool_calls[agent], tool_use.invalid_tool_calls[agent]) if tool_use else (0, 0)
         if agent in scripted:
             text = scripted[agent].act(obs["text"], info, rng)
             env.step(text)
         else:
             r = renderers[agent]
-            obs_tokens = r.observe(obs["text"])
-            transcript.append(f"{agent} [{ref.label()}] sees:")
+            # A tool's result is a ``tool`` message of the template (mask 0 like any observation).
+            tool_result = info.get("tool_result") is not None
+            obs_tokens = r.observe(obs["text"], "tool" if tool_result else "user")
+            transcript.append(f"{agent} [{ref.label()}] {'gets the tool result' if tool_result else 'sees'}:")
             transcript.extend("    " + line for line in _cut(obs["text"]).splitlines())
             seed = sample_seed(spec.seed, spec.episode_id, agents.index(agent), len(turns[agent]))
             params = msgspec.structs.replace(
@@ -253,6 +259,9 @@ async def play_episode(
             env.step(text)
         bad = invalid_count(env, agent) > invalid_before
         invalid[agent] += int(bad)
+        calls = (tool_use.tool_calls[agent], tool_use.invalid_tool_calls[agent]) if tool_use else (0, 0)
+        parse = (ParseOutcome.INVALID if bad else ParseOutcome.OK) if calls == calls_before else (
+            ParseOutcome.INVALID_TOOL_CALL if calls[1] > calls_before[1] else ParseOutcome.TOOL_CALL)
         if agent not in scripted:
             turns[agent].append(
                 Turn(
@@ -261,7 +270,7 @@ async def play_episode(
                     sampler_logprobs=np.asarray(result.logprobs[0], dtype=np.float32),
                     policy=msgspec.structs.replace(ref, version=result.adapter_version),
                     stop_reason=stop,
-                    parse=ParseOutcome.INVALID if bad else ParseOutcome.OK,
+                    parse=parse,
                     reward=float(env.rewards.get(agent, 0.0)),
                 )
             )
@@ -299,5 +308,7 @@ async def play_episode(
     summary = EpisodeSummary(
         episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed,
         rewards=totals, invalid=invalid, turns=decisions, transcript=transcript,
+        tool_calls=dict(tool_use.tool_calls) if tool_use else {},
+        invalid_tool_calls=dict(tool_use.invalid_tool_calls) if tool_use else {},
     )
     return summary, trajectories
