@@ -1,5 +1,5 @@
-"""One RL loop on one page: GRPO on Kuhn poker against the random player, top to bottom in
-the order a training step runs, with only the public API: the Python client's ``sample``,
+"""One RL loop on one page: GRPO on the default job's two-seat card game against the random
+player, top to bottom in the order a training step runs, with only the public API: the Python client's ``sample``,
 ``forward_backward`` and ``optim_step`` (:mod:`opentinker.client`), a PettingZoo game
 (:mod:`games`), and an advantage and a loss from :mod:`learners`.
 
@@ -22,6 +22,7 @@ from rich.table import Table
 import games
 import learners
 from opentinker.client import ServiceClient, TrainingClient
+from opentinker.config import JobConfig
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
 from protocols.messages import (
     AdamParams,
@@ -34,19 +35,21 @@ from protocols.messages import (
     Turn,
 )
 
-GAME = "kuhn_poker_v0"
+GAME = JobConfig().game
+"""The default job's game (``--game`` plays another two-seat game of ``games``)."""
 
 
-def play(policy: TrainingClient, tok: ChatTokenizer, deal: int, seat: str, ids: tuple[int, int, int],
+def play(policy: TrainingClient, tok: ChatTokenizer, game: str, deal: int, seat: int, ids: tuple[int, int, int],
          params: SamplingParams) -> tuple[Trajectory, int]:
     """One hand: the policy in ``seat``, the random player in the other; its trajectory (the
     seat's turns: observation tokens, then the reply as sampled with its log-probs) and the
     number of replies the game could not read (each one forfeits the hand)."""
-    env = games.make(GAME)
+    env = games.make(game)
     env.reset(seed=deal)  # the cards: the same deal for a whole group
+    seat = env.possible_agents[seat]
     episode, group, step = ids
     opponent, rng = games.make_scripted("random"), np.random.default_rng(episode)
-    seat_view = SeatRenderer(tok, games.evaluation(GAME).system_prompt)
+    seat_view = SeatRenderer(tok, games.evaluation(game).system_prompt)
     me = PolicyRef(kind=PolicyKind.ADAPTER, name=policy.name)
     turns: list[Turn] = []
     invalid = 0
@@ -73,7 +76,7 @@ def play(policy: TrainingClient, tok: ChatTokenizer, deal: int, seat: str, ids: 
                               sampler_logprobs=np.asarray(row.logprobs[0], np.float32),
                               policy=msgspec.structs.replace(me, version=row.adapter_version), stop_reason=stop,
                               parse=ParseOutcome.INVALID if bad else ParseOutcome.OK))
-        if turns and env.rewards.get(seat):  # chips won or lost, on whichever move they fell
+        if turns and env.rewards.get(seat):  # won or lost, on whichever move it fell
             turns[-1] = msgspec.structs.replace(turns[-1], reward=turns[-1].reward + float(env.rewards[seat]))
     total = sum(t.reward for t in turns)
     return Trajectory(episode_id=episode, group_id=group, seat=seat, seed=deal, policy=policy.name, turns=turns,
@@ -83,6 +86,7 @@ def play(policy: TrainingClient, tok: ChatTokenizer, deal: int, seat: str, ids: 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-random", help="model spec: tiny-random, smollm2-135m, a folder")
+    p.add_argument("--game", default=GAME, help="a two-seat game of games")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--groups", type=int, default=4, help="groups a step; a group shares its deal")
     p.add_argument("--group_size", type=int, default=4, help="hands a group (GRPO compares them)")
@@ -103,8 +107,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                 deal = args.seed * 10**6 + step * 1000 + g
                 for e in range(args.group_size):
                     episode = (step * args.groups + g) * args.group_size + e
-                    seat = ("player_0", "player_1")[g % 2]  # groups alternate seats: both roles learnt
-                    traj, bad = play(policy, tok, deal, seat, (episode, g, step), params)
+                    seat = g % 2  # groups alternate seats: both roles learnt
+                    traj, bad = play(policy, tok, args.game, deal, seat, (episode, g, step), params)
                     if traj.turns:
                         trajectories.append(traj)
                         invalid, turns = invalid + bad, turns + len(traj.turns)
@@ -120,8 +124,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                          "loss": fb_result.loss, "grad_norm": opt_result.grad_norm, "version": opt_result.version})
     finally:
         service.close()
-    table = Table(title=f"GRPO on {GAME} against random, {args.model}")
-    for col in ("step", "reward (chips/hand)", "invalid replies", "loss", "grad norm", "version"):
+    hook = games.evaluation(args.game)
+    table = Table(title=f"GRPO on {args.game} against random, {args.model}")
+    for col in ("step", f"reward ({hook.unit}/{hook.per})", "invalid replies", "loss", "grad norm", "version"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["step"]), f"{r['reward']:+.3f}", f"{100 * r['invalid']:.0f}%", f"{r['loss']:+.4f}",

@@ -217,7 +217,7 @@ def test_sample_chunk_round_trips_and_the_protocol_refuses_version_2():
         raw = scope.raw(ep)
         await raw.send_multipart(frames)
         rid, err = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
-        assert (rid, err.code) == (5, ErrorCode.BAD_VERSION) and "peer speaks protocol 2, this side 7" in err.message
+        assert (rid, err.code) == (5, ErrorCode.BAD_VERSION) and "peer speaks protocol 2, this side 8" in err.message
         assert server.counters["error/bad_version"] == 1 and server.peers == {}
 
     run_scoped(body)
