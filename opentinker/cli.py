@@ -75,6 +75,21 @@ def _working_folder_importable() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``opentinker ...``; its exit code. Output cut short by a closed pipe (``opentinker
+    status | head``) ends quietly, as a shell tool's does."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        import os
+
+        try:  # the interpreter's own flush of stdout at exit would raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # 128 + SIGPIPE
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job (no config: the bundled default job)")

@@ -660,3 +660,35 @@ def test_polling_stops_with_the_last_polled_for_reply():
         ctx.destroy(0)
 
     run(main())
+
+
+def test_an_idle_peer_lost_is_told_at_info_and_one_with_requests_at_warning(caplog):
+    """A client with nothing in flight that goes quiet (a CLI call done, a person thinking at a
+    ``play`` prompt) is no warning on the user's terminal; one whose requests are cancelled is."""
+    import logging
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        gate = Gate()
+        server = Server(gate, heartbeat_s=None)
+        ep = await server.start(ctx)
+        idle = Client(ctx, ep, name="idle", heartbeat_s=None)
+        gate.release.set()
+        await idle.request(step("i"), 10)  # done: nothing in flight from here
+        gate.release.clear()
+        busy = Client(ctx, ep, name="busy", heartbeat_s=None)
+        task = asyncio.ensure_future(busy.request(step(), 60))
+        await until(lambda: gate.running == 1, "the request to start")
+        with caplog.at_level(logging.INFO, logger="opentinker.bus.server"):
+            for _ in range(3):
+                server.tick()
+        levels = {r.getMessage().split()[2]: r.levelno for r in caplog.records if "lost" in r.getMessage()}
+        assert levels == {"idle": logging.INFO, "busy": logging.WARNING}, levels
+        task.cancel()
+        gate.release.set()
+        idle.close()
+        busy.close()
+        await server.stop()
+        ctx.destroy(0)
+
+    run(main())

@@ -198,3 +198,16 @@ def test_set_reaches_into_a_list_by_index():
         load_config("default", _parse_set(["policies[5].name=x"]))
     with pytest.raises(ValueError, match=r"train: is not a list"):
         load_config("default", _parse_set(["train[0]=3"]))
+
+
+def test_output_into_a_closed_pipe_ends_quietly(monkeypatch):
+    """``opentinker status | head``: when the reader stops early, no BrokenPipe traceback; the
+    exit code is a shell tool's (128 + SIGPIPE)."""
+    import io
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["games"]) == 141

@@ -314,8 +314,11 @@ class Server:
             peer = self._peers[ident]
             names.append(peer.name)
             self.counters["peer_lost"] += 1
-            self._log.warning("lost", "%s: peer %s lost (no frame in %d heartbeats); cancelling %d requests",
-                              self.name, peer.name, peer.beats.limit, len(peer.inflight))
+            # A peer with nothing in flight that went quiet is a client done or idle (a CLI call,
+            # a person thinking at a prompt): said at INFO. One whose requests are cancelled: WARNING.
+            self._log.log(logging.WARNING if peer.inflight else logging.INFO, "lost" if peer.inflight else "idle lost",
+                          "%s: peer %s lost (no frame in %d heartbeats); cancelling %d requests",
+                          self.name, peer.name, peer.beats.limit, len(peer.inflight))
             self._drop(ident)
         return names
 
