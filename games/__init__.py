@@ -132,7 +132,39 @@ def _imported(name: str) -> tuple[Callable[..., AECEnv], GameEval]:
     if ev is not None and not isinstance(ev, GameEval):
         raise ValueError(f"{name!r}: {module_name}.EVALUATION is a {type(ev).__name__}, not a games.GameEval")
     return factory, ev or GameEval(
-        system_prompt=f"You are playing the game {label}. Reply with one legal move only.")
+        system_prompt=f"You are playing the game {label}. Reply with one legal move only.",
+        competitive=not _looks_cooperative(factory))
+
+
+def _looks_cooperative(factory: Callable[..., AECEnv], episodes: int = 3, max_steps: int = 400) -> bool:
+    """Whether a game without an evaluation hook looks cooperative: in random play (legal moves
+    uniformly, a few episodes), every episode that ends gives all seats the same total, non-zero
+    in at least one. Then it is scored as a team's reward, not with wins, losses and P(beats
+    random); any episode with unequal totals (or none that ends) keeps it competitive. A module's
+    ``EVALUATION = games.GameEval(competitive=...)`` says it outright."""
+    import random
+
+    rng = random.Random(0)
+    shared = False
+    for ep in range(episodes):
+        env = factory()
+        try:
+            env.reset(seed=ep)
+            totals = dict.fromkeys(env.possible_agents, 0.0)
+            for agent in env.agent_iter(max_iter=max_steps):
+                _, _, term, trunc, info = env.last()
+                legal = list(info.get("legal_moves") or [])
+                env.step(None if term or trunc else (str(rng.choice(legal)) if legal else ""))
+                for a, r in env.rewards.items():
+                    totals[a] = totals.get(a, 0.0) + float(r)
+            if env.agents:
+                continue  # did not end: no evidence either way
+        finally:
+            env.close()
+        if len({round(v, 9) for v in totals.values()}) > 1:
+            return False
+        shared = shared or any(totals.values())
+    return shared
 
 
 def evaluation(name: str) -> GameEval:

@@ -211,3 +211,51 @@ def test_output_into_a_closed_pipe_ends_quietly(monkeypatch):
 
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(["games"]) == 141
+
+
+COOP_ENV = '''
+"""A two-seat coordination game: both seats earn 1 when they pick the same of three symbols."""
+import functools
+
+from gymnasium import spaces
+from pettingzoo import ParallelEnv
+
+
+class Coordinate(ParallelEnv):
+    metadata = {"name": "coordinate_v0"}
+
+    def __init__(self):
+        self.possible_agents = ["a", "b"]
+
+    @functools.lru_cache(maxsize=None)
+    def observation_space(self, agent):
+        return spaces.Discrete(1)
+
+    @functools.lru_cache(maxsize=None)
+    def action_space(self, agent):
+        return spaces.Discrete(3)
+
+    def reset(self, seed=None, options=None):
+        self.agents = list(self.possible_agents)
+        return {a: 0 for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions):
+        same = float(actions["a"] == actions["b"])
+        self.agents = []
+        done = {a: True for a in self.possible_agents}
+        return ({a: 0 for a in done}, {a: same for a in done}, done, {a: False for a in done},
+                {a: {} for a in done})
+
+
+def env():
+    return Coordinate()
+'''
+
+
+def test_a_game_without_a_hook_that_pays_seats_alike_is_scored_as_cooperative(tmp_path, monkeypatch):
+    (tmp_path / "coordinate.py").write_text(COOP_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import games
+
+    assert games.evaluation("coordinate:env").competitive is False  # no wins, losses or P(beats random)
+    assert games.evaluation("pettingzoo.classic.connect_four_v3").competitive is True
