@@ -125,3 +125,39 @@ def test_opentinker_run_starts_a_job_from_python(tmp_path, tiny_path):
                                         "eval": {"hands_per_stratum": 1, "head_to_head_per_stratum": 0}})
     assert result.run_dir.parent == tmp_path and [r["kind"] for r in result.rows] == ["eval", "train", "eval"]
     assert (result.run_dir / "adapters" / "main").is_dir()
+
+
+@pytest.mark.slow
+def test_a_client_on_opentinker_serve_opens_a_job_and_closes_it(tiny_path, tmp_path):
+    """On ``opentinker serve`` (its service file) the client opens a job, as ``run --scheduler``
+    does; its adapters live there until ``close``; a model the service does not serve is refused."""
+    from conftest import start_serve
+
+    from opentinker.bus.sync import SyncClient
+    from opentinker.config import ConfigError
+    from opentinker.serve.service import find_service
+    from protocols.messages import ListJobs
+
+    file = tmp_path / "service.json"
+    proc = start_serve(file, "--model", tiny_path)
+    try:
+        with ServiceClient(str(file), model=tiny_path, job="notebook") as service:
+            policy = service.create_lora_training_client("mine")
+            rows = policy.sample([np.arange(8)], SamplingParams(max_tokens=3), num_samples=2).result()
+            assert len(rows.tokens) == 2
+            info = find_service(str(file))
+            with SyncClient(info.endpoint, "check", credentials=info.credentials()) as owner:
+                jobs = owner.request(ListJobs()).jobs
+            assert [j.job for j in jobs if j.state == "running"] and any(
+                "mine" in a for j in jobs for a in j.adapters)
+        with SyncClient(info.endpoint, "check", credentials=info.credentials()) as owner:
+            assert all(j.state == "closed" and not j.adapters for j in owner.request(ListJobs()).jobs)
+        other = tmp_path / "other_model"
+        import shutil
+
+        shutil.copytree(tiny_path, other)
+        with pytest.raises(ConfigError, match="the service serves"):
+            ServiceClient(str(file), model=str(other))
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
