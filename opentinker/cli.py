@@ -76,9 +76,13 @@ def _working_folder_importable() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``opentinker ...``; its exit code. Output cut short by a closed pipe (``opentinker
-    status | head``) ends quietly, as a shell tool's does."""
+    status | head``) ends quietly, as a shell tool's does; a Ctrl-C no command handled ends
+    with one line and 130."""
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside what a command handles itself (e.g. a late second one)
+        print("opentinker: stopped", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         import os
 
@@ -210,6 +214,9 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
         return 2
     except Interrupted as e:  # Ctrl-C: one line, the shell's code for SIGINT
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late second Ctrl-C must not break the exit
         print(f"opentinker: {escape_controls(e.line())}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:  # before the run's loop (starting the components): nothing to keep

@@ -33,13 +33,13 @@ from rich.progress import (
 import games
 from opentinker.config import ConfigError, JobConfig, to_toml
 from opentinker.config_checks import check_config
+from opentinker.control import transcripts
 from opentinker.control.checkpoints import (
     Checkpoint,
     latest_checkpoint,
     truncate_metrics,
     write_checkpoint,
 )
-from opentinker.control import transcripts
 from opentinker.control.runtime import ComponentDied, Job
 from opentinker.engine.model_specs import resolve_model
 from opentinker.eval.ratings import plot_ratings
@@ -108,9 +108,47 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
 
     The config is checked whole (:func:`~opentinker.config_checks.check_config`, a
     :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
-    before the run folder is made, so a job that cannot start leaves no folder behind."""
-    check_config(cfg)
+    before the run folder is made, so a job that cannot start leaves no folder behind.
+
+    Ctrl-C: the first finishes the step in progress and checkpoints it; the second stops at
+    once; either way :class:`~opentinker.interrupt.Interrupted` says what there is to resume
+    from (a new run with no checkpoint yet is removed)."""
     console = console or Console()
+    state = _Started()
+    stop = StopOnInterrupt(lambda text: console.print(f"[yellow]{escape(text)}[/]"))
+    try:
+        with stop:
+            return _run_job(cfg, console, run_dir, resume, checkpoint, restarts, spent_s, stop, state)
+    except KeyboardInterrupt:  # a second Ctrl-C where _run_job was not ready for it
+        if state.job is not None:
+            try:
+                state.job.shutdown()
+            except Exception as e:  # noqa: BLE001  (shutting down a job being torn down)
+                logger.debug("shutdown after Ctrl-C: %s", e)
+        if state.run_dir is None:
+            raise  # nothing made yet
+        if state.fresh and state.saved is None:
+            shutil.rmtree(state.run_dir, ignore_errors=True)
+            raise Interrupted(state.run_dir, None, removed=True) from None
+        raise Interrupted(state.run_dir, state.saved) from None
+
+
+@dataclass
+class _Started:
+    """What :func:`_run_job` has made so far, for a Ctrl-C to clean up."""
+
+    run_dir: Path | None = None
+    fresh: bool = False
+    """The run folder was made by this call (not a resume)."""
+    job: Job | None = None
+    saved: int | None = None
+    """The newest checkpoint's step."""
+
+
+def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Path | None,
+             checkpoint: Checkpoint | None, restarts: int, spent_s: float, stop: StopOnInterrupt,
+             state: _Started) -> RunResult:
+    check_config(cfg)
     t_start = time.perf_counter()
     ckpt = None
     if resume is not None:
@@ -133,6 +171,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         transcripts.truncate(run_dir / "transcripts.txt", ckpt.step)
         log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
         log.rows = rows
+        state.run_dir, state.saved = run_dir, ckpt.step
     else:
         try:
             run_dir.mkdir(parents=True, exist_ok=False)
@@ -141,6 +180,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             shutil.rmtree(run_dir, ignore_errors=True)
             raise ConfigError("out_dir", f"cannot make the run folder {str(run_dir)!r}: "
                                          f"{e.strerror or type(e).__name__}") from None
+        state.run_dir, state.fresh = run_dir, True
         log = MetricsLog(run_dir / "metrics.jsonl")
     if ckpt is not None:  # with any --set of the resume
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
@@ -159,6 +199,13 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
             if isinstance(e, KeyboardInterrupt):
                 raise Interrupted(run_dir, None if ckpt is None else ckpt.step, removed=ckpt is None) from None
             raise
+    state.job = job
+    if stop.asked:  # Ctrl-C while the components started: nothing trained to keep
+        job.shutdown()
+        log.close()
+        if ckpt is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise Interrupted(run_dir, None if ckpt is None else ckpt.step, removed=ckpt is None)
     job.restarts = restarts
     job.said = lambda text: console.print(f"[yellow]{escape(text)}[/]")
     console.print(f"started in {time.perf_counter() - t_start:.1f} s")
@@ -187,20 +234,17 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     feed: EpisodeFeed | None = None
     died: ComponentDied | None = None
     now = "the first evaluation"  # what the job was doing, for the message of a component that dies
-    saved = ckpt.step if ckpt is not None else None  # the newest checkpoint's step
-    stop = StopOnInterrupt(lambda text: console.print(f"[yellow]{escape(text)}[/]"))
     interrupted = False
 
-    def checkpoint(step: int) -> None:
-        nonlocal saved
+    def save_checkpoint(step: int) -> None:
         write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
                          lambda paths: save_learner_states(job.learner_states(), paths), first, last,
                          updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
                                            for p in cfg.policies})
-        saved = step
+        state.saved = step
 
     try:
-        with stop, Progress(
+        with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
             console=console, redirect_stdout=True, redirect_stderr=True,
@@ -240,7 +284,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
                     log.write(step, "eval", last)
                     progress.update(task, description="train", status=report(step, "eval", last))
                 if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop.asked:
-                    checkpoint(step)
+                    save_checkpoint(step)
                 if stop.asked and not final:  # Ctrl-C: this step is done and saved
                     interrupted = True
                     break
@@ -259,10 +303,10 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
         job.shutdown()
         log.close()
     if interrupted:
-        if saved is None and resume is None:  # nothing to continue from: leave no half-made folder
+        if state.saved is None and resume is None:  # nothing to continue from: leave no half-made folder
             shutil.rmtree(run_dir, ignore_errors=True)
             raise Interrupted(run_dir, None, removed=True)
-        raise Interrupted(run_dir, saved)
+        raise Interrupted(run_dir, state.saved)
     if died is not None:
         return _recover(cfg, console, run_dir, died, now, job.restarts, spent_s + time.perf_counter() - t_start)
     plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)

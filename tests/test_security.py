@@ -828,34 +828,39 @@ def test_a_client_without_the_key_is_refused_before_its_body_is_read(tiny_path):
 
 
 def test_tokenizing_runs_off_the_event_loop(endpoint):
-    """While a prompt of the most characters the context allows is tokenized (in a worker
-    thread), the event loop answers ``/v1/models`` from another client: the request is
-    answered before the tokenizing one is."""
+    """While a prompt is being tokenized (held inside the tokenizer, in a worker thread), the
+    event loop answers ``/v1/models`` from another client; the tokenizing request then ends."""
     import threading
 
     import httpx2
 
-    server, _ = endpoint
-    order: list[str] = []
-    # Text whose tokens are 1-2 characters, so the most characters allowed (2048 x the longest
-    # token) take the tokenizer a while, and the scheduler then refuses the tokens as too many.
-    text = "x y " * (2048 * 20)
+    server, app = endpoint
+    tok = app.state.api.tok
+    inside, release = threading.Event(), threading.Event()
+    real = tok.encode
 
-    def big() -> None:
-        r = httpx2.post(server.url + "/v1/completions", timeout=120,
-                        json={"model": "base", "prompt": [text] * 8, "max_tokens": 1})
-        order.append(f"big {r.status_code}")
+    def held(text, *args, **kwargs):
+        if "HOLD-ME" in text:
+            inside.set()
+            release.wait(60)
+        return real(text, *args, **kwargs)
 
-    t = threading.Thread(target=big)
-    t.start()
-    for _ in range(200):  # until the big request is in the tokenizer (bounded: 200 x 10 ms)
-        if threading.active_count() and any(th.name.startswith("openai-api-cpu") for th in threading.enumerate()):
-            break
-        threading.Event().wait(0.01)
-    r = httpx2.get(server.url + "/v1/models", timeout=60)
-    order.append(f"models {r.status_code}")
-    t.join(120)
-    assert order[0] == "models 200" and order[1].startswith("big 400"), order
+    tok.encode = held
+    try:
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(httpx2.post(
+            server.url + "/v1/completions", timeout=120,
+            json={"model": "base", "prompt": "HOLD-ME x y", "max_tokens": 1}).status_code))
+        t.start()
+        assert inside.wait(60), "the prompt never reached the tokenizer"
+        r = httpx2.get(server.url + "/v1/models", timeout=30)  # answered while the tokenizer is held
+        assert r.status_code == 200 and not out
+        release.set()
+        t.join(120)
+        assert out == [200]
+    finally:
+        release.set()
+        tok.encode = real
 
 
 @pytest.mark.parametrize("field, value", [

@@ -280,6 +280,7 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
                        allowed=lambda authorization: key_index(authorization) is not None)
     app.state.api_key = api_key or (api_keys[0] if api_keys else None)
     app.state.admission = api.admission
+    app.state.api = api  # the routes' shared state (its tokenizer, pool, admission), for inspection
 
     async def on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
         err = api_error(e)
