@@ -11,6 +11,8 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 _NON_FINITE = re.compile(r"[+-]?(inf|nan)", re.IGNORECASE)
 """TOML's spelling of infinities and NaN (JSON has none): ``--set train.lr=inf`` is the float,
@@ -93,68 +95,91 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE
 
 
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its name and help, and the module whose ``add`` function declares its
+    arguments and whose ``main(args) -> int`` runs it. ``describe``: the module docstring's
+    first paragraph is the subcommand's ``--help`` description."""
+
+    name: str
+    help: str
+    module: str
+    add: str = "add_arguments"
+    main: str = "main"
+    describe: bool = True
+
+
+COMMANDS = (
+    Command("run", "run a job (no config: the bundled default job)", "opentinker.cli", "add_run_arguments",
+            "run_main", describe=False),
+    Command("games", "list the registered games", "opentinker.cli", "", "games_main", describe=False),
+    Command("eval", "evaluate a run's adapters or a saved adapter (95%% intervals, seat-balanced)",
+            "opentinker.eval.cli_eval"),
+    Command("infer", "batch inference: replies to a JSON Lines file of prompts with a saved adapter or the base model",
+            "opentinker.serve.infer"),
+    Command("play", "play a game in the terminal against a trained agent or the base model", "opentinker.play"),
+    Command("serve", "serve one base model to many jobs, with an OpenAI-compatible HTTP endpoint",
+            "opentinker.serve.cli", "add_serve_arguments", "serve_main", describe=False),
+    Command("status", "jobs, adapters and counters of a running service", "opentinker.serve.cli",
+            "add_status_arguments", "status_main", describe=False),
+    Command("jobs", "the job queue of a running service: submit, list, status, cancel", "opentinker.serve.cli",
+            "add_jobs_arguments", "jobs_main", describe=False),
+)
+"""Every subcommand of ``opentinker``, in ``--help``'s order."""
+
+
 def _main(argv: list[str] | None = None) -> int:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a job (no config: the bundled default job)")
-    run.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job (opentinker/configs/<name>.toml)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
-                     "(its config.toml, with any --set, e.g. train.steps=100 to train on)")
-    run.add_argument("--scheduler", metavar="ADDRESS", help="run on a shared scheduler (opentinker serve): its bus "
-                     "endpoint or service file, instead of starting one")
-    run.add_argument("--run-dir", metavar="DIR", help="the run's folder, a new folder directly inside out_dir "
-                     "(default: out_dir/<game>__<name>__<seed>__<time>)")
-    sub.add_parser("games", help="list the registered games")
-    from opentinker import play as play_cmd
-    from opentinker.eval import cli_eval
-
-    cli_eval.add_arguments(sub.add_parser(
-        "eval", help="evaluate a run's adapters or a saved adapter (95%% intervals, seat-balanced)",
-        description=(cli_eval.__doc__ or "").split("\n\n")[0].replace("``", "")))
-    from opentinker.serve import infer as infer_cmd
-
-    infer_cmd.add_arguments(sub.add_parser(
-        "infer", help="batch inference: replies to a JSON Lines file of prompts with a saved adapter or the base model",
-        description=(infer_cmd.__doc__ or "").split("\n\n")[0].replace("``", "")))
-    play_cmd.add_arguments(sub.add_parser(
-        "play", help="play a game in the terminal against a trained agent or the base model",
-        description=(play_cmd.__doc__ or "").split("\n\n")[0].replace("``", "")))
-    from opentinker.serve import cli as serve_cli
-
-    serve_cli.add_serve_arguments(sub.add_parser(
-        "serve", help="serve one base model to many jobs, with an OpenAI-compatible HTTP endpoint"))
-    serve_cli.add_status_arguments(sub.add_parser("status", help="jobs, adapters and counters of a running service"))
-    serve_cli.add_jobs_arguments(sub.add_parser("jobs", help="the job queue of a running service: submit, list, "
-                                                "status, cancel"))
+    for cmd in COMMANDS:
+        module = importlib.import_module(cmd.module)
+        description = (module.__doc__ or "").split("\n\n")[0].replace("``", "") if cmd.describe else None
+        p = sub.add_parser(cmd.name, help=cmd.help, description=description)
+        if cmd.add:
+            getattr(module, cmd.add)(p)
     args = parser.parse_args(argv)
     _working_folder_importable()
+    cmd = next(c for c in COMMANDS if c.name == args.command)
+    return getattr(importlib.import_module(cmd.module), cmd.main)(args)
 
-    if args.command == "serve":
-        return serve_cli.serve_main(args)
-    if args.command == "status":
-        return serve_cli.status_main(args)
-    if args.command == "jobs":
-        return serve_cli.jobs_main(args)
 
-    if args.command == "eval":
-        return cli_eval.main(args)
-    if args.command == "play":
-        return play_cmd.main(args)
-    if args.command == "infer":
-        return infer_cmd.main(args)
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="job config TOML, or the name of a bundled job (opentinker/configs/<name>.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. train.steps=5")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
+                   "(its config.toml, with any --set, e.g. train.steps=100 to train on)")
+    p.add_argument("--scheduler", metavar="ADDRESS", help="run on a shared scheduler (opentinker serve): its bus "
+                   "endpoint or service file, instead of starting one")
+    p.add_argument("--run-dir", metavar="DIR", help="the run's folder, a new folder directly inside out_dir "
+                   "(default: out_dir/<game>__<name>__<seed>__<time>)")
 
-    if args.command == "games":
-        import games
 
-        for name in games.names():
-            doc = (sys.modules[type(games.make(name).unwrapped).__module__].__doc__ or "").strip().splitlines()
-            hook = games.evaluation(name)
-            seats = ", ".join(["random", *(s for s in hook.scripted if s != "random")])
-            kind = "competitive" if hook.competitive else "cooperative"
-            print(f"{name}: {doc[0] if doc else ''}\n    {kind}; scripted seats (opponents, eval --vs): {seats}")
-        return 0
+def games_main(args: argparse.Namespace) -> int:
+    """``opentinker games``: each registered game, its kind and its scripted seats."""
+    import games
 
+    for name in games.names():
+        doc = (sys.modules[type(games.make(name).unwrapped).__module__].__doc__ or "").strip().splitlines()
+        hook = games.evaluation(name)
+        seats = ", ".join(["random", *(s for s in hook.scripted if s != "random")])
+        kind = "competitive" if hook.competitive else "cooperative"
+        print(f"{name}: {doc[0] if doc else ''}\n    {kind}; scripted seats (opponents, eval --vs): {seats}")
+    return 0
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """``opentinker run``: the config read and checked whole (one line on a bad one), then the
+    job run (one line and an exit code for each way it can stop)."""
+    checked = _checked_config(args)
+    if isinstance(checked, int):
+        return checked
+    return _run_checked(args, *checked)
+
+
+def _checked_config(args: argparse.Namespace) -> tuple[Any, Any] | int:
+    """``(config, checkpoint to resume from or None)``, or the exit code after one line."""
     from opentinker.config import ConfigError, load_config
     from opentinker.config_checks import check_config
     from opentinker.logs import escape_controls
@@ -201,10 +226,17 @@ def _main(argv: list[str] | None = None) -> int:
         # One line whatever the config holds (its strings are quoted in the reasons).
         print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
         return 2
+    return cfg, checkpoint
+
+
+def _run_checked(args: argparse.Namespace, cfg: Any, checkpoint: Any) -> int:
+    """Run the checked job; each way it stops is one line and an exit code."""
     from pathlib import Path
 
+    from opentinker.config import ConfigError
     from opentinker.control.runtime import ComponentDied
     from opentinker.interrupt import Interrupted
+    from opentinker.logs import escape_controls
     from opentinker.run import run_job
 
     try:
