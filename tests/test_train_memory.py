@@ -104,14 +104,18 @@ def test_the_scheduler_reports_its_peak_memory_and_starts_it_again(scheduler):
     """``SchedulerStats`` carries the process's RSS and peak; ``reset_peak`` starts the peak
     again, so a training step's metrics report that step's own peak."""
     import gc
+    import mmap
 
     from opentinker.bus.sync import SyncClient
     from protocols.messages import SchedulerStats
 
     with SyncClient(scheduler.endpoint, "test") as client:
         client.request(SchedulerStats(reset_peak=True))
-        big = np.ones(64 << 20, np.uint8)  # 64 MiB resident, then freed
-        del big
+        # 64 MiB of fresh pages, written then unmapped (an anonymous mapping: not heap the
+        # process already holds, which a long test session may have to reuse).
+        region = mmap.mmap(-1, 64 << 20)
+        np.frombuffer(region, np.uint8)[:] = 1
+        region.close()
         gc.collect()
         high = client.request(SchedulerStats(reset_peak=True)).counters
         low = client.request(SchedulerStats()).counters
