@@ -173,7 +173,7 @@ def test_a_resume_rewinds_the_transcripts_to_its_checkpoint(tmp_path):
     for step in (1, 2, 3):
         ep = EpisodeSummary(episode_id=step, group_id=0, seed=0, rewards={}, invalid={}, turns={},
                             transcript=[f"line of step {step}", "## step 9 in a reply is not a header "])
-        transcripts.append(path, step, [ep])
+        transcripts.append(path, transcripts.render(step, [ep]))
     transcripts.truncate(path, 2)
     text = path.read_text()
     assert "line of step 2" in text and "line of step 3" not in text and text.count("## step ") == 4

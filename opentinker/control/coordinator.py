@@ -281,10 +281,9 @@ class Coordinator:
         for key in ("sample_batches", "sample_rows"):
             metrics[f"perf/{key}"] = after.get(key, 0) - before.get(key, 0)
         metrics.update(engine_metrics(before, after))
-        self.transcripts = [line for s in summaries[:transcripts.PER_STEP]
-                            for line in [f"# episode {s.episode_id}", *s.transcript]]
+        self.transcripts = transcripts.render(step, summaries)
         if self.transcripts_path:
-            transcripts.append(self.transcripts_path, step, summaries)
+            transcripts.append(self.transcripts_path, self.transcripts)
         return metrics
 
     def _update_win_rates(self, specs: list[EpisodeSpec], by_id: dict[int, EpisodeSummary]) -> dict[str, float]:

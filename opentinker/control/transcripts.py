@@ -15,14 +15,18 @@ PER_STEP = 4
 _STEP = re.compile(r"^## step (\d+)$")
 
 
-def append(path: str | Path, step: int, summaries: Sequence[EpisodeSummary]) -> list[str]:
-    """Append step ``step``'s first :data:`PER_STEP` episodes to ``path``; returns the lines."""
+def render(step: int, summaries: Sequence[EpisodeSummary]) -> list[str]:
+    """Step ``step``'s first :data:`PER_STEP` episodes as the lines of ``transcripts.txt``."""
     lines = [f"## step {step}"]
     for s in sorted(summaries, key=lambda s: s.episode_id)[:PER_STEP]:
         lines += [f"# episode {s.episode_id} (group {s.group_id}, seed {s.seed})", *s.transcript, ""]
+    return lines
+
+
+def append(path: str | Path, lines: Sequence[str]) -> None:
+    """Append a step's :func:`render` ed lines to ``path``."""
     with open(path, "a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
-    return lines
 
 
 def truncate(path: str | Path, step: int) -> None:
