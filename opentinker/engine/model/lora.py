@@ -45,9 +45,8 @@ AVX512, torch 2.13 (MKL sgemm takes its AVX2 path here; the decoder's linears ru
 see :mod:`.decoder`), shared with other work, so every figure is a min over repeats. SmolLM2-
 135M's shapes with random weights (30 layers, hidden 576, 9 heads of 64, 3 KV heads,
 intermediate 1536, vocabulary 49152), fp32, no grad, rank-8 adapters on q/k/v/o, rows sorted by
-adapter. LoRA terms alone (:func:`benchmark`: ``python -c "from opentinker.engine.model.lora
-import main; main()"``, one thread's CPU time, min of 7), 32 rows x 64 tokens (a prefill) and
-32 rows x 1 token (a decode step)::
+adapter. LoRA terms alone (``python benchmarks/lora_methods.py``, one thread's CPU time, min
+of 7), 32 rows x 64 tokens (a prefill) and 32 rows x 1 token (a decode step)::
 
     K    tokens   segments   stacked (cached)   bgmv (cached)   bgmv (uncached)
     1    32x64     72 ms       72 ms              49 ms           54 ms
@@ -97,7 +96,7 @@ from protocols.messages import LoraSpec
 from .config import DecoderSpec, module_dims
 from .lora_slots import INPUT_GROUPS, LoraSlots
 
-__all__ = ["LoraWeights", "LoraBatch", "LoraStackCache", "MODULES", "METHODS", "peft_name", "DEFAULT_METHOD", "chunk_length"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "MODULES", "LoraBatch", "LoraStackCache", "LoraWeights", "chunk_length", "peft_name"]
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """LoRA-able projections, in the order PEFT meets them in a decoder layer."""
@@ -578,68 +577,3 @@ class LoraBatch:
         if chunk_aid is not None and store is None:
             B = B.index_select(0, chunk_aid)
         return y.index_add_(0, index, torch.bmm(u, B).view(-1, y.shape[1]))
-
-
-def benchmark(ks: Sequence[int] = (1, 4, 16), rows: int = 32, length: int = 64, repeats: int = 7) -> dict[str, float]:
-    """Single-thread CPU seconds (min over ``repeats``; CPU time, not wall time, because the
-    machine is shared) at SmolLM2-135M's shapes, ``rows x length`` tokens, no grad, fp32: ``"base forward"`` (the
-    whole 30-layer forward without LoRA) and, per K rank-8 adapters on q/k/v/o (rows sorted by
-    adapter), the LoRA terms of one forward (``LoraBatch`` built, 30 x 4 ``apply`` calls) for
-    ``segments``, ``stacked`` and ``bgmv`` (warm :class:`LoraStackCache`), and ``stacked`` and
-    ``bgmv`` without a cache (``-uncached``)."""
-    import time
-
-    from .attention import DenseAttention
-    from .decoder import Decoder
-
-    spec = DecoderSpec(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                       num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
-    N = rows * length
-    target = ("q_proj", "k_proj", "v_proj", "o_proj")
-    x_N_H = torch.randn(N, spec.hidden_size)
-    y = {m: torch.zeros(N, module_dims(spec, m)[1]) for m in target}
-    cases: dict[str, tuple[list[LoraWeights], str, LoraStackCache | None]] = {}
-    for K in ks:
-        adapters = []
-        for k in range(K):
-            named = LoraWeights.new(LoraSpec(rank=8, seed=k), spec)
-            for name, t in named.items():
-                if ".lora_B." in name:
-                    t.data.normal_(0, 0.02)
-            adapters.append(LoraWeights.from_named(named, LoraSpec(rank=8), spec))
-        per_row = [adapters[b * K // rows] for b in range(rows)]
-        cases[f"K={K} segments"] = (per_row, "segments", None)
-        cases[f"K={K} stacked"] = (per_row, "stacked", LoraStackCache())
-        cases[f"K={K} stacked-uncached"] = (per_row, "stacked", None)
-        cases[f"K={K} bgmv"] = (per_row, "bgmv", LoraStackCache())
-        cases[f"K={K} bgmv-uncached"] = (per_row, "bgmv", None)
-    times: dict[str, float] = {name: float("inf") for name in cases}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread's CPU time: what the work costs, whatever the load
-    clock = time.thread_time
-    with torch.no_grad():
-        for rep in range(repeats + 1):  # round 0 warms up (and fills the stack caches)
-            for name, (per_row, method, cache) in cases.items():
-                t0 = clock()
-                lora = LoraBatch(per_row, [length] * rows, method, cache)
-                for layer in range(spec.num_layers):
-                    for m in target:
-                        lora.apply(layer, m, x_N_H, y[m])
-                if rep:
-                    times[name] = min(times[name], clock() - t0)
-        dec = Decoder(spec).init_random_(0)
-        ids_N = torch.randint(0, spec.vocab_size, (N,))
-        pos_N = torch.arange(length).repeat(rows)
-        base = float("inf")
-        for rep in range(4):
-            t0 = clock()
-            dec(ids_N, pos_N, DenseAttention(rows, length))
-            base = min(base, clock() - t0) if rep else base
-    torch.set_num_threads(threads)
-    return {"base forward": base, **times}
-
-
-def main() -> None:
-    """Print :func:`benchmark`'s table."""
-    for name, seconds in benchmark().items():
-        print(f"{name:24s} {seconds * 1000:8.1f} ms")
