@@ -141,7 +141,7 @@ def flood(url: str, admission, n_requests: int, n: int, tokens: int) -> dict:
 def job_process(model_path: str) -> dict:
     """Step 4: a small run in a service's queue; the peak resident memory of its process."""
     from opentinker.bus import SyncClient
-    from opentinker.cli import _parse_set
+    from opentinker.overrides import parse_overrides
     from opentinker.config import load_config, to_toml
     from opentinker.serve.service import Service
     from protocols.messages import ListQueue, SubmitJob
@@ -153,7 +153,7 @@ def job_process(model_path: str) -> dict:
         sets = {"model.base": model_path, "model.threads": 1, "runtime.backend": "local", "runtime.env_runners": 1,
                 "train.steps": 2, "train.groups_per_step": 2, "eval.every": 0, "sampling.max_tokens": 3,
                 "out_dir": "runs"}
-        toml = to_toml(load_config(None, _parse_set([f"{k}={v}" for k, v in sets.items()]))).decode()
+        toml = to_toml(load_config(None, parse_overrides([f"{k}={v}" for k, v in sets.items()]))).decode()
         peak = {"VmHWM": 0.0, "Pss": 0.0, "Private": 0.0}
         try:
             with SyncClient(info.endpoint, "bench", credentials=info.credentials()) as c:

@@ -58,7 +58,7 @@ from opentinker.bus.auth import Credentials
 from opentinker.bus.common import RemoteError
 from opentinker.bus.sync import SyncClient
 from opentinker.serve.cli import status
-from opentinker.serve.service import ServiceInfo
+from opentinker.control.attach import ServiceInfo
 from protocols.messages import (
     CloseJob,
     CreateAdapter,

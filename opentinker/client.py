@@ -107,7 +107,7 @@ class ServiceClient:
             self._scheduler = SchedulerService(self.model_path, device=device, threads=threads)
             address = self._scheduler.start()
         elif not address.startswith(("tcp://", "ipc://")) or _is_service(address):
-            from opentinker.serve.service import attach
+            from opentinker.control.attach import attach
 
             self._folder = tempfile.TemporaryDirectory(prefix="opentinker-client-")
             self._attachment = attach(address, job, self.model_path, [self._folder.name], [])
@@ -237,7 +237,7 @@ def _check(kind: type[T]) -> Callable[[Message], T]:
 
 def _is_service(address: str) -> bool:
     """Whether ``address`` is an ``opentinker serve`` service (a file, or a known endpoint)."""
-    from opentinker.serve.service import find_service
+    from opentinker.control.attach import find_service
 
     try:
         find_service(address)

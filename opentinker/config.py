@@ -10,7 +10,7 @@ run`` prints ``opentinker: bad config: <field>: <reason>`` and exits 2):
 * when it is decoded (:func:`load_config`): unknown fields (``train.lrr: unknown field``),
   types, and ranges, every number with an upper bound (the ``MAX_*`` constants, each with
   its reason) so infinities and absurd sizes never reach the runtime; the job ``name`` is a safe path component;
-* by :func:`opentinker.config_checks.check_config`, before a run folder or an actor exists: the game is registered and
+* by :func:`opentinker.control.config_checks.check_config`, before a run folder or an actor exists: the game is registered and
   takes ``game_kwargs``, the model spec resolves on this machine (a known spec, or a folder
   with a ``config.json``; a path that does not exist is refused, never looked up on the hub),
   the device, the LoRA target modules against the architecture, the algorithms, the offline
@@ -32,6 +32,8 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
+from opentinker.engine.spec_checks import MAX_LORA_RANK
+from opentinker.files import name_problem
 from opentinker.logs import escape_controls
 from protocols.messages import LoraSpec
 
@@ -62,9 +64,6 @@ the bus's 4 MiB limit on a body."""
 MAX_HANDS_PER_STRATUM = 1000
 """Evaluation games per (start, seat) (the game's evaluation hook has the starts); in the default
 job 34 give 408 games, a 95% interval of about +-0.1 per game, and 1000 give 12,000 (+-0.02)."""
-MAX_LORA_RANK = 4096
-"""A rank beyond a layer's width adds nothing; the widest open models are ~16k wide, and
-ranks in use are 8-256."""
 MAX_POLICIES = 256
 """Each policy is a learner actor (a process) and an adapter on the scheduler."""
 MAX_COEF = 1e6
@@ -99,9 +98,6 @@ MAX_TIMEOUT_S = 7 * 86400.0
 MAX_SEED = 2**32 - 1
 """The runtime seeds its numpy streams with the seed's low 32 bits (``rollout/episodes.py``),
 so larger seeds would silently alias smaller ones; ``torch.manual_seed`` stops at 2^64."""
-MAX_NAME_BYTES = 128
-"""The job name is part of the run folder's name (``{game}__{name}__{seed}__{time}``), which
-must fit the 255 bytes a file system allows for one path component."""
 MAX_TEXT = 100_000
 """Characters of ``system_prompt`` (it is in every prompt)."""
 MAX_PATH_CHARS = 4096
@@ -190,7 +186,7 @@ class PolicyConfig(_Config):
     target_modules: Annotated[list[str], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Projections that get LoRA weights; checked against the model's architecture where it
-    is known (:func:`opentinker.config_checks.check_config`)."""
+    is known (:func:`opentinker.control.config_checks.check_config`)."""
     frozen: bool = False
     """Play and record trajectories but never train: the adapter stays as it started (the
     base model, or ``init``). Data collection at a given episode budget for an offline SFT or
@@ -524,7 +520,7 @@ class LeagueConfig(_Config):
 class JobConfig(_Config):
     name: str = "default"
     """Part of the run folder's name: letters, digits, ``_``, ``-``, ``+`` and ``.`` (not
-    first), at most :data:`MAX_NAME_BYTES` bytes (:func:`check_name`)."""
+    first), at most :data:`opentinker.files.MAX_NAME_BYTES` bytes (:func:`check_name`)."""
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] = 0
     game: Annotated[str, Meta(max_length=256)] = "kuhn_poker_v0"
     game_kwargs: Annotated[dict[str, int | float | str | bool], Meta(max_length=MAX_ITEMS)] = msgspec.field(
@@ -659,19 +655,12 @@ class JobConfig(_Config):
         return Path(path).resolve().parent == Path(self.out_dir).resolve()
 
 
-_NAME = re.compile(r"\w[\w.+-]*")
-"""A job name: word characters (letters, digits, ``_``, in any script), ``.``, ``+``, ``-``,
-never first a ``.`` or ``-``: no separator, no ``..``, no control character, no option."""
-
-
 def check_name(name: str) -> None:
-    """Refuse a job ``name`` that is not a safe path component (:data:`_NAME`, at most
-    :data:`MAX_NAME_BYTES` bytes in UTF-8) with a :class:`ConfigError` naming ``name``."""
-    if not _NAME.fullmatch(name):
-        raise ConfigError("name", f"{name!r} is not a safe folder name: use letters, digits, _ . + - "
-                                  "(not . or - first)")
-    if len(name.encode()) > MAX_NAME_BYTES:
-        raise ConfigError("name", f"{len(name.encode())} bytes long, at most {MAX_NAME_BYTES}")
+    """Refuse a job ``name`` that is not a safe path component (:func:`opentinker.files.name_problem`)
+    with a :class:`ConfigError` naming ``name``."""
+    problem = name_problem(name)
+    if problem is not None:
+        raise ConfigError("name", problem)
 
 
 def _has_controls(text: str) -> bool:

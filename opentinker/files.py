@@ -6,10 +6,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+MAX_NAME_BYTES = 128
+"""A job name is part of the run folder's name (``{game}__{name}__{seed}__{time}``), which
+must fit the 255 bytes a file system allows for one path component."""
+_NAME = re.compile(r"\w[\w.+-]*")
+"""A job name: word characters (letters, digits, ``_``, in any script), ``.``, ``+``, ``-``,
+never first a ``.`` or ``-``: no separator, no ``..``, no control character, no option."""
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a job (a folder of its own, for the config and the scheduler's
+    tenants alike): not a safe path component (:data:`_NAME`) or over :data:`MAX_NAME_BYTES`
+    bytes in UTF-8; ``None`` when it can."""
+    if not _NAME.fullmatch(name):
+        return f"{name!r} is not a safe folder name: use letters, digits, _ . + - (not . or - first)"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        return f"{len(name.encode())} bytes long, at most {MAX_NAME_BYTES}"
+    return None
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import games
 from games.tool_use import find_tool_use
-from opentinker.eval.cli_eval import (
+from opentinker.control.sources import (
     CliError,
     base_model,
     check_game,

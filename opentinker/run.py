@@ -32,7 +32,7 @@ from rich.progress import (
 
 import games
 from opentinker.config import ConfigError, JobConfig, to_toml
-from opentinker.config_checks import check_config
+from opentinker.control.config_checks import check_config
 from opentinker.control import transcripts
 from opentinker.control.checkpoints import (
     Checkpoint,
@@ -106,7 +106,7 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     Both count against ``runtime.max_restarts`` (``restarts``: those used before this call;
     ``spent_s``: the wall seconds of the attempts before it, counted in ``summary.json``).
 
-    The config is checked whole (:func:`~opentinker.config_checks.check_config`, a
+    The config is checked whole (:func:`~opentinker.control.config_checks.check_config`, a
     :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
     before the run folder is made, so a job that cannot start leaves no folder behind.
 
@@ -356,7 +356,11 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
     assert oc is not None
     try:
         with console.status(f"offline {oc.kind} on {oc.data}: {oc.steps} steps"):
-            summary = run_offline(cfg, run_dir, model_path, log)
+            job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
+            try:
+                summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log)
+            finally:
+                job.shutdown()
     finally:
         log.close()
     name = cfg.policies[0].name

@@ -14,7 +14,7 @@ import pytest
 from games.kuhn_poker import _MOVES, EVALUATION, INFO_STATES, exploitability
 from learners.all_actions import all_actions_datums, all_actions_weights
 from opentinker.config import JobConfig
-from opentinker.config_checks import ConfigError, check_config
+from opentinker.control.config_checks import ConfigError, check_config
 from opentinker.control.all_actions import pure, uniform
 
 M = EVALUATION.measure("exploitability")

@@ -196,6 +196,7 @@ def _trajectories(n_groups: int, rng: np.random.Generator) -> list[Trajectory]:
 
 def _offline(tmp_path: Path, name: str, data: str, kind: str, batch: int, steps: int,
              tiny_path: str) -> tuple[dict, list[dict], dict]:
+    from opentinker.control.runtime import Job
     from opentinker.eval.report import MetricsLog
     from opentinker.training.offline import run_offline
 
@@ -210,7 +211,11 @@ def _offline(tmp_path: Path, name: str, data: str, kind: str, batch: int, steps:
     run_dir = tmp_path / name
     run_dir.mkdir()
     log = MetricsLog(run_dir / "metrics.jsonl", tensorboard=False)
-    summary = run_offline(cfg, run_dir, tiny_path, log)
+    job = Job(cfg, tiny_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
+    try:
+        summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log)
+    finally:
+        job.shutdown()
     weights = load_file(str(run_dir / "adapters" / "main" / "adapter_model.safetensors"))
     return summary, log.rows, weights
 

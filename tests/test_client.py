@@ -135,7 +135,7 @@ def test_a_client_on_opentinker_serve_opens_a_job_and_closes_it(tiny_path, tmp_p
 
     from opentinker.bus.sync import SyncClient
     from opentinker.config import ConfigError
-    from opentinker.serve.service import find_service
+    from opentinker.control.attach import find_service
     from protocols.messages import ListJobs
 
     file = tmp_path / "service.json"

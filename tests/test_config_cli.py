@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from opentinker.cli import _parse_set, main
+from opentinker.cli import main
+from opentinker.overrides import parse_overrides
 from opentinker.config import JobConfig, load_config
 
 
@@ -41,19 +42,19 @@ def test_bundled_configs_load_by_name():
 
 
 def test_set_overrides_parse():
-    assert _parse_set(["train.steps=3", "model.base=tiny-random", "x.y.z=[1,2]"]) == {
+    assert parse_overrides(["train.steps=3", "model.base=tiny-random", "x.y.z=[1,2]"]) == {
         "train": {"steps": 3}, "model": {"base": "tiny-random"}, "x": {"y": {"z": [1, 2]}}
     }
-    lr = _parse_set(["train.lr=inf", "train.clip_low=-inf", "train.clip_high=nan"])["train"]
+    lr = parse_overrides(["train.lr=inf", "train.clip_low=-inf", "train.clip_high=nan"])["train"]
     assert lr["lr"] == float("inf") and lr["clip_low"] == float("-inf") and lr["clip_high"] != lr["clip_high"]
     from opentinker.config import ConfigError
 
     for bad, why in [("train.steps", "expected key=value"), ("train..steps=1", "dotted field name"),
                      ("a.b.c.d.e.f.g.h.i=1", "dotted field name"), ("x=" + "[" * 100_000, "nested too deep")]:
         with pytest.raises(ConfigError, match=f"^--set: .*{why}"):
-            _parse_set([bad])
+            parse_overrides([bad])
     with pytest.raises(ConfigError, match="^--set: 'train.steps.x': 'steps' is already set to a value"):
-        _parse_set(["train.steps=1", "train.steps.x=2"])
+        parse_overrides(["train.steps=1", "train.steps.x=2"])
 
 
 def test_unknown_algorithm_is_refused_before_start(capsys):
@@ -191,13 +192,13 @@ def test_games_lists_each_games_scripted_seats(capsys):
 
 
 def test_set_reaches_into_a_list_by_index():
-    cfg = load_config("negotiation_three", _parse_set(["policies[1].lora_rank=4", "policies[2].frozen=true"]))
+    cfg = load_config("negotiation_three", parse_overrides(["policies[1].lora_rank=4", "policies[2].frozen=true"]))
     assert cfg.policies[1].lora_rank == 4 and cfg.policies[2].frozen and not cfg.policies[0].frozen
-    assert load_config("default", _parse_set(["policies[0].name=solo"])).policies[0].name == "solo"
+    assert load_config("default", parse_overrides(["policies[0].name=solo"])).policies[0].name == "solo"
     with pytest.raises(ValueError, match=r"policies\[5\]: the config has \d of them"):
-        load_config("default", _parse_set(["policies[5].name=x"]))
+        load_config("default", parse_overrides(["policies[5].name=x"]))
     with pytest.raises(ValueError, match=r"train: is not a list"):
-        load_config("default", _parse_set(["train[0]=3"]))
+        load_config("default", parse_overrides(["train[0]=3"]))
 
 
 def test_output_into_a_closed_pipe_ends_quietly(monkeypatch):

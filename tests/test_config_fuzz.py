@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from opentinker.config import ConfigError, config_from_dict, load_config
-from opentinker.config_checks import check_config
+from opentinker.control.config_checks import check_config
 
 N_MUTATIONS = 400
 HOSTILE = [

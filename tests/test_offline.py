@@ -165,7 +165,7 @@ def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
     cold = load_file(f"{run_job(zero, console=quiet).run_dir}/adapters/main/adapter_model.safetensors")
     assert any(np.abs(cold[k] - sft_w[k]).max() > 0.05 for k in sft_w)  # a cold start is elsewhere
     from opentinker.config import ConfigError
-    from opentinker.config_checks import check_config
+    from opentinker.control.config_checks import check_config
 
     with pytest.raises(ConfigError, match=r"policies\[main\].init: the saved adapter has rank 8 \(this job: 4\)"):
         check_config(_job(tmp_path, policies=[{"name": "main", "init": init, "lora_rank": 4}]))

@@ -202,7 +202,7 @@ def test_the_best_response_opponent_is_an_exact_exploiter(tiny_path):
     with pytest.raises(ValueError, match="made by train_episodes"):
         opponent_ref("main", "best_response")
     assert games.evaluation("tictactoe_v0").exploiter() is None
-    from opentinker.config_checks import check_config
+    from opentinker.control.config_checks import check_config
 
     with pytest.raises(Exception, match="best_response: tictactoe_v0's evaluation hook gives no best response"):
         check_config(_cfg(game="tictactoe_v0", policies=[{"name": "main", "opponents": {"best_response": 1}}]))

@@ -18,7 +18,7 @@ import pytest
 
 from opentinker.cli import main
 from opentinker.config import ConfigError, JobConfig, check_name, load_config
-from opentinker.config_checks import check_config, check_model
+from opentinker.control.config_checks import check_config, check_model
 from opentinker.logs import escape_controls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,7 +427,7 @@ def test_clip_bounds_a_config_allows_stay_inside_the_clamp():
 # --------------------------------------------------------------------------- mirrors kept current
 
 def test_the_configs_mirrors_of_the_engine_are_current(tiny_path):
-    from opentinker.config_checks import ENGINE_FAMILIES, ENGINE_MODULES, KNOWN_MODELS
+    from opentinker.control.config_checks import ENGINE_FAMILIES, ENGINE_MODULES, KNOWN_MODELS
     from opentinker.engine.model.config import SUPPORTED
     from opentinker.engine.model.lora import MODULES
     from opentinker.engine.model_specs import cache_root
@@ -1006,13 +1006,13 @@ def test_a_service_makes_an_api_key_only_its_user_can_read(tiny_path, tmp_path):
 def _job_toml(tiny_path: str, out_dir: str, **extra: object) -> str:
     """A small run's config as ``opentinker jobs submit`` sends it (``train.steps=400``: it
     runs until stopped)."""
-    from opentinker.cli import _parse_set
+    from opentinker.overrides import parse_overrides
     from opentinker.config import to_toml
 
     sets = {"model.base": tiny_path, "model.threads": 1, "runtime.backend": "local", "runtime.env_runners": 1,
             "train.steps": 400, "train.groups_per_step": 2, "eval.every": 0, "sampling.max_tokens": 3,
             "out_dir": out_dir, **extra}
-    return to_toml(load_config(None, _parse_set([f"{k}={v}" for k, v in sets.items()]))).decode()
+    return to_toml(load_config(None, parse_overrides([f"{k}={v}" for k, v in sets.items()]))).decode()
 
 
 def _job_pids(file: Path) -> list[int]:

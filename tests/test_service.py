@@ -147,7 +147,7 @@ def test_a_job_is_opened_only_where_the_scheduler_sees_its_folders(tiny_path, tm
     job only when it holds the job's text there (a job on another machine whose out_dir the
     service's machine does not share is refused at once, not when it first saves); a probe
     outside the job's roots is refused too. ``attach`` writes and removes the probe itself."""
-    from opentinker.serve.service import ServiceInfo, attach
+    from opentinker.control.attach import ServiceInfo, attach
 
     s = SchedulerService(tiny_path, tenants=Tenants())
     ep = s.start()

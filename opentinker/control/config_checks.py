@@ -56,7 +56,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
 def _check_scheduler(address: str) -> None:
     """A shared scheduler's address: a service that answers for it (its service file read;
     whether it still runs is known when the job opens there)."""
-    from opentinker.serve.service import find_service
+    from opentinker.control.attach import find_service
 
     try:
         find_service(address)

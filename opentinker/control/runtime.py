@@ -34,7 +34,7 @@ from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
 
 if TYPE_CHECKING:
-    from opentinker.serve.service import Attachment
+    from opentinker.control.attach import Attachment
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class Job:
             :attr:`scheduler_endpoint`, presenting :attr:`scheduler_credentials`).
 
     With ``cfg.runtime.scheduler`` set, no scheduler is started: the job is opened on that
-    shared scheduler (:func:`opentinker.serve.service.attach`), every component presents the
+    shared scheduler (:func:`opentinker.control.attach.attach`), every component presents the
     job's credentials to it, and :meth:`shutdown` closes the job there (its adapters are freed).
     """
 
@@ -298,7 +298,7 @@ class Job:
                                            "max_batch_tokens": m.max_batch_tokens, "dtype": m.dtype,
                                            "cuda_graphs": m.cuda_graphs}}
         if cfg.runtime.scheduler:
-            from opentinker.serve.service import attach
+            from opentinker.control.attach import attach
 
             self.attachment = attach(cfg.runtime.scheduler, cfg.name, model_path, sched_kwargs["adapter_roots"],
                                      sched_kwargs["read_roots"], cfg.runtime.priority, cfg.runtime.startup_timeout_s)

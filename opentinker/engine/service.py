@@ -54,7 +54,7 @@ from opentinker.engine.rss import process_memory, reset_peak_memory
 from opentinker.engine.anchored import Anchored, PathNotAllowed, anchor
 from opentinker.engine.spec_checks import check_adam, check_spec
 from opentinker.engine.tenants import Tenants
-from opentinker.files import root_holding
+from opentinker.files import name_problem, root_holding
 from opentinker.logs import escape_controls
 from protocols.codec import Limits
 from protocols.messages import (
@@ -103,12 +103,9 @@ JOB_CONTROL = (OpenJob, CloseJob, ListJobs)
 
 def check_job_name(name: str) -> None:
     """``ValueError`` unless ``name`` can name a job (what a job config's ``name`` may be)."""
-    from opentinker.config import ConfigError, check_name
-
-    try:
-        check_name(name)
-    except ConfigError as e:
-        raise ValueError(f"OpenJob.{e}") from None
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(f"OpenJob.name: {problem}")
 
 
 def _absolute(path: object) -> bool:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
-from opentinker.config import MAX_LORA_RANK
 from protocols.messages import AdamParams, LoraSpec
+
+MAX_LORA_RANK = 4096
+"""A rank beyond a layer's width adds nothing; the widest open models are ~16k wide, and
+ranks in use are 8-256. The job config's ``policies[].lora_rank`` takes the same bound."""
 
 MAX_TARGET_MODULES = 64
 

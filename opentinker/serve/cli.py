@@ -106,7 +106,7 @@ def status(address: str | None, timeout: float = 30.0, rate_s: float = 1.0) -> d
     """What the service at ``address`` holds: jobs, adapters (resident and spilled), the
     engine's queue, tokens per second (over ``rate_s``), memory, and every counter."""
     from opentinker.bus.sync import SyncClient
-    from opentinker.serve.service import SERVICE_FILE, find_service, home
+    from opentinker.control.attach import SERVICE_FILE, find_service, home
     from protocols.messages import ListAdapters, ListJobs, SchedulerStats
 
     info = find_service(address or str(home() / SERVICE_FILE))
@@ -226,13 +226,13 @@ def jobs_main(args: argparse.Namespace) -> int:
 
     from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
-    from opentinker.serve.service import SERVICE_FILE, find_service, home
+    from opentinker.control.attach import SERVICE_FILE, find_service, home
     from protocols.messages import CancelQueued, EvalJob, InferJob, ListQueue, SubmitJob
 
     try:
         msg: object = None
         if args.jobs_command == "submit":
-            from opentinker.cli import _parse_set
+            from opentinker.overrides import parse_overrides
             from opentinker.config import load_config, to_toml
 
             if args.eval and args.infer:
@@ -255,7 +255,7 @@ def jobs_main(args: argparse.Namespace) -> int:
                                              games_per_stratum=args.games_per_stratum),
                                 priority=args.priority, memory_mb=args.memory_mb)
             else:
-                cfg = _absolute(load_config(args.config, _parse_set(args.set)))
+                cfg = _absolute(load_config(args.config, parse_overrides(args.set)))
                 msg = SubmitJob(config=to_toml(cfg).decode(), priority=args.priority, memory_mb=args.memory_mb)
         elif args.jobs_command == "cancel":
             msg = CancelQueued(id=args.id)

@@ -113,7 +113,7 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     from opentinker.bus.sync import SyncClient
     from opentinker.control.runtime import Job
     from opentinker.engine.model_specs import resolve_model
-    from opentinker.eval.cli_eval import (
+    from opentinker.control.sources import (
         CliError,
         base_model,
         read_source,
@@ -165,7 +165,7 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     params = reply_params(args.temperature, args.top_p, 0, args.max_tokens, tok.eos_id, args.seed)
     with tempfile.TemporaryDirectory(prefix="opentinker-infer-") as tmp:
         from opentinker.config import ConfigError, config_from_dict
-        from opentinker.config_checks import check_config
+        from opentinker.control.config_checks import check_config
 
         model_table = {"base": model, **({"threads": args.threads} if args.threads else {}),
                        **({"device": args.device} if args.device else {})}

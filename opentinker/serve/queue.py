@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opentinker.bus.auth import Credentials
+from opentinker.control.attach import JOB_ENV
 from opentinker.files import root_holding
 from opentinker.logs import escape_controls
 from opentinker.serve import job_procs
@@ -43,7 +43,6 @@ from protocols.messages import EvalJob, InferJob, QueueEntry
 
 log = logging.getLogger(__name__)
 
-JOB_ENV = "OPENTINKER_JOB"
 """``<job id>:<secret>`` of the tenant a queued job runs as (set by the queue for its process)."""
 FLOAT_BYTES = 4
 ADAM_COPIES = 4
@@ -151,14 +150,14 @@ def eval_config(spec: EvalJob, model_path: str, out_dir: str) -> Any:
     """The job an evaluation of ``spec.path`` plays (``opentinker eval``'s own, its policies
     frozen), for its memory estimate; ``ValueError`` saying what is wrong with the path or
     the game."""
-    from opentinker.eval import cli_eval
+    from opentinker.control import sources
 
     try:
-        source = cli_eval.read_source(spec.path)
-        game, _ = cli_eval.source_game(source, spec.game, spec.path)
-        return cli_eval.job_config(source, game, model_path, None, 1, None, out_dir,
+        source = sources.read_source(spec.path)
+        game, _ = sources.source_game(source, spec.game, spec.path)
+        return sources.job_config(source, game, model_path, None, 1, None, out_dir,
                                    policies=[{"name": p, "frozen": True} for p in source.adapters])
-    except cli_eval.CliError as e:
+    except sources.CliError as e:
         raise ValueError(f"--eval {spec.path}: {e}") from None
 
 
@@ -169,7 +168,7 @@ def infer_config(spec: InferJob, model_path: str, out_dir: str) -> Any:
     import msgspec
 
     from opentinker.config import JobConfig
-    from opentinker.eval import cli_eval
+    from opentinker.control import sources
 
     for what, path in (("--infer", spec.prompts), ("--adapter", spec.adapter)):
         if path and not os.path.isabs(path):
@@ -179,10 +178,10 @@ def infer_config(spec: InferJob, model_path: str, out_dir: str) -> Any:
     policy: dict[str, Any] = {"name": "main", "frozen": True}
     if spec.adapter:
         try:
-            (folder,) = cli_eval.read_source(spec.adapter).adapters.values()
+            (folder,) = sources.read_source(spec.adapter).adapters.values()
             lora = json.loads((folder / "adapter_config.json").read_text())
             policy.update(lora_rank=int(lora["r"]), target_modules=list(lora["target_modules"]))
-        except (cli_eval.CliError, OSError, ValueError, KeyError, TypeError) as e:
+        except (sources.CliError, OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--adapter {spec.adapter}: {e}") from None
     try:
         return msgspec.convert({"out_dir": out_dir, "model": {"base": model_path}, "policies": [policy],
@@ -269,7 +268,7 @@ class JobQueue:
         naming the field for a bad config or path, or the numbers for a job the budget can
         never hold."""
         from opentinker.config import ConfigError, load_config
-        from opentinker.config_checks import check_config
+        from opentinker.control.config_checks import check_config
 
         if not (0 < priority <= 1e6):
             raise ValueError(f"SubmitJob.priority must be in (0, 1e6], got {priority}")
@@ -464,18 +463,6 @@ class JobQueue:
         job_procs.stop_all([e.proc for e in running if e.proc is not None])
         for entry in running:
             self._ended(entry, "cancelled")
-
-
-def job_credentials() -> Credentials | None:
-    """The tenant a queued job's process runs as (``$OPENTINKER_JOB``: its credentials'
-    :meth:`~opentinker.bus.auth.Credentials.pair` as JSON), if the queue started it."""
-    raw = os.environ.get(JOB_ENV, "")
-    if not raw:
-        return None
-    try:
-        return Credentials.of(json.loads(raw))
-    except (ValueError, TypeError, IndexError) as e:
-        raise ValueError(f"${JOB_ENV}: not a job's credentials ({e})") from None
 
 
 def read_model_config(model_path: str) -> dict:

@@ -36,6 +36,7 @@ from learners import (
 )
 from opentinker.training import trajectory_log
 from opentinker.bus import SyncClient
+from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split
 from opentinker.config import JobConfig
 from opentinker.eval.report import MetricsLog
@@ -116,11 +117,12 @@ def dataset_loss(
     return {"loss": out.loss_sum.item() / normalizer, **out.metrics}
 
 
-def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog) -> dict[str, Any]:
-    """Train ``cfg.policies[0]`` offline; write ``metrics.jsonl`` rows and the adapter under
-    ``run_dir``. Returns the summary (also written to ``summary.json``)."""
-    from opentinker.control.runtime import Job
-
+def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Credentials | None,
+                log: MetricsLog) -> dict[str, Any]:
+    """Train ``cfg.policies[0]`` offline on the scheduler at ``endpoint`` (started for the job
+    by its driver, :func:`opentinker.run.run_job`), presenting ``credentials``; write
+    ``metrics.jsonl`` rows and the adapter under ``run_dir``. Returns the summary (also written
+    to ``summary.json``)."""
     oc = cfg.offline_job()
     assert oc is not None
     t0 = time.perf_counter()
@@ -131,53 +133,49 @@ def run_offline(cfg: JobConfig, run_dir: Path, model_path: str, log: MetricsLog)
     adam = AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)
     timeout = cfg.runtime.timeout_s
     name = policy.name
-    job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
-    try:
-        with SyncClient(job.scheduler_endpoint, "offline", credentials=job.scheduler_credentials) as client:
-            def ask(msg: Message, unit: int = 1) -> Message:
-                """``msg``'s reply, sent in slices the scheduler takes (a pair's datums together)."""
-                return request_split(lambda m: client.request(m, timeout), msg, unit)
+    with SyncClient(endpoint, "offline", credentials=credentials) as client:
+        def ask(msg: Message, unit: int = 1) -> Message:
+            """``msg``'s reply, sent in slices the scheduler takes (a pair's datums together)."""
+            return request_split(lambda m: client.request(m, timeout), msg, unit)
 
-            spec = LoraSpec(rank=policy.lora_rank, alpha=policy.lora_alpha,
-                            target_modules=tuple(policy.target_modules), seed=cfg.seed, full=policy.kind == "full")
-            client.request(CreateAdapter(name=name, spec=spec), timeout)
-            seqs = [d.tokens for unit in units for d in unit]
-            ref_lp = []
-            if oc.kind != "sft":
-                ref = ask(LogprobsRequest(adapter=None, sequences=seqs))
-                assert isinstance(ref, LogprobsResult)
-                ref_lp = ref.logprobs
+        spec = LoraSpec(rank=policy.lora_rank, alpha=policy.lora_alpha,
+                        target_modules=tuple(policy.target_modules), seed=cfg.seed, full=policy.kind == "full")
+        client.request(CreateAdapter(name=name, spec=spec), timeout)
+        seqs = [d.tokens for unit in units for d in unit]
+        ref_lp = []
+        if oc.kind != "sft":
+            ref = ask(LogprobsRequest(adapter=None, sequences=seqs))
+            assert isinstance(ref, LogprobsResult)
+            ref_lp = ref.logprobs
 
-            def evaluate(step: int) -> dict[str, float]:
-                res = ask(LogprobsRequest(adapter=name, sequences=seqs))
-                assert isinstance(res, LogprobsResult)
-                m = dataset_loss(oc.kind, units, res.logprobs, ref_lp, loss_config)
-                row = {f"eval/{name}/{oc.kind}/{k}": v for k, v in m.items()}
-                log.write(step, "eval", row)
-                return row
+        def evaluate(step: int) -> dict[str, float]:
+            res = ask(LogprobsRequest(adapter=name, sequences=seqs))
+            assert isinstance(res, LogprobsResult)
+            m = dataset_loss(oc.kind, units, res.logprobs, ref_lp, loss_config)
+            row = {f"eval/{name}/{oc.kind}/{k}": v for k, v in m.items()}
+            log.write(step, "eval", row)
+            return row
 
-            first = evaluate(0)
-            for step, index in enumerate(batches(len(units), oc.batch_size, oc.steps, cfg.seed), 1):
-                batch = [d for i in index for d in units[i]]
-                if oc.kind != "sft":  # a unit drawn twice (across an epoch) is two pairs, not one
-                    batch = renumber_pairs(batch)
-                normalizer = float(len(index) if oc.kind != "sft" else loss_token_count(batch))
-                t_step = time.perf_counter()
-                # The normalizer is the whole batch's: the slices' gradients add up to the batch's.
-                fb = ask(ForwardBackward(adapter=name, datums=batch, loss=oc.kind, loss_config=loss_config,
-                                         normalizer=normalizer), len(units[0]))
-                opt = client.request(OptimStep(adapter=name, params=adam), timeout)
-                assert isinstance(fb, ForwardBackwardResult) and isinstance(opt, OptimStepResult)
-                log.write(step, "train", {
-                    f"train/{name}/loss": fb.loss, f"train/{name}/grad_norm": opt.grad_norm,
-                    f"train/{name}/version": opt.version, f"train/{name}/learn_s": time.perf_counter() - t_step,
-                    **{f"train/{name}/loss/{k}": v for k, v in fb.metrics.items()},
-                })
-            last = evaluate(oc.steps)
-            path = str((run_dir / "adapters" / name).resolve())
-            client.request(SaveAdapter(adapter=name, path=path), timeout)
-    finally:
-        job.shutdown()
+        first = evaluate(0)
+        for step, index in enumerate(batches(len(units), oc.batch_size, oc.steps, cfg.seed), 1):
+            batch = [d for i in index for d in units[i]]
+            if oc.kind != "sft":  # a unit drawn twice (across an epoch) is two pairs, not one
+                batch = renumber_pairs(batch)
+            normalizer = float(len(index) if oc.kind != "sft" else loss_token_count(batch))
+            t_step = time.perf_counter()
+            # The normalizer is the whole batch's: the slices' gradients add up to the batch's.
+            fb = ask(ForwardBackward(adapter=name, datums=batch, loss=oc.kind, loss_config=loss_config,
+                                     normalizer=normalizer), len(units[0]))
+            opt = client.request(OptimStep(adapter=name, params=adam), timeout)
+            assert isinstance(fb, ForwardBackwardResult) and isinstance(opt, OptimStepResult)
+            log.write(step, "train", {
+                f"train/{name}/loss": fb.loss, f"train/{name}/grad_norm": opt.grad_norm,
+                f"train/{name}/version": opt.version, f"train/{name}/learn_s": time.perf_counter() - t_step,
+                **{f"train/{name}/loss/{k}": v for k, v in fb.metrics.items()},
+            })
+        last = evaluate(oc.steps)
+        path = str((run_dir / "adapters" / name).resolve())
+        client.request(SaveAdapter(adapter=name, path=path), timeout)
     summary = {
         "kind": oc.kind, "data": oc.data, "trajectories": n_trajectories,
         "units": len(units), "first_eval": first, "last_eval": last, "adapters": {name: path},
