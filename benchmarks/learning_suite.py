@@ -1,0 +1,244 @@
+"""Every bundled job on several seeds: does each one learn, on every seed, and what does it cost?
+
+For each job and seed the suite runs ``opentinker run JOB --set seed=S`` into
+``OUT/JOB/seedS/``, then evaluates the trained adapters once more with ``opentinker eval`` against
+random, every scripted seat of the game and the untrained base model (``--games-per-stratum``
+games per start and seat: 95% stratified intervals, wins / draws / losses, invalid rate). A
+seed's result goes to ``OUT/JOB/seedS/result.json``; a seed whose result exists (with the same
+job, model and overrides) is reused, and a finished run is evaluated without running it again,
+so the suite can be run a few jobs at a time and stopped at any point.
+
+Per seed: the curve of every policy's evaluations against random over the run, the final
+evaluation by opponent, the run's wall time, the peak resident memory of all its processes
+together and of the largest (sampled every 0.5 s), and the scheduler's own peak
+(``perf/scheduler_peak_rss_mb``). Per job, the verdict the issue asks for: the trained policy
+beats its untrained self (final minus step-0 score against random, lower 95% bound above 0)
+and, in a competitive game, beats random (lower bound above 0), on every seed.
+
+The JSON gathers every ``result.json`` under ``OUT`` (not only this invocation's jobs), with
+the machine; the plot draws each job's curves, one line per seed and policy.
+
+    python benchmarks/learning_suite.py --jobs default,tictactoe --seeds 0,1,2
+    python benchmarks/learning_suite.py --quick          # tiny-random, 1 step: the plumbing only
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _args import parse_args
+from _jobs import finished_run, opentinker, read_rows, run_logged
+from _machine import script_provenance
+
+import games
+from opentinker.config import load_config
+
+SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions", "prisoners_dilemma",
+         "liars_dice", "connect_four", "negotiation_three")
+"""The bundled jobs the suite runs by default, in its table's order."""
+
+
+@dataclass
+class Args:
+    jobs: str = ",".join(SUITE)
+    seeds: str = "0,1,2"
+    out: str = "runs/suite"
+    json: str = "benchmarks/results/learning_suite.json"
+    plot: str = "benchmarks/results/learning_suite.png"
+    model: str = ""
+    """Another base model for every job (e.g. ``tiny-random``); default: each job's own."""
+    steps: int = 0
+    """Training steps for every job; 0: each job's own."""
+    eval_games: int = 34
+    """Final evaluation games per start and seat, for each opponent."""
+    threads: int = 0
+    backend: str = ""
+    """``local`` or ``ray`` for every job; default: each job's own."""
+    quick: bool = False
+
+
+QUICK = {"jobs": "default", "seeds": "0", "out": "/tmp/opentinker-suite-quick", "model": "tiny-random", "steps": 1,
+         "eval_games": 2, "json": "/tmp/opentinker-suite-quick/learning_suite.json",
+         "plot": "/tmp/opentinker-suite-quick/learning_suite.png", "backend": "local"}
+
+
+def overrides(args: Args, seed: int, out_dir: Path) -> list[str]:
+    """The ``--set`` items of a seed's run: its seed and folder, and the suite-wide overrides."""
+    sets = [f"seed={seed}", f"out_dir={out_dir}"]
+    sets += [f"model.base={args.model}"] if args.model else []
+    sets += [f"train.steps={args.steps}"] if args.steps else []
+    sets += [f"model.threads={args.threads}"] if args.threads else []
+    sets += [f"runtime.backend={args.backend}"] if args.backend else []
+    return sets
+
+
+def final_by_opponent(report: dict[str, Any], policy: str) -> dict[str, dict[str, float]]:
+    """``opentinker eval``'s metrics for ``policy``: opponent -> the unit, its 95% interval,
+    invalid rate, games, wins / draws / losses where the game has them."""
+    out: dict[str, dict[str, float]] = {}
+    prefix = f"eval/{policy}/vs_"
+    for key, value in report["metrics"].items():
+        if key.startswith(prefix) and value is not None:
+            opponent, _, metric = key[len(prefix):].partition("/")
+            out.setdefault(opponent, {})[metric] = value
+    return out
+
+
+def curves(rows: list[dict[str, Any]], policies: list[str], unit: str) -> dict[str, list[dict[str, float]]]:
+    """Policy -> its evaluations against random over the run: step, the unit, its interval."""
+    return {p: [{"step": r["step"], unit: r[f"eval/{p}/vs_random/{unit}"], "ci95": r[f"eval/{p}/vs_random/ci95"]}
+                for r in rows if r["kind"] == "eval" and f"eval/{p}/vs_random/{unit}" in r]
+            for p in policies}
+
+
+def learned(curve: list[dict[str, float]], final: dict[str, dict[str, float]], unit: str, competitive: bool) -> dict[str, Any]:
+    """Whether a policy learned: final minus step-0 score against random with the interval of
+    the difference (independent games: the half-widths add in quadrature), and in a competitive
+    game the final score against random with its lower bound."""
+    first, last = curve[0], curve[-1]
+    gain = last[unit] - first[unit]
+    half = math.hypot(last["ci95"], first["ci95"])
+    out: dict[str, Any] = {"gain_vs_untrained": gain, "gain_ci95": half, "beats_untrained": gain - half > 0}
+    rnd = final.get("random")
+    if competitive and rnd is not None:
+        out["beats_random"] = rnd[unit] - rnd["ci95"] > 0
+    return out
+
+
+def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
+    """One seed of ``job``: run (or reuse) it, evaluate it, and return its result row."""
+    folder = Path(args.out) / job / f"seed{seed}"
+    key = {"job": job, "seed": seed, "sets": overrides(args, seed, folder), "eval_games": args.eval_games}
+    result = folder / "result.json"
+    if result.is_file():
+        row = json.loads(result.read_text())
+        if row.get("key") == key:
+            print(f"  [{job} seed {seed}] reused {result}")
+            return row
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(job, {})
+    mem: dict[str, float] = {}
+    run = finished_run(folder, cfg.name, seed)
+    if run is None:
+        sets = [x for s in overrides(args, seed, folder) for x in ("--set", s)]
+        _, mem = run_logged(opentinker("run", job, *sets), folder / "run.log", f"{job} seed {seed}")
+        run = finished_run(folder, cfg.name, seed)
+        assert run is not None, f"{job} seed {seed}: the run finished but left no summary.json under {folder}"
+    run_cfg = tomllib.loads((run / "config.toml").read_text())
+    game = run_cfg["game"]
+    ev = games.evaluation(game)
+    vs = ["random", "base", *ev.scripted]
+    report_path = folder / "eval.json"
+    if not report_path.is_file():
+        cmd = opentinker("eval", str(run), "--vs", ",".join(vs), "--games-per-stratum", str(args.eval_games),
+                         "--json", str(report_path), "--backend", "local")
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        run_logged(cmd, folder / "eval.log", f"{job} seed {seed} eval")
+    report = json.loads(report_path.read_text())
+    rows = read_rows(run)
+    summary = json.loads((run / "summary.json").read_text())
+    policies = [p["name"] for p in run_cfg["policies"]]
+    curve = curves(rows, policies, ev.unit)
+    final = {p: final_by_opponent(report, p) for p in policies}
+    row = {
+        "key": key, "job": job, "seed": seed, "game": game, "unit": ev.unit, "label": ev.label,
+        "competitive": ev.competitive, "run": run.name, "steps": run_cfg["train"]["steps"],
+        "model": run_cfg["model"]["base"], "wall_s": summary["wall_s"], "machine": summary.get("machine"),
+        "commit": summary.get("commit"), **mem,
+        "scheduler_peak_rss_mb": max((r["perf/scheduler_peak_rss_mb"] for r in rows
+                                      if "perf/scheduler_peak_rss_mb" in r), default=None),
+        "curve": curve, "final": final, "eval_wall_s": report["wall_s"],
+        "learned": {p: learned(curve[p], final[p], ev.unit, ev.competitive) for p in policies if curve[p]},
+    }
+    result.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def gather(out: Path) -> list[dict[str, Any]]:
+    """Every seed's result under ``out``, in the suite's job order, then by seed."""
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("*/seed*/result.json"))]
+    order = {job: i for i, job in enumerate(SUITE)}
+    return sorted(rows, key=lambda r: (order.get(r["job"], len(order)), r["job"], r["seed"]))
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Job -> seeds, and whether every policy beat its untrained self (and random, in a
+    competitive game) on every seed."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        v = out.setdefault(r["job"], {"seeds": [], "every_seed": True})
+        v["seeds"].append(r["seed"])
+        for ok in r["learned"].values():
+            v["every_seed"] &= bool(ok["beats_untrained"]) and ok.get("beats_random", True)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """One panel per job: each seed's and policy's score against random by step, with its
+    95% interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jobs = list(dict.fromkeys(r["job"] for r in rows))
+    cols = min(3, len(jobs))
+    fig, axes = plt.subplots(math.ceil(len(jobs) / cols), cols, figsize=(4.4 * cols, 3.4 * math.ceil(len(jobs) / cols)),
+                             squeeze=False)
+    for ax, job in zip(axes.flat, jobs):
+        for r in (r for r in rows if r["job"] == job):
+            for policy, curve in r["curve"].items():
+                x = [c["step"] for c in curve]
+                y = [c[r["unit"]] for c in curve]
+                lo = [c[r["unit"]] - c["ci95"] for c in curve]
+                hi = [c[r["unit"]] + c["ci95"] for c in curve]
+                label = f"seed {r['seed']}" + (f" {policy}" if len(r["curve"]) > 1 else "")
+                (line,) = ax.plot(x, y, marker="o", ms=3, label=label)
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.12)
+        first = next(r for r in rows if r["job"] == job)
+        ax.set(title=f"{job} ({first['game']})", xlabel="step", ylabel=f"{first['label']} vs random")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(jobs):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    args, _ = parse_args(Args, __doc__, QUICK)
+    jobs = [j for j in args.jobs.split(",") if j]
+    unknown = [j for j in jobs if j not in SUITE]
+    if unknown:
+        raise SystemExit(f"--jobs: not in the suite: {', '.join(unknown)} (the suite: {', '.join(SUITE)})")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for job in jobs:
+        for seed in seeds:
+            try:
+                run_seed(args, job, seed)
+            except RuntimeError as e:  # a failed run is reported, and the others go on
+                print(f"  [{job} seed {seed}] failed: {e}")
+    rows = gather(Path(args.out))
+    out = {"provenance": script_provenance(args), "suite": list(SUITE), "verdicts": verdicts(rows),
+           "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    if rows:
+        plot(rows, Path(args.plot))
+    for r in rows:
+        for p, fin in r["final"].items():
+            vs = ", ".join(f"{o} {m[r['unit']]:+.3f} ± {m['ci95']:.3f}" for o, m in fin.items())
+            ok = r["learned"].get(p, {})
+            print(f"{r['job']} seed {r['seed']} {p}: {vs}; gain over untrained {ok.get('gain_vs_untrained', float('nan')):+.3f}"
+                  f" ± {ok.get('gain_ci95', float('nan')):.3f}; {r['wall_s']:.0f} s, peak {r.get('peak_rss_total_mb', 0):.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

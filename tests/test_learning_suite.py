@@ -1,0 +1,74 @@
+"""benchmarks/learning_suite.py: the verdict's arithmetic (pure functions) and a smoke run on
+the tiny model through the real path (``opentinker run``, then ``opentinker eval`` against
+random, the scripted seat and the base model), then the same command again, which reuses the
+seed's result instead of running anything."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import check_provenance
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import learning_suite as ls
+
+
+def test_a_policy_learned_when_the_gain_clears_its_interval() -> None:
+    curve = [{"step": 0, "chips": -0.5, "ci95": 0.1}, {"step": 10, "chips": 0.2, "ci95": 0.1}]
+    won = {"random": {"chips": 0.2, "ci95": 0.1}}
+    out = ls.learned(curve, won, "chips", competitive=True)
+    assert out["gain_vs_untrained"] == pytest.approx(0.7)
+    assert out["gain_ci95"] == pytest.approx(0.1 * 2 ** 0.5)
+    assert out["beats_untrained"] and out["beats_random"]
+    flat = [{"step": 0, "chips": 0.0, "ci95": 0.2}, {"step": 10, "chips": 0.1, "ci95": 0.2}]
+    lost = ls.learned(flat, {"random": {"chips": 0.1, "ci95": 0.2}}, "chips", competitive=True)
+    assert not lost["beats_untrained"] and not lost["beats_random"]
+    coop = ls.learned(curve, won, "chips", competitive=False)
+    assert "beats_random" not in coop  # a cooperative game has no opponent to beat
+
+
+def test_verdicts_need_every_seed_and_every_policy() -> None:
+    ok = {"beats_untrained": True, "beats_random": True}
+    rows = [{"job": "a", "seed": 0, "learned": {"p": ok}}, {"job": "a", "seed": 1, "learned": {"p": ok}},
+            {"job": "b", "seed": 0, "learned": {"p": ok, "q": {**ok, "beats_random": False}}}]
+    v = ls.verdicts(rows)
+    assert v == {"a": {"seeds": [0, 1], "every_seed": True}, "b": {"seeds": [0], "every_seed": False}}
+
+
+def test_every_suite_job_is_bundled() -> None:
+    from opentinker.config import bundled_configs
+
+    assert set(ls.SUITE) <= set(bundled_configs())
+
+
+@pytest.mark.slow
+def test_a_quick_suite_runs_a_seed_and_reuses_it(tmp_path, tiny_path) -> None:
+    out, js, png = tmp_path / "suite", tmp_path / "suite.json", tmp_path / "suite.png"
+    cmd = [sys.executable, "benchmarks/learning_suite.py", "--quick", "--out", str(out), "--json", str(js),
+           "--plot", str(png)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    r = json.loads(js.read_text())
+    check_provenance(r, "learning_suite.py")
+    (row,) = r["rows"]
+    assert (row["job"], row["seed"], row["game"], row["model"], row["steps"]) == (
+        "default", 0, "kuhn_poker_v0", "tiny-random", 1)
+    final = row["final"]["main"]
+    assert set(final) == {"random", "base", "kuhn_equilibrium"}
+    for m in final.values():
+        assert m["hands"] > 0 and m["ci95"] >= 0 and -2 <= m["chips"] <= 2
+    assert [c["step"] for c in row["curve"]["main"]] == [0, 1]
+    assert row["peak_rss_total_mb"] > 0 and row["scheduler_peak_rss_mb"] > 0
+    assert r["verdicts"]["default"]["seeds"] == [0]
+    assert png.stat().st_size > 0
+    result = out / "default" / "seed0" / "result.json"
+    before = result.stat().st_mtime_ns
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "reused" in again.stdout and "step 1/1" not in again.stdout
+    assert result.stat().st_mtime_ns == before
+    assert len(list((out / "default" / "seed0").glob("kuhn_poker_v0__*"))) == 1
