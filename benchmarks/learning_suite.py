@@ -166,15 +166,22 @@ def gather(out: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (order.get(r["job"], len(order)), r["job"], r["seed"]))
 
 
+SCHEDULER_BUDGET_MB = 4096
+"""The issue's bound on a bundled job's scheduler (resident memory, SmolLM2-135M)."""
+
+
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Job -> seeds, and whether every policy beat its untrained self (and random, in a
-    competitive game) on every seed."""
+    """Job -> seeds, whether every policy beat its untrained self (and random, in a
+    competitive game) on every seed, and the scheduler's highest peak over the seeds against
+    :data:`SCHEDULER_BUDGET_MB`."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
-        v = out.setdefault(r["job"], {"seeds": [], "every_seed": True})
+        v = out.setdefault(r["job"], {"seeds": [], "every_seed": True, "scheduler_peak_mb": 0.0})
         v["seeds"].append(r["seed"])
         for ok in r["learned"].values():
             v["every_seed"] &= bool(ok["beats_untrained"]) and ok.get("beats_random", True)
+        v["scheduler_peak_mb"] = max(v["scheduler_peak_mb"], r.get("scheduler_peak_rss_mb") or 0.0)
+        v["scheduler_under_budget"] = v["scheduler_peak_mb"] < SCHEDULER_BUDGET_MB
     return out
 
 

@@ -33,10 +33,13 @@ def test_a_policy_learned_when_the_gain_clears_its_interval() -> None:
 
 def test_verdicts_need_every_seed_and_every_policy() -> None:
     ok = {"beats_untrained": True, "beats_random": True}
-    rows = [{"job": "a", "seed": 0, "learned": {"p": ok}}, {"job": "a", "seed": 1, "learned": {"p": ok}},
-            {"job": "b", "seed": 0, "learned": {"p": ok, "q": {**ok, "beats_random": False}}}]
+    rows = [{"job": "a", "seed": 0, "learned": {"p": ok}, "scheduler_peak_rss_mb": 900.0},
+            {"job": "a", "seed": 1, "learned": {"p": ok}, "scheduler_peak_rss_mb": 1200.0},
+            {"job": "b", "seed": 0, "learned": {"p": ok, "q": {**ok, "beats_random": False}},
+             "scheduler_peak_rss_mb": 5000.0}]
     v = ls.verdicts(rows)
-    assert v == {"a": {"seeds": [0, 1], "every_seed": True}, "b": {"seeds": [0], "every_seed": False}}
+    assert v == {"a": {"seeds": [0, 1], "every_seed": True, "scheduler_peak_mb": 1200.0, "scheduler_under_budget": True},
+                 "b": {"seeds": [0], "every_seed": False, "scheduler_peak_mb": 5000.0, "scheduler_under_budget": False}}
 
 
 def test_every_suite_job_is_bundled() -> None:
