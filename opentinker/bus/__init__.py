@@ -20,6 +20,11 @@
 * ``common.py``: endpoint rules (``tcp://``, ``ipc://``, ``inproc://``; no non-loopback bind
   without CURVE keys), :class:`CurveKeys`, socket options (``LINGER=0``, high-water marks, a
   frame-size cap), what a reader keeps of a message, and the heartbeat counter.
+* ``auth.py`` (who may connect: PLAIN with the run's secret, CURVE), ``held.py`` (what libzmq
+  holds of a peer's unfinished message), and at the bottom ``frames.py`` (multipart messages
+  read and sent frame by frame) and ``logs.py`` (:class:`~opentinker.bus.logs.LogEvery`).
+  Imports run one way: ``frames``/``logs`` < ``auth``, ``held`` < ``common``, ``loop`` <
+  the clients, ``server``, ``pipeline``; no module imports one above it.
 
 The protocol itself is in ``protocols/`` and ``docs/protocol.md``.
 """

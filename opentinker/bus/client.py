@@ -45,7 +45,6 @@ from opentinker.bus.common import (
     BeatCounter,
     Counters,
     CurveKeys,
-    LogEvery,
     PartialCallbackFailed,
     PeerLost,
     RemoteError,
@@ -53,17 +52,13 @@ from opentinker.bus.common import (
     check_welcome,
     configure,
     cut_error,
-    plain_context,
     read_bounds,
     read_reply,
     yield_cpu,
 )
-from opentinker.bus.loop import (
-    EVENTS,
-    POLLIN,
-    Cut,
-    SocketReader,
-)
+from opentinker.bus.frames import EVENTS, POLLIN, Cut, plain_context
+from opentinker.bus.logs import LogEvery
+from opentinker.bus.loop import SocketReader
 from protocols.codec import Limits, encode
 from protocols.messages import (
     PARTIALS,

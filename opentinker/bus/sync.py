@@ -44,7 +44,7 @@ from opentinker.bus.common import (
     read_reply,
     yield_cpu,
 )
-from opentinker.bus.loop import NOBLOCK, Cut, recv_bounded, send_frames
+from opentinker.bus.frames import NOBLOCK, Cut, recv_bounded, send_frames
 from protocols.codec import Limits, encode
 from protocols.messages import (
     PARTIALS,
