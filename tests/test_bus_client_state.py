@@ -57,7 +57,7 @@ def chunk(seq: int) -> SampleChunk:
 
 
 def welcomed(s: ClientState) -> None:
-    rid, hello = s.hello()
+    rid, _ = s.hello()
     assert s.receive(wire(Welcome(version=PROTOCOL_VERSION, peer="srv"), rid), None, 0.0).rid == rid
     s.welcomed(s.take(rid))
     s.forget(rid)

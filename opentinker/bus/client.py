@@ -35,7 +35,12 @@ import zmq
 import zmq.asyncio
 
 from opentinker.bus.auth import Credentials
-from opentinker.bus.client_state import PartialCallback, Send, StateClient, next_request_id
+from opentinker.bus.client_state import (
+    PartialCallback,
+    Send,
+    StateClient,
+    next_request_id,
+)
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,

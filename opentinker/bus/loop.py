@@ -24,7 +24,16 @@ import zmq
 import zmq.asyncio
 
 from opentinker.bus.auth import release_context
-from opentinker.bus.frames import EVENTS, NOBLOCK, POLLIN, Bounds, Cut, recv_bounded, recv_frames, send_frames
+from opentinker.bus.frames import (
+    EVENTS,
+    NOBLOCK,
+    POLLIN,
+    Bounds,
+    Cut,
+    recv_bounded,
+    recv_frames,
+    send_frames,
+)
 from opentinker.bus.held import HeldWatch
 from protocols.codec import gc_pause, gc_resume
 

@@ -23,7 +23,13 @@ import time
 import zmq
 
 from opentinker.bus.auth import Credentials
-from opentinker.bus.client_state import Answer, PartialCallback, Send, StateClient, next_request_id
+from opentinker.bus.client_state import (
+    Answer,
+    PartialCallback,
+    Send,
+    StateClient,
+    next_request_id,
+)
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
