@@ -52,6 +52,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from opentinker.bus.frames import plain_context
+from opentinker.bus.logs import LogEvery
+
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "OPENTINKER_BUS_SECRET"
@@ -220,8 +223,6 @@ class _Handler(ThreadAuthenticator):
     domain's allowed keys; refusals counted per domain."""
 
     def __init__(self, ctx: zmq.Context) -> None:
-        from opentinker.bus.common import LogEvery  # common imports this module
-
         super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
         self.domains: dict[str, _Domain] = {}
         self._log = LogEvery(log)
@@ -297,8 +298,6 @@ def guard_server(sock: zmq.Socket, name: str, counters: dict, curve: bool = Fals
     if not curve:
         sock.plain_server = True
         run_secret()
-    from opentinker.bus.common import plain_context  # common imports this module
-
     domain = f"{name}/{next(_ids)}"
     sock.zap_domain = domain.encode()
     addr = sock.context.underlying

@@ -29,69 +29,41 @@ import collections
 import heapq
 import itertools
 import logging
-import os
 import time
-from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from opentinker.bus.auth import Credentials
+from opentinker.bus.client_state import (
+    PartialCallback,
+    Send,
+    StateClient,
+    next_request_id,
+)
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
     DEFAULT_SPIN_S,
-    REPLY_LIMITS,
-    BeatCounter,
-    Counters,
     CurveKeys,
-    LogEvery,
     PartialCallbackFailed,
-    PeerLost,
-    RemoteError,
-    ReplyPolling,
-    check_welcome,
     configure,
-    cut_error,
-    plain_context,
     read_bounds,
-    read_reply,
     yield_cpu,
 )
-from opentinker.bus.loop import (
-    EVENTS,
-    POLLIN,
-    Cut,
-    SocketReader,
-)
-from protocols.codec import Limits, encode
-from protocols.messages import (
-    PARTIALS,
-    PROTOCOL_VERSION,
-    Cancel,
-    Error,
-    ErrorCode,
-    Heartbeat,
-    Hello,
-    Message,
-    Welcome,
-)
+from opentinker.bus.frames import EVENTS, POLLIN, Cut, plain_context
+from opentinker.bus.logs import LogEvery
+from opentinker.bus.loop import SocketReader
+from protocols.codec import Limits
+from protocols.messages import Message, Welcome
 
 log = logging.getLogger(__name__)
-_PARTIALS = frozenset(PARTIALS)
 
 
-_ids = itertools.count(1)
-_BASE = int.from_bytes(os.urandom(3), "little") << 32
-"""Request ids are unique across processes: a random high half and a counter."""
-
-
-def next_request_id() -> int:
-    return _BASE | next(_ids)
-
-
-class Client:
-    """DEALER client: many requests in flight, matched to replies by request id.
+class Client(StateClient):
+    """DEALER client: many requests in flight, matched to replies by request id (the session,
+    the matching and the heartbeats are its :class:`~opentinker.bus.client_state.ClientState`;
+    this class is its asyncio I/O).
 
     Args:
         ctx: the asyncio ZeroMQ context (``inproc://`` needs the server's).
@@ -123,22 +95,13 @@ class Client:
         limits: Limits | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        self.polling = ReplyPolling(spin_s)
-        self.endpoint = endpoint
-        self.name = name
-        self.heartbeat_s = heartbeat_s
-        self.limits = (limits or REPLY_LIMITS).with_max_bytes(max_bytes)
+        super().__init__(name, endpoint, heartbeat_s, spin_s, limits, max_bytes)
         self._log = LogEvery(log)
-        self.max_bytes = self.limits.max_bytes
-        self.counters = Counters()
-        self.welcome: Welcome | None = None
-        self.beats = BeatCounter()
         self._sock = configure(plain_context(ctx).socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys,
                                credentials=credentials)
         self._sock.connect(endpoint)
         self._pending: dict[int, asyncio.Future] = {}
-        self._on_partial: dict[int, Callable[[Message], None]] = {}
-        """Request id -> its partial-result callback, while it is pending."""
+        """Request id -> the future its caller awaits, while it is pending."""
         self._io: SocketReader | None = None
         self._beater: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
@@ -151,13 +114,10 @@ class Client:
         self._polled = 0
         """Requests pending whose replies are polled for."""
 
-    def next_request_id(self) -> int:
-        return next_request_id()
-
     async def connect(self, timeout: float = 30.0) -> Welcome:
         """Say ``Hello`` (once; concurrent callers share it) and return the server's ``Welcome``."""
-        if self.welcome is not None:
-            return self.welcome
+        if self.state.welcome is not None:
+            return self.state.welcome
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._hello(timeout))
         try:
@@ -168,10 +128,8 @@ class Client:
 
     async def _hello(self, timeout: float) -> Welcome:
         self._start()
-        reply = await self._roundtrip(Hello(version=PROTOCOL_VERSION, peer=self.name), next_request_id(), timeout)
-        reply = check_welcome(reply, f"{self.name} -> {self.endpoint}")
-        self.welcome = reply
-        self.beats.heard()
+        rid, hello = self.state.hello()
+        reply = self.state.welcomed(await self._roundtrip(hello, rid, timeout))
         if self.heartbeat_s and self._beater is None:
             self._beater = asyncio.create_task(self._beat(self.heartbeat_s))
         return reply
@@ -181,7 +139,7 @@ class Client:
             self._io = SocketReader(self._sock, self._on_frames, bounds=read_bounds(self.limits), on_cut=self._on_cut)
 
     async def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None,
-                      on_partial: Callable[[Message], None] | None = None) -> Message:
+                      on_partial: PartialCallback | None = None) -> Message:
         """Send ``msg`` and return the reply.
 
         ``on_partial(m)`` is called on this client's loop for each partial result of the
@@ -199,24 +157,21 @@ class Client:
         if self._sock.closed:
             raise ConnectionError(f"{self.name}: the client is closed")
         rid = next_request_id() if request_id is None else request_id
+        state = self.state
         for attempt in range(2):
-            if self.welcome is None:
+            if state.welcome is None:
                 await self.connect(timeout)
             if self._inflight >= self._max_inflight:
                 await self._slot()
             self._inflight += 1
             try:
-                reply = await self._roundtrip(msg, rid, timeout, on_partial)
+                reply = await self._roundtrip(state.request(msg, rid, on_partial), rid, timeout)
             finally:
                 self._inflight -= 1
                 self._pass_slot()
-            if isinstance(reply, Error) and reply.code is ErrorCode.NO_HANDSHAKE and attempt == 0:
-                self.welcome = None  # the server restarted or dropped us: say Hello again, retry
-                continue
-            break
-        if isinstance(reply, Error):
-            raise RemoteError(reply, f"{self.name} -> {self.endpoint} ({type(msg).__name__})")
-        return reply
+            if not state.retry(reply, attempt):  # else: the server restarted or dropped us
+                break
+        return state.result(msg, reply)
 
     async def _slot(self) -> None:
         """Wait (first come, first served) until fewer than ``max_inflight`` are in flight."""
@@ -240,53 +195,47 @@ class Client:
                 waiter.set_result(None)
                 return
 
-    async def _roundtrip(self, msg: Message, rid: int, timeout: float,
-                         on_partial: Callable[[Message], None] | None = None) -> Message:
+    async def _roundtrip(self, send: Send, rid: int, timeout: float) -> Message:
+        """Send request ``rid`` (``send``, made by the state) and wait for its answer; the
+        request is cancelled on the server when it times out, its caller is cancelled or its
+        partial callback raised, and forgotten by the state whatever happens."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending[rid] = fut
-        if on_partial is not None:
-            self._on_partial[rid] = on_partial
-        self.counters[f"sent/{type(msg).__name__}"] += 1
         if self._deadlines is None:
             self._deadlines = _Deadlines(loop)
         deadline = self._deadlines.add(fut, timeout, len(self._pending))
+        state = self.state
+        kind = type(state.outstanding[rid])
         try:
-            frames = encode(msg, rid)
             try:
-                self._io.send(frames)  # type: ignore[union-attr]
+                self._io.send(send.frames)  # type: ignore[union-attr]
             except zmq.Again:
-                await self._send_when_room(frames, fut)
-            polling = self.polling
-            if not polling.spin_s:
+                await self._send_when_room(send.frames, fut)
+            sent = time.perf_counter()
+            state.sent(rid, sent)
+            if not state.polling.worth_it(kind):
                 return await fut
-            kind, sent = type(msg), time.perf_counter()
-            if not polling.worth_it(kind):
-                reply = await fut
-            else:
-                self._polled += 1
-                try:
-                    self._poll_for_reply(sent + polling.spin_s)
-                    reply = await fut
-                finally:
-                    self._polled -= 1
-            polling.record(kind, time.perf_counter() - sent)
-            return reply
+            self._polled += 1
+            try:
+                self._poll_for_reply(sent + state.polling.spin_s)
+                return await fut
+            finally:
+                self._polled -= 1
         except _Expired:
             self._cancel_remote(rid)
             raise TimeoutError(
-                f"{self.name}: no reply to {type(msg).__name__} from {self.endpoint} in {timeout:.3g} s"
+                f"{self.name}: no reply to {kind.__name__} from {self.endpoint} in {timeout:.3g} s"
             ) from None
         except asyncio.CancelledError:
             self._cancel_remote(rid)
             raise
-        except PartialCallbackFailed as failed:
-            self._cancel_remote(rid)
+        except PartialCallbackFailed as failed:  # cancelled on the server when it raised
             raise failed.error from None
         finally:
             _Deadlines.done(deadline)
             self._pending.pop(rid, None)
-            self._on_partial.pop(rid, None)
+            state.forget(rid)
 
     async def _send_when_room(self, frames: list, fut: asyncio.Future) -> None:
         """The queue is full (the high-water mark): retry, backing off, until the request's
@@ -328,44 +277,34 @@ class Client:
         self._spinning = True
 
     def _cancel_remote(self, rid: int) -> None:
-        if self._sock.closed:
-            return
-        self.counters["sent/Cancel"] += 1
-        self._fire(Cancel(request_id=rid), "cancel")
+        if not self._sock.closed:
+            self._fire(self.state.cancel(rid))
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        self.beats.heard()
-        rid, reply = read_reply(frames, self.limits, self.counters)
-        if type(reply) in _PARTIALS:  # never the reply
-            self._partial(rid, reply)
-            return
-        self._answer(rid, reply)
+        self._read(frames, None)
 
     def _on_cut(self, kept: list[zmq.Frame], cut: Cut) -> None:
         """A reply over ``limits``, not kept: its request fails with ``too_large``."""
-        self.beats.heard()
-        rid, err = cut_error(kept[0] if kept else None, cut, self.limits, self.counters)
-        self._log.warning("drop", "%s: dropped a reply from %s: %s", self.name, self.endpoint, err.message)
-        self._answer(rid, err)
+        err = self._read(kept, cut)  # an Error (too_large)
+        self._log.warning("drop", "%s: dropped a reply from %s: %s", self.name, self.endpoint,
+                          getattr(err, "message", err))
 
-    def _answer(self, rid: int | None, reply: Message) -> None:
-        fut = self._pending.get(rid) if rid is not None else None
-        if fut is not None and not fut.done():
-            fut.set_result(reply)
-
-    def _partial(self, rid: int | None, msg: Message) -> None:
-        """A partial result: to its request's callback, or counted and dropped."""
-        if rid is None or (callback := self._on_partial.get(rid)) is None:
-            self.counters["stream/ignored" if rid in self._pending else "stream/unknown"] += 1
-            return
-        try:
-            callback(msg)
-        except Exception as e:  # noqa: BLE001 - the caller's error, raised from its request
-            self.counters["stream/callback_error"] += 1
-            del self._on_partial[rid]
+    def _read(self, frames: list[zmq.Frame], cut: Cut | None) -> Message:
+        """A message read: the state says which request it answers; that request's future
+        gets the answer, unless it is over already (timed out, cancelled: its own path
+        cancels it on the server). Returns the message read."""
+        rid, msg, cancel = self.state.receive(frames, cut, time.perf_counter())
+        if rid is not None:
+            answer = self.state.take(rid)
             fut = self._pending.get(rid)
             if fut is not None and not fut.done():
-                fut.set_exception(PartialCallbackFailed(e))
+                if cancel:
+                    self._cancel_remote(rid)
+                if isinstance(answer, PartialCallbackFailed):
+                    fut.set_exception(answer)
+                else:
+                    fut.set_result(answer)
+        return msg
 
     async def _beat(self, interval: float) -> None:
         while True:
@@ -376,30 +315,26 @@ class Client:
         """One heartbeat interval passed: send a ``Heartbeat``, or, after 3 intervals with no
         frame from the server, fail every pending request with :class:`PeerLost`. Returns
         True when the server is lost."""
-        if self.welcome is None:
+        if self.state.welcome is None:
             return False
-        if self.beats.tick():
-            self.counters["peer_lost"] += 1
-            err = PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats")
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self.welcome = None  # the next request says Hello again
-            self.beats.heard()
-            return True
-        self.counters["sent/Heartbeat"] += 1
-        self._fire(Heartbeat(seq=self.beats.missed), "heartbeat")
-        return False
+        beat = self.state.tick(time.perf_counter())
+        if isinstance(beat, Send):
+            self._fire(beat)
+            return False
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(beat)
+        return True
 
-    def _fire(self, msg: Message, what: str) -> None:
+    def _fire(self, send: Send) -> None:
         """Send without waiting; a full queue or an unconnected socket drops it (counted)."""
         try:
             if self._io is not None:
-                self._io.send(encode(msg, next_request_id()))
+                self._io.send(send.frames)
             else:
-                self._sock.send_multipart(encode(msg, next_request_id()), zmq.NOBLOCK)
+                self._sock.send_multipart(send.frames, zmq.NOBLOCK)
         except zmq.ZMQError:
-            self.counters[f"error/{what}_not_sent"] += 1
+            self.counters[f"error/{send.what}_not_sent"] += 1
 
     def close(self) -> None:
         """Close the socket; every request still pending or waiting for a slot fails with
@@ -414,7 +349,6 @@ class Client:
             self._io.close()
         else:
             self._sock.close(linger=0)
-
 
 
 class _Expired(Exception):

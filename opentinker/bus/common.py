@@ -11,10 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import ipaddress
-import logging
 import math
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,7 +25,7 @@ from opentinker.bus.auth import (
     run_curve,
     secure_client,
 )
-from opentinker.bus.loop import Bounds, Cut
+from opentinker.bus.frames import Bounds, Cut
 from protocols.codec import (
     DEFAULT_LIMITS,
     DEFAULT_MAX_BYTES,
@@ -247,7 +245,7 @@ def bind_guarded(sock: zmq.Socket, endpoint: str, name: str, counters: Counters,
 
 
 def read_bounds(limits: Limits, router: bool = False) -> Bounds:
-    """What a reader keeps of one message under ``limits`` (:func:`~opentinker.bus.loop.recv_bounded`):
+    """What a reader keeps of one message under ``limits`` (:func:`~opentinker.bus.frames.recv_bounded`):
     on a ROUTER the identity frame comes first, and is kept with the header of a message that is cut."""
     extra = 1 if router else 0
     return Bounds(parts=limits.max_frames + extra, nbytes=limits.max_bytes + extra * MAX_IDENTITY_BYTES,
@@ -272,48 +270,6 @@ def cut_error(header: zmq.Frame | None, cut: Cut, limits: Limits, counters: Coun
     else:
         text = f"message of {cut.nbytes} bytes > limit {limits.max_bytes}"
     return rid, Error(code=ErrorCode.TOO_LARGE, message=f"too_large: {text}")
-
-
-class LogEvery:
-    """At most one log line per key every ``interval_s`` (what a peer's frames may write to a
-    log is bounded too); events in between are counted and reported with the next line. Every
-    line a peer, a client or a job can repeat at will goes through one (an attack had one
-    written per dropped reply: 17,997 lines in 3.4 s)."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:
-        self.logger = logger
-        self.interval_s = interval_s
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, msg: str, *args: object) -> bool:
-        """Log ``msg % args`` unless ``key`` was logged less than ``interval_s`` ago; True when
-        it was logged."""
-        return self.log(logging.WARNING, key, msg, *args)
-
-    def error(self, key: str, msg: str, *args: object, exc_info: BaseException | None = None) -> bool:
-        """As :meth:`warning`, at ERROR, with ``exc_info``'s traceback when it is logged."""
-        return self.log(logging.ERROR, key, msg, *args, exc_info=exc_info)
-
-    def log(self, level: int, key: str, msg: str, *args: object, exc_info: BaseException | None = None) -> bool:
-        """Log ``msg % args`` at ``level`` unless ``key`` was logged less than ``interval_s``
-        ago; True when it was logged."""
-        now = time.monotonic()
-        last, skipped = self._last.get(key, (-math.inf, 0))
-        if now - last < self.interval_s:
-            self._last[key] = (last, skipped + 1)
-            return False
-        if skipped:
-            msg += f" ({skipped} more like it in the last {now - last:.1f} s)"
-        if len(self._last) > 4096:  # keys a peer names (its identity) must not grow without bound
-            self._last.clear()
-        self._last[key] = (now, 0)
-        self.logger.log(level, msg, *args, exc_info=exc_info)
-        return True
-
-
-def plain_context(ctx: zmq.Context) -> zmq.Context:
-    """A blocking-API view of ``ctx`` (the same libzmq context, so ``inproc://`` works)."""
-    return ctx if type(ctx) is zmq.Context else zmq.Context.shadow(ctx.underlying)
 
 
 class BeatCounter:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from opentinker.bus.common import LogEvery
-from opentinker.bus.loop import Cut, frame_wire
+from opentinker.bus.frames import Cut, frame_wire
+from opentinker.bus.logs import LogEvery
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def supported() -> bool:
 
 
 def wire_bytes(frames: list[zmq.Frame], skip: int = 0, curve: bool = False) -> int:
-    """Bytes ``frames`` took on the wire (:func:`~opentinker.bus.loop.frame_wire` each). The
+    """Bytes ``frames`` took on the wire (:func:`~opentinker.bus.frames.frame_wire` each). The
     first ``skip`` frames are not counted (a ROUTER's routing id frame is made by the
     receiver, not sent)."""
     return sum(frame_wire(len(f), curve) for f in frames[skip:])

@@ -15,7 +15,6 @@ from opentinker.bus.common import (
     LOOPBACK,
     Counters,
     CurveKeys,
-    LogEvery,
     bind_guarded,
     configure,
     cut_error,
@@ -23,8 +22,9 @@ from opentinker.bus.common import (
     read_bounds,
     server_side,
 )
+from opentinker.bus.frames import NOBLOCK, recv_bounded, send_frames
 from opentinker.bus.held import watch
-from opentinker.bus.loop import NOBLOCK, recv_bounded, send_frames
+from opentinker.bus.logs import LogEvery
 from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
 from protocols.messages import Message
 

@@ -59,17 +59,17 @@ from opentinker.bus.common import (
     BeatCounter,
     Counters,
     CurveKeys,
-    LogEvery,
     bind_guarded,
     configure,
     cut_error,
     frame_cap,
-    plain_context,
     read_bounds,
     server_side,
 )
+from opentinker.bus.frames import Cut, plain_context
 from opentinker.bus.held import watch
-from opentinker.bus.loop import Cut, SocketReader, run_eager
+from opentinker.bus.logs import LogEvery
+from opentinker.bus.loop import SocketReader, run_eager
 from opentinker.bus.stream import DEFAULT_BACKLOG, Emitter, Outbox, Parked, wants_stream
 from protocols.codec import DEFAULT_LIMITS, DecodeError, Limits, decode, encode
 from protocols.messages import (

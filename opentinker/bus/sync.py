@@ -19,51 +19,35 @@ counted (``stream/ignored``, ``stream/unknown``) and dropped.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import zmq
 
 from opentinker.bus.auth import Credentials
-from opentinker.bus.client import next_request_id
+from opentinker.bus.client_state import (
+    Answer,
+    PartialCallback,
+    Send,
+    StateClient,
+    next_request_id,
+)
 from opentinker.bus.common import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_HWM,
     DEFAULT_SPIN_S,
-    REPLY_LIMITS,
-    BeatCounter,
-    Counters,
     CurveKeys,
-    PartialCallbackFailed,
     PeerLost,
-    RemoteError,
-    ReplyPolling,
-    check_welcome,
     configure,
-    cut_error,
     read_bounds,
-    read_reply,
     yield_cpu,
 )
-from opentinker.bus.loop import NOBLOCK, Cut, recv_bounded, send_frames
-from protocols.codec import Limits, encode
-from protocols.messages import (
-    PARTIALS,
-    PROTOCOL_VERSION,
-    Cancel,
-    Error,
-    ErrorCode,
-    Heartbeat,
-    Hello,
-    Message,
-    Welcome,
-)
-
-_PARTIALS = frozenset(PARTIALS)
-PartialCallback = Callable[[Message], None]
+from opentinker.bus.frames import NOBLOCK, Cut, recv_bounded, send_frames
+from protocols.codec import Limits
+from protocols.messages import Message, Welcome
 
 
-class SyncClient:
-    """Blocking DEALER client.
+class SyncClient(StateClient):
+    """Blocking DEALER client (the session, the matching and the heartbeats are its
+    :class:`~opentinker.bus.client_state.ClientState`; this class is its blocking I/O).
 
     Args:
         endpoint: the server's bound endpoint.
@@ -93,59 +77,49 @@ class SyncClient:
         limits: Limits | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        self.polling = ReplyPolling(spin_s)
-        self.endpoint = endpoint
-        self.name = name
-        self.heartbeat_s = heartbeat_s
-        self.limits = (limits or REPLY_LIMITS).with_max_bytes(max_bytes)
-        self.max_bytes = self.limits.max_bytes
+        super().__init__(name, endpoint, heartbeat_s, spin_s, limits, max_bytes)
         self._bounds = read_bounds(self.limits)
-        self.counters = Counters()
-        self.beats = BeatCounter()
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = configure(self._ctx.socket(zmq.DEALER), hwm=hwm, max_bytes=self.max_bytes, keys=keys,
                                credentials=credentials)
         self._sock.connect(endpoint)
         self._rcvtimeo = -1
-        self._outstanding: dict[int, Message] = {}
-        """Request id -> the request, until its reply is taken (resent after a re-Hello)."""
-        self._replies: dict[int, Message | PartialCallbackFailed] = {}
-        self._on_partial: dict[int, PartialCallback] = {}
-        """Request id -> its partial-result callback, while it is outstanding."""
-        self._sent_at: dict[int, float] = {}
-        """Request id -> when it was last sent (``time.perf_counter``), until its reply."""
-        self._waiting_since = 0.0
-        """When the current :meth:`_wait` began: a reply's wait counts from its send or from
-        then, whichever is later (a caller that takes its result late did not wait for it)."""
-        self._last_send = time.perf_counter()
-        """When this client last sent a frame: the server hears from it at least every
-        ``heartbeat_s`` while it waits, even while replies keep arriving."""
-        self.welcome: Welcome | None = None
+        self.state.last_send = time.perf_counter()
         try:
             self.connect(connect_timeout)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def _outstanding(self) -> dict[int, Message]:
+        """Request id -> the request, until its reply is taken (resent after a re-Hello)."""
+        return self.state.outstanding
+
+    @property
+    def _replies(self) -> dict[int, Answer]:
+        return self.state.replies
+
+    @property
+    def _sent_at(self) -> dict[int, float]:
+        return self.state.sent_at
+
     def connect(self, timeout: float = 30.0) -> Welcome:
         """Say ``Hello``; raises :class:`ProtocolMismatch` when the versions differ."""
-        rid = self._send(Hello(version=PROTOCOL_VERSION, peer=self.name), next_request_id())
+        rid, hello = self.state.hello()
+        self._send(hello, rid)
         try:
             reply = self._wait(rid, timeout)
         finally:
-            self._outstanding.pop(rid, None)
-            self._sent_at.pop(rid, None)
-        self.welcome = reply = check_welcome(reply, f"{self.name} -> {self.endpoint}")
-        return reply
+            self.state.forget(rid)
+        return self.state.welcomed(reply)
 
     def submit(self, msg: Message, request_id: int | None = None, on_partial: PartialCallback | None = None) -> int:
         """Send ``msg`` without waiting; returns its request id for :meth:`result`.
         ``on_partial`` gets every partial result of it read from now on (see :meth:`result`)."""
         rid = next_request_id() if request_id is None else request_id
-        if on_partial is not None:
-            self._on_partial[rid] = on_partial
-        return self._send(msg, rid)
+        return self._send(self.state.request(msg, rid, on_partial), rid)
 
     def result(self, request_id: int, timeout: float = 600.0, on_partial: PartialCallback | None = None) -> Message:
         """The reply to request ``request_id``, waiting up to ``timeout`` s (then the request
@@ -157,53 +131,45 @@ class SyncClient:
         for each partial result of the request read from now on, in the server's order; an
         exception from it fails the request with that exception (raised here) and cancels it
         on the server."""
-        if request_id not in self._outstanding:
+        state = self.state
+        if request_id not in state.outstanding:
             raise KeyError(f"request {request_id} was not submitted, or its result was taken")
         if on_partial is not None:
-            self._on_partial[request_id] = on_partial
-        msg = self._outstanding[request_id]
+            state.on_partial[request_id] = on_partial
+        msg = state.outstanding[request_id]
         for attempt in range(2):
             reply = self._wait(request_id, timeout)
-            if isinstance(reply, Error) and reply.code is ErrorCode.NO_HANDSHAKE and attempt == 0:
-                self.connect(timeout)  # the server restarted or dropped us
-                self._send(msg, request_id)
-                continue
-            break
-        self._outstanding.pop(request_id, None)
-        self._on_partial.pop(request_id, None)
-        if isinstance(reply, PartialCallbackFailed):
-            raise reply.error
-        if isinstance(reply, Error):
-            raise RemoteError(reply, f"{self.name} -> {self.endpoint} ({type(msg).__name__})")
-        return reply
+            if not state.retry(reply, attempt):
+                break
+            self.connect(timeout)  # the server restarted or dropped us: Hello, then the request again
+            self._send(state.request(msg, request_id), request_id)
+        state.forget(request_id)
+        return state.result(msg, reply)
 
     def request(self, msg: Message, timeout: float = 600.0, request_id: int | None = None,
                 on_partial: PartialCallback | None = None) -> Message:
         """Send ``msg`` and return its reply (see :meth:`result`)."""
         return self.result(self.submit(msg, request_id, on_partial), timeout)
 
-    def _send(self, msg: Message, rid: int) -> int:
-        self._outstanding[rid] = msg
-        self.counters[f"sent/{type(msg).__name__}"] += 1
-        send_frames(self._sock, encode(msg, rid))
-        self._sent_at[rid] = self._last_send = time.perf_counter()
+    def _send(self, send: Send, rid: int) -> int:
+        send_frames(self._sock, send.frames)
+        self.state.sent(rid, time.perf_counter())
         return rid
 
-    def _wait(self, rid: int, timeout: float) -> Message | PartialCallbackFailed:
-        """Block on the socket until ``rid``'s reply; each ``heartbeat_s`` with no frame is a
+    def _wait(self, rid: int, timeout: float) -> Answer:
+        """Block on the socket until ``rid``'s answer; each ``heartbeat_s`` with no frame is a
         heartbeat tick."""
+        state = self.state
         deadline = time.monotonic() + timeout
-        self._waiting_since = time.perf_counter()
+        state.waiting_since = time.perf_counter()
         sock = self._sock
-        msg = self._outstanding.get(rid)
-        if rid not in self._replies and msg is not None and self.polling.worth_it(type(msg)):
-            self._poll(rid, min(deadline, time.monotonic() + self.polling.spin_s))
-        while rid not in self._replies:
+        msg = state.outstanding.get(rid)
+        if rid not in state.replies and msg is not None and state.polling.worth_it(type(msg)):
+            self._poll(rid, min(deadline, time.monotonic() + state.polling.spin_s))
+        while rid not in state.replies:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._outstanding.pop(rid, None)
-                self._sent_at.pop(rid, None)
-                self._on_partial.pop(rid, None)
+                state.forget(rid)
                 self._cancel_remote(rid)
                 raise TimeoutError(f"{self.name}: no reply to request {rid} from {self.endpoint} in {timeout:.3g} s")
             wait_ms = max(1, int(1000 * min(left, self.heartbeat_s)))
@@ -213,21 +179,21 @@ class SyncClient:
             try:
                 read = recv_bounded(sock, self._bounds)
             except zmq.Again:
-                if wait_ms >= int(1000 * self.heartbeat_s) and self.tick():
-                    raise PeerLost(f"{self.name}: nothing from {self.endpoint} in {self.beats.limit} heartbeats") from None
+                if wait_ms >= int(1000 * self.heartbeat_s) and (lost := self._tick()) is not None:
+                    raise lost from None
                 continue
             self._take(read)
-            if time.perf_counter() - self._last_send >= self.heartbeat_s:
+            if state.beat_due(time.perf_counter()):
                 # Replies keep coming but this side sends nothing (it waits on many requests):
                 # without a frame from it the server would count it lost and cancel them.
-                self._beat()
-        return self._replies.pop(rid)
+                self._beat(state.beat(time.perf_counter()))
+        return state.take(rid)
 
     def _poll(self, rid: int, until: float) -> None:
         """Read without blocking until ``rid``'s reply is in or ``until`` (``time.monotonic``)."""
         self.counters["spins"] += 1
         sock = self._sock
-        while rid not in self._replies and time.monotonic() < until:
+        while rid not in self.state.replies and time.monotonic() < until:
             try:
                 read = recv_bounded(sock, self._bounds, NOBLOCK)
             except zmq.Again:
@@ -237,59 +203,31 @@ class SyncClient:
             self._take(read)
 
     def _take(self, read: tuple[list[zmq.Frame], Cut | None]) -> None:
-        """Keep a reply to a request still outstanding, pass a partial result to its
-        callback; count everything. A reply over ``limits`` (``read`` has its cut) fails its
-        request with ``too_large``."""
-        self.beats.heard()
-        frames, cut = read
-        if cut is None:
-            rid, reply = read_reply(frames, self.limits, self.counters)
-        else:
-            rid, reply = cut_error(frames[0] if frames else None, cut, self.limits, self.counters)
-        if type(reply) in _PARTIALS:  # never the reply, nor timed as one
-            self._partial(rid, reply)
-            return
-        sent = self._sent_at.pop(rid, None) if rid is not None else None
-        if rid in self._outstanding and rid not in self._replies:  # a failed callback's error stays
-            self._replies[rid] = reply
-            if sent is not None:
-                waited = time.perf_counter() - max(sent, self._waiting_since)
-                self.polling.record(type(self._outstanding[rid]), waited)
-
-    def _partial(self, rid: int | None, msg: Message) -> None:
-        if rid is None or (callback := self._on_partial.get(rid)) is None:
-            self.counters["stream/ignored" if rid in self._outstanding else "stream/unknown"] += 1
-            return
-        try:
-            callback(msg)
-        except Exception as e:  # noqa: BLE001 - the caller's error, raised from result()
-            self.counters["stream/callback_error"] += 1
-            del self._on_partial[rid]
-            if rid not in self._replies:
-                self._replies[rid] = PartialCallbackFailed(e)
-                self._sent_at.pop(rid, None)
-                self._cancel_remote(rid)
+        """Hand a message read to the state (which keeps a reply, passes a partial result to
+        its callback and counts everything); cancel a request whose callback raised."""
+        got = self.state.receive(*read, time.perf_counter())
+        if got.cancel:
+            self._cancel_remote(got.rid)  # type: ignore[arg-type]
 
     def tick(self) -> bool:
         """One heartbeat interval passed with no frame: send a ``Heartbeat``; True (and the
         session forgotten) when this was the 3rd in a row."""
-        if self.beats.tick():
-            self.counters["peer_lost"] += 1
-            self.beats.heard()
-            self.welcome = None
-            return True
-        self._beat()
-        return False
+        return self._tick() is not None
 
-    def _beat(self) -> None:
-        self.counters["sent/Heartbeat"] += 1
-        self._sock.send_multipart(encode(Heartbeat(seq=self.beats.missed), next_request_id()))
-        self._last_send = time.perf_counter()
+    def _tick(self) -> PeerLost | None:
+        """:meth:`tick`: None when a ``Heartbeat`` went out, else the :class:`PeerLost` to raise."""
+        beat = self.state.tick(time.perf_counter())
+        if isinstance(beat, PeerLost):
+            return beat
+        self._beat(beat)
+        return None
+
+    def _beat(self, beat: Send) -> None:
+        self._sock.send_multipart(beat.frames)
 
     def _cancel_remote(self, rid: int) -> None:
-        self.counters["sent/Cancel"] += 1
         try:
-            self._sock.send_multipart(encode(Cancel(request_id=rid), next_request_id()), flags=zmq.NOBLOCK)
+            self._sock.send_multipart(self.state.cancel(rid).frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             self.counters["error/cancel_not_sent"] += 1
 

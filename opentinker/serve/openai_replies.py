@@ -19,7 +19,7 @@ import fastapi
 from fastapi.responses import StreamingResponse
 
 from opentinker.bus import RemoteError
-from opentinker.bus.common import LogEvery
+from opentinker.bus.logs import LogEvery
 from opentinker.serve.admission import Refused, Ticket
 from opentinker.serve.detokenize import ChoiceText, TokenText, finish_choices
 from opentinker.serve.openai_bodies import ApiError, BaseBody, ChatBody
