@@ -182,3 +182,25 @@ def test_the_hook_reads_an_llm_policy_and_its_exploiter_is_a_table(chat_tok) -> 
     assert table["Jrrc/Jr"] == "raise" and table["Jrrc/Qrr"] == "fold"
     seat, rng = make_scripted(TABLE, table=table), np.random.default_rng(0)
     assert seat.act("", {"infostate": "Jrrc/Qrr", "legal_moves": ["fold", "call"]}, rng) == "fold"
+
+
+@pytest.mark.slow
+def test_the_bundled_leduc_league_runs_on_the_tiny_model(tmp_path, tiny_path) -> None:
+    """One step of ``leduc_league`` (its own keys; the tiny model, one process, the smallest
+    evaluation): one all-actions datum per decision and legal move, and the exploitability of
+    the policy logged at the step."""
+    import json
+
+    from opentinker.config import load_config
+    from opentinker.run import run_job
+
+    cfg = load_config("leduc_league", {
+        "out_dir": str(tmp_path), "model": {"base": "tiny-random", "threads": 1, "device": "cpu"},
+        "runtime": {"backend": "local", "env_runners": 1}, "train": {"steps": 1, "groups_per_step": 1},
+        "eval": {"every": 0, "hands_per_stratum": 1, "final_hands_per_stratum": 1, "head_to_head_per_stratum": 0},
+        "league": {"eval_per_stratum": 1}})
+    res = run_job(cfg, run_dir=tmp_path / "run")
+    rows = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (train,) = [r for r in rows if r["kind"] == "train"]
+    assert train["train/main/all_actions_datums"] == sum(len(m) for _, m in L.GAME.states.values())
+    assert 0 < train["train/main/exploitability"] < 13
