@@ -60,9 +60,9 @@ import gymnasium
 from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
-from games.tabular import TabularGame
+from games.tabular import TabularGame, poker_evaluation
 from games.text_env import TextAECEnv, parse_one_word
-from games.evaluation import Decision, Distribution, ExactMeasure, GameEval, record_decision
+from games.evaluation import Decision, record_decision
 
 CARDS = "JQK"
 DEALS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))
@@ -329,48 +329,6 @@ def decision_dialogues() -> list[Decision]:
     return out
 
 
-def _policy(dist: Distribution) -> Policy:
-    """The policy whose probability of each decision's aggressive move is read from `dist`."""
-    return {s: float(dist[s][_MOVES[s[1:]][1]]) for s in INFO_STATES}
-
-
-def _exploitability(dist: Distribution) -> float:
-    """`exploitability` of the policy `dist` ({infostate: {move: probability}})."""
-    return exploitability(_policy(dist))
-
-
-def _payoff(first: Distribution, second: Distribution) -> float:
-    """Chips per hand of `first` against `second`, each seat played half the hands."""
-    a, b = _policy(first), _policy(second)
-    return (expected_value(a, b) - expected_value(b, a)) / 2.0
-
-
-def _best_response_moves(dist: Distribution) -> dict[str, str]:
-    """{infostate: move} of a pure best response to `dist` in either seat: at player_0's
-    states against its player_1 part, at player_1's against its player_0 part."""
-    policy = _policy(dist)
-    pure = {**best_response(policy, 0), **best_response(policy, 1)}
-    return {s: _MOVES[s[1:]][int(pure[s])] for s in INFO_STATES}
-
-
-EVALUATION = GameEval(
-    unit="chips",
-    per="hand",
-    starts=tuple({"deal": d} for d in range(len(DEALS))),
-    scripted=("kuhn_equilibrium",),
-    system_prompt="You are a poker player.",
-    references={"best response to random": 0.458},
-    exact=(
-        ExactMeasure(
-            name="exploitability",
-            decisions=decision_dialogues,
-            value=_exploitability,
-            better="lower",
-            references={"uniform play": 11 / 24, "equilibrium": 0.0},
-            description="exploitability (NashConv/2)",
-            payoff=_payoff,
-            best_response=_best_response_moves,
-        ),
-    ),
-)
+EVALUATION = poker_evaluation(GAME, decision_dialogues, tuple({"deal": d} for d in range(len(DEALS))),
+                              ("kuhn_equilibrium",))
 """The evaluation hook: chips per hand, stratified by the 6 deals, exact exploitability."""

@@ -70,8 +70,8 @@ import numpy as np
 from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
-from games.evaluation import Decision, Distribution, ExactMeasure, GameEval, record_decision
-from games.tabular import TabularGame
+from games.evaluation import Decision, Distribution, record_decision
+from games.tabular import TabularGame, poker_evaluation
 from games.text_env import TextAECEnv, parse_one_word
 
 CARDS = "JQK"
@@ -390,34 +390,5 @@ def decision_dialogues() -> list[Decision]:
     return out
 
 
-def _payoff(first: Distribution, second: Distribution) -> float:
-    """Chips per hand of `first` against `second`, each seat played half the hands."""
-    return (GAME.expected_value(first, second) - GAME.expected_value(second, first)) / 2.0
-
-
-def _best_response_moves(dist: Distribution) -> dict[str, str]:
-    """`{infostate: move}` of a pure best response to `dist` in either seat."""
-    return {**GAME.best_response(dist, 0)[1], **GAME.best_response(dist, 1)[1]}
-
-
-EVALUATION = GameEval(
-    unit="chips",
-    per="hand",
-    starts=tuple({"card0": c} for c in range(6)),
-    scripted=("leduc_equilibrium",),
-    system_prompt="You are a poker player.",
-    references={"best response to random": 2.374},
-    exact=(
-        ExactMeasure(
-            name="exploitability",
-            decisions=decision_dialogues,
-            value=exploitability,
-            better="lower",
-            references={"uniform play": 2.374, "equilibrium": 0.0},
-            description="exploitability (NashConv/2)",
-            payoff=_payoff,
-            best_response=_best_response_moves,
-        ),
-    ),
-)
+EVALUATION = poker_evaluation(GAME, decision_dialogues, tuple({"card0": c} for c in range(6)), ("leduc_equilibrium",))
 """The evaluation hook: chips per hand, stratified by player_0's card, exact exploitability."""

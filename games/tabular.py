@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from games.evaluation import Decision, ExactMeasure, GameEval
 
 Distribution = Mapping[str, Mapping[str, float]]
 """``{infostate: {move: probability}}``, each inner mapping summing to 1 over the legal moves."""
@@ -124,19 +127,31 @@ class TabularGame:
             raise ValueError(f"policy lacks info states {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         return out
 
-    def expected_value(self, policy0: Distribution, policy1: Distribution) -> float:
-        """player_0's expected reward when player_0 plays ``policy0`` and player_1 ``policy1``
-        (each read only at its own information states); exact."""
-        table = self._table(policy0, (0,)) + self._table(policy1, (1,))
+    def _values(self, table: np.ndarray,
+                visit: Callable[[int, _Node, np.ndarray, np.ndarray], None] | None = None) -> np.ndarray:
+        """player_0's value per deal at the root when every seat plays ``table`` (probabilities
+        per state row); ``visit(i, node, child, value)`` sees each decision node's ``float[deals,
+        moves]`` child values and ``float[deals]`` value on the way up."""
         values: dict[int, np.ndarray] = {}
         for i in range(len(self.nodes) - 1, -1, -1):
             node = self.nodes[i]
             if node.player < 0:
                 values[i] = self._payoff[i]
                 continue
-            probs = table[self._index[i]]
-            values[i] = sum(probs[:, k] * values.pop(c) for k, c in enumerate(node.children))
-        return float(values[0].mean())
+            child = np.stack([values.pop(c) for c in node.children]).T
+            values[i] = (table[self._index[i], : child.shape[1]] * child).sum(axis=1)
+            if visit is not None:
+                visit(i, node, child, values[i])
+        return values[0]
+
+    def expected_value(self, policy0: Distribution, policy1: Distribution) -> float:
+        """player_0's expected reward when player_0 plays ``policy0`` and player_1 ``policy1``
+        (each read only at its own information states); exact."""
+        return float(self._values(self._table(policy0, (0,)) + self._table(policy1, (1,))).mean())
+
+    def payoff(self, first: Distribution, second: Distribution) -> float:
+        """The expected reward of ``first`` against ``second``, each seat played half the games."""
+        return (self.expected_value(first, second) - self.expected_value(second, first)) / 2.0
 
     def best_response(self, policy: Distribution, seat: int) -> tuple[float, dict[str, str]]:
         """``(value, {infostate: move})``: a pure best response of ``seat`` (0 or 1) to the
@@ -177,6 +192,11 @@ class TabularGame:
             values[i] = child[best[inverse], np.arange(n)]
         return float(values[0].mean()), choice
 
+    def best_responses(self, policy: Distribution) -> dict[str, str]:
+        """``{infostate: move}``: a pure best response to ``policy`` in either seat (at each
+        seat's states, against the other seat's part)."""
+        return {**self.best_response(policy, 0)[1], **self.best_response(policy, 1)[1]}
+
     def nash_conv(self, policy: Distribution) -> float:
         """OpenSpiel's NashConv of ``policy`` (both seats' parts): the sum of both seats' best
         response values (the game is zero-sum, so the policy's own values cancel)."""
@@ -216,19 +236,41 @@ class TabularGame:
                 for k, c in enumerate(node.children):
                     step = sigma[idx, k]
                     reach[c] = (own[0] * step, own[1]) if node.player == 0 else (own[0], own[1] * step)
-            values: dict[int, np.ndarray] = {}
-            for i in range(len(self.nodes) - 1, -1, -1):
-                node = self.nodes[i]
-                if node.player < 0:
-                    values[i] = self._payoff[i]
-                    continue
-                idx = self._index[i]
-                child = np.stack([values.pop(c) for c in node.children]).T  # [deals, moves]
-                v = (sigma[idx, : child.shape[1]] * child).sum(axis=1)
+
+            def update(i: int, node: _Node, child: np.ndarray, v: np.ndarray) -> None:
                 sign = 1.0 if node.player == 0 else -1.0
                 other = reach[i][1 - node.player] / n
-                np.add.at(regret[:, : child.shape[1]], idx, sign * other[:, None] * (child - v[:, None]))
-                values[i] = v
+                np.add.at(regret[:, : child.shape[1]], self._index[i], sign * other[:, None] * (child - v[:, None]))
+
+            self._values(sigma, update)
             regret = np.where(legal, np.maximum(regret, 0.0), 0.0)
         return {s: dict(zip(moves, (average[self._rows[s], : len(moves)] / average[self._rows[s]].sum()).tolist()))
                 for s, (_, moves) in self.states.items()}
+
+
+def poker_evaluation(game: TabularGame, decisions: Callable[[], list[Decision]], starts: tuple[dict[str, Any], ...],
+                     scripted: tuple[str, ...]) -> GameEval:
+    """The evaluation hook of a poker game on ``game``: chips per hand over ``starts``, and the
+    exact exploitability (NashConv / 2) at ``decisions()``, with the payoff and the best
+    response the all-actions updates and the ``best_response`` opponent use."""
+    uniform = game.exploitability(game.uniform())
+    return GameEval(
+        unit="chips",
+        per="hand",
+        starts=starts,
+        scripted=scripted,
+        system_prompt="You are a poker player.",
+        references={"best response to random": round(uniform, 3)},
+        exact=(
+            ExactMeasure(
+                name="exploitability",
+                decisions=decisions,
+                value=game.exploitability,
+                better="lower",
+                references={"uniform play": uniform, "equilibrium": 0.0},
+                description="exploitability (NashConv/2)",
+                payoff=game.payoff,
+                best_response=game.best_responses,
+            ),
+        ),
+    )
