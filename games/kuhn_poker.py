@@ -60,9 +60,9 @@ import gymnasium
 from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
+from games.evaluation import Decision, record_decision
 from games.tabular import TabularGame, poker_evaluation
 from games.text_env import TextAECEnv, parse_one_word
-from games.evaluation import Decision, record_decision
 
 CARDS = "JQK"
 DEALS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))

@@ -219,7 +219,7 @@ class TabularGame:
         legal = np.zeros((len(self.states), width), bool)
         for s, (_, moves) in self.states.items():
             legal[self._rows[s], : len(moves)] = True
-        regret = np.zeros_like(legal, dtype=np.float64)
+        regret = np.zeros_like(legal, dtype=np.float64)  # stays 0 at padding columns
         average = np.zeros_like(regret)
         n = len(self.deals)
         for t in range(1, iterations + 1):
@@ -237,13 +237,14 @@ class TabularGame:
                     step = sigma[idx, k]
                     reach[c] = (own[0] * step, own[1]) if node.player == 0 else (own[0], own[1] * step)
 
-            def update(i: int, node: _Node, child: np.ndarray, v: np.ndarray) -> None:
+            def update(i: int, node: _Node, child: np.ndarray, v: np.ndarray,
+                       reach: dict[int, tuple[np.ndarray, np.ndarray]] = reach) -> None:
                 sign = 1.0 if node.player == 0 else -1.0
                 other = reach[i][1 - node.player] / n
                 np.add.at(regret[:, : child.shape[1]], self._index[i], sign * other[:, None] * (child - v[:, None]))
 
             self._values(sigma, update)
-            regret = np.where(legal, np.maximum(regret, 0.0), 0.0)
+            np.maximum(regret, 0.0, out=regret)  # in place: `update` holds this array
         return {s: dict(zip(moves, (average[self._rows[s], : len(moves)] / average[self._rows[s]].sum()).tolist()))
                 for s, (_, moves) in self.states.items()}
 

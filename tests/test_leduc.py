@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import play_to_end
 
 import games
 from games import leduc_poker as L
 from games.scripted import TABLE, make_scripted
-from conftest import play_to_end
 
 # OpenSpiel's exploitability_test: NashConv of the uniform random policy on leduc_poker.
 OPENSPIEL_UNIFORM_NASH_CONV = 4.747222222222222
@@ -150,7 +150,11 @@ def test_expected_value_matches_simulation_of_the_scripted_seats() -> None:
 
 
 def test_the_hook_reads_an_llm_policy_and_its_exploiter_is_a_table(chat_tok) -> None:
-    from opentinker.eval.evaluation import SPELLINGS, policy_from_logprobs, policy_sequences
+    from opentinker.eval.evaluation import (
+        SPELLINGS,
+        policy_from_logprobs,
+        policy_sequences,
+    )
 
     hook = games.evaluation("leduc_poker_v0")
     assert hook.label == "chips/hand" and len(hook.starts) == 6 and "leduc_equilibrium" in hook.scripted
