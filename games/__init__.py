@@ -26,7 +26,7 @@ from typing import Any
 from gymnasium import spaces
 from pettingzoo import AECEnv, ParallelEnv
 
-from games import calculator, kuhn_poker, liars_dice, negotiation, prisoners_dilemma, referential, tictactoe, twenty_questions
+from games import calculator, kuhn_poker, leduc_poker, liars_dice, negotiation, prisoners_dilemma, referential, tictactoe, twenty_questions
 from games.bridge import from_pettingzoo
 from games.evaluation import ExactMeasure, GameEval
 from games.scripted import SCRIPTED, ScriptedPolicy, make_scripted
@@ -205,6 +205,7 @@ def make_parallel(name: str, **kwargs: Any) -> ParallelEnv:
 
 register("calculator_v0", calculator.env, evaluation=calculator.EVALUATION)
 register("kuhn_poker_v0", kuhn_poker.env, evaluation=kuhn_poker.EVALUATION)
+register("leduc_poker_v0", leduc_poker.env, evaluation=leduc_poker.EVALUATION)
 register("tictactoe_v0", tictactoe.env, evaluation=tictactoe.EVALUATION)
 register("negotiation_v0", negotiation.env, evaluation=negotiation.EVALUATION)
 register("referential_v0", referential.env, evaluation=referential.EVALUATION)

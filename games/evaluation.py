@@ -39,6 +39,46 @@ class DecisionPoint(Protocol):
     """The canonical one-word replies of the legal moves."""
 
 
+@dataclass(frozen=True)
+class Decision:
+    """One information state as the seat lives it: its user messages and earlier replies (a
+    :class:`DecisionPoint`)."""
+
+    infostate: str
+    """The game's information state, e.g. Kuhn poker's "Qpb"."""
+    agent: str
+    """The seat that decides."""
+    deal: int
+    """The game's index of the deal used to drive the env (the seat's texts do not depend on
+    what it cannot see)."""
+    observations: tuple[str, ...]
+    """The seat's user messages in order; the last one asks for this decision."""
+    replies: tuple[str, ...]
+    """The seat's earlier canonical replies; len(observations) - 1 of them."""
+    legal_moves: tuple[str, ...]
+    """The canonical one-word replies of the legal moves, in the game's order."""
+
+
+def record_decision(env: Any, infostate: str, agent: str, deal: int, replies: Sequence[str],
+                    legal_moves: Sequence[str]) -> Decision:
+    """Step ``replies`` on ``env`` (reset, dealt ``deal``) for whoever is to act, recording what
+    ``agent`` reads and says; then ``agent`` must be to act at ``infostate`` (its
+    ``infos[agent]["infostate"]``) with ``legal_moves`` (in the order the measure reads them)."""
+    observations: list[str] = []
+    own: list[str] = []
+    for reply in replies:
+        if env.agent_selection == agent:
+            observations.append(env.observe(agent)["text"])
+            own.append(reply)
+        env.step(reply)
+    info = env.infos[agent]
+    if env.agent_selection != agent or info["infostate"] != infostate or set(info["legal_moves"]) != set(legal_moves):
+        raise AssertionError(f"replies {list(replies)} lead to {info['infostate']!r} ({info['legal_moves']}), "
+                             f"not {agent}'s {infostate!r} ({list(legal_moves)})")
+    observations.append(env.observe(agent)["text"])
+    return Decision(infostate, agent, deal, tuple(observations), tuple(own), tuple(legal_moves))
+
+
 PAIRING_METRICS = ("ci95", "invalid_rate", "hands", "wins", "draws", "losses", "tool_calls", "invalid_tool_calls")
 """The runtime's own metrics of a pairing beside the unit's (``eval/<p>/vs_<o>/<name>``)."""
 POLICY_METRICS = ("canonical_mass", "version")

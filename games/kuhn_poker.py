@@ -54,18 +54,15 @@ per information state, the seat's conversation leading to that decision.
 
 from __future__ import annotations
 
-import itertools
-import re
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
-import numpy as np
 from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
-from games.text_env import TextAECEnv
-from games.evaluation import Distribution, ExactMeasure, GameEval
+from games.evaluation import Decision, record_decision
+from games.tabular import TabularGame, poker_evaluation
+from games.text_env import TextAECEnv, parse_one_word
 
 CARDS = "JQK"
 DEALS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))
@@ -82,10 +79,6 @@ _MOVES: dict[str, tuple[str, str]] = {
     "pb": ("fold", "call"),
 }
 _TERMINALS = frozenset({"pp", "bp", "bb", "pbp", "pbb"})
-_PATTERNS = {
-    moves: re.compile(r"\b(" + "|".join(moves) + r")\b", re.IGNORECASE)
-    for moves in set(_MOVES.values())
-}
 
 INFO_STATES: tuple[str, ...] = (
     "J", "Q", "K",
@@ -101,16 +94,9 @@ Policy = dict[str, float]
 
 
 def parse_reply(reply: object, legal: tuple[str, ...]) -> str | None:
-    """Return the one legal word named in `reply` (whole word, any case), or None if invalid.
-
-    A reply that names both legal moves ("check or bet") is ambiguous, hence invalid: echoing
-    the instruction must not count as a decision. Only the first `MAX_TEXT` characters are
-    read; anything that is not a string is invalid.
-    """
-    if not isinstance(reply, str):
-        return None
-    found = {m.group(1).lower() for m in _PATTERNS[tuple(legal)].finditer(reply[:MAX_TEXT])}
-    return found.pop() if len(found) == 1 else None
+    """Return the one legal word named in `reply` (whole word, any case), or None if invalid
+    (`games.text_env.parse_one_word` over the first `MAX_TEXT` characters)."""
+    return parse_one_word(reply, legal, MAX_TEXT)
 
 
 def payoff0(deal: tuple[int, int], history: str) -> int:
@@ -257,14 +243,19 @@ def _check(policy: Policy, states: tuple[str, ...]) -> None:
         raise ValueError(f"policy probabilities outside [0, 1]: {bad}")
 
 
-def _value0(deal: tuple[int, int], history: str, policy0: Policy, policy1: Policy) -> float:
-    if history in _TERMINALS:
-        return float(payoff0(deal, history))
-    seat = len(history) % 2
-    p_b = (policy0, policy1)[seat][CARDS[deal[seat]] + history]
-    return p_b * _value0(deal, history + "b", policy0, policy1) + (1.0 - p_b) * _value0(
-        deal, history + "p", policy0, policy1
-    )
+def _letters(history: str, move: str) -> str:
+    """The history after `move` (a word legal at `history`)."""
+    return history + "pb"[_MOVES[history].index(move)]
+
+
+GAME = TabularGame(DEALS, lambda h: _MOVES.get(h, ()), _letters, lambda d, h: CARDS[d[len(h) % 2]] + h, payoff0)
+"""Kuhn poker's tree (`games.tabular`): 6 deals, 9 public histories, the 12 `INFO_STATES`."""
+
+
+def _moves_of(policy: Policy, states: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """`policy` at `states` as move probabilities (checked: every state, probabilities in [0, 1])."""
+    _check(policy, states)
+    return {s: dict(zip(_MOVES[s[1:]], (1.0 - policy[s], policy[s]), strict=True)) for s in states}
 
 
 def expected_value(policy0: Policy, policy1: Policy) -> float:
@@ -273,44 +264,28 @@ def expected_value(policy0: Policy, policy1: Policy) -> float:
     Each policy maps an info state to P(bet or call); only the seat's own 6 states are read.
     Exact: sums over the 6 deals with chance probability 1/6.
     """
-    _check(policy0, _P0_STATES)
-    _check(policy1, _P1_STATES)
-    return sum(_value0(d, "", policy0, policy1) for d in DEALS) / len(DEALS)
+    return GAME.expected_value(_moves_of(policy0, _P0_STATES), _moves_of(policy1, _P1_STATES))
 
 
-def _pure_responses(policy: Policy, br_player: int) -> tuple[float, Policy]:
-    """Every pure strategy of seat `br_player` (0 or 1) against the other seat's part of
-    `policy`: the largest value any reaches, and the first reaching it within 1e-12 (in
-    enumeration order, passive before aggressive)."""
+def _response(policy: Policy, br_player: int) -> tuple[float, Policy]:
+    """The value and the P(bet or call) table of `GAME.best_response` for seat `br_player`."""
     if br_player not in (0, 1):
         raise ValueError(f"br_player must be 0 or 1, got {br_player!r}")
-    own = _P0_STATES if br_player == 0 else _P1_STATES
-    _check(policy, _P1_STATES if br_player == 0 else _P0_STATES)
-    best, arg_value, arg = -np.inf, -np.inf, {}
-    for actions in itertools.product((0.0, 1.0), repeat=len(own)):
-        pure = dict(zip(own, actions, strict=True))
-        value = expected_value(pure, policy) if br_player == 0 else -expected_value(policy, pure)
-        best = max(best, value)
-        if value > arg_value + 1e-12:
-            arg_value, arg = value, pure
-    return float(best), arg
+    value, table = GAME.best_response(_moves_of(policy, _P1_STATES if br_player == 0 else _P0_STATES), br_player)
+    return value, {s: float(move == _MOVES[s[1:]][1]) for s, move in table.items()}
 
 
 def best_response(policy: Policy, br_player: int) -> Policy:
     """A pure best response of seat `br_player` (0 or 1) to the other seat's part of `policy`:
-    P(bet or call) of 0 or 1 at each of its own 6 info states (ties go to the first in
-    enumeration order, passive before aggressive)."""
-    return _pure_responses(policy, br_player)[1]
+    P(bet or call) of 0 or 1 at each of its own 6 info states, the move of larger
+    counterfactual value (ties to the passive one), also at states its own moves avoid."""
+    return _response(policy, br_player)[1]
 
 
 def best_response_value(policy: Policy, br_player: int) -> float:
     """Expected net chips of seat `br_player` (0 or 1) best-responding to the other seat's part
-    of `policy`.
-
-    Exact: a best response can be pure, and a pure strategy chooses one action per own info
-    state (the responder does not see the opponent's card), so all 2^6 of them are enumerated.
-    """
-    return _pure_responses(policy, br_player)[0]
+    of `policy`; exact (backward induction over its info states, `games.tabular`)."""
+    return _response(policy, br_player)[0]
 
 
 def exploitability(policy: Policy) -> float:
@@ -339,24 +314,6 @@ def equilibrium_policy(alpha: float = 0.0) -> Policy:
     }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Decision:
-    """One information state as the seat lives it: its user messages and earlier replies."""
-
-    infostate: str
-    """OpenSpiel-style info state, e.g. "Qpb"."""
-    agent: str
-    """The seat that decides: "player_0" or "player_1"."""
-    deal: int
-    """Index into `DEALS` used to drive the env (the seat's texts do not depend on it)."""
-    observations: tuple[str, ...]
-    """The seat's user messages in order; the last one asks for this decision."""
-    replies: tuple[str, ...]
-    """The seat's earlier canonical replies; len(observations) - 1 of them."""
-    legal_moves: tuple[str, ...]
-    """("check", "bet") or ("fold", "call"): the aggressive move second."""
-
-
 def decision_dialogues() -> list[Decision]:
     """For each of `INFO_STATES` in order, drive the env with canonical one-word replies to the
     decision and record the deciding seat's conversation, for teacher-forced scoring."""
@@ -364,67 +321,14 @@ def decision_dialogues() -> list[Decision]:
     for state in INFO_STATES:
         history = state[1:]
         seat = len(history) % 2
-        agent = AGENTS[seat]
         deal = next(i for i, d in enumerate(DEALS) if CARDS[d[seat]] == state[0])
         game = env(deal=deal)
         game.reset()
-        observations: list[str] = []
-        replies: list[str] = []
-        for i, letter in enumerate(history):
-            reply = _MOVES[history[:i]]["pb".index(letter)]
-            if game.agent_selection == agent:
-                observations.append(game.observe(agent)["text"])
-                replies.append(reply)
-            game.step(reply)
-        assert game.agent_selection == agent and game.infos[agent]["infostate"] == state
-        observations.append(game.observe(agent)["text"])
-        out.append(
-            Decision(state, agent, deal, tuple(observations), tuple(replies), _MOVES[history])
-        )
+        replies = [_MOVES[history[:i]]["pb".index(letter)] for i, letter in enumerate(history)]
+        out.append(record_decision(game, state, AGENTS[seat], deal, replies, _MOVES[history]))
     return out
 
-def _policy(dist: Distribution) -> Policy:
-    """The policy whose probability of each decision's aggressive move is read from `dist`."""
-    return {s: float(dist[s][_MOVES[s[1:]][1]]) for s in INFO_STATES}
 
-
-def _exploitability(dist: Distribution) -> float:
-    """`exploitability` of the policy `dist` ({infostate: {move: probability}})."""
-    return exploitability(_policy(dist))
-
-
-def _payoff(first: Distribution, second: Distribution) -> float:
-    """Chips per hand of `first` against `second`, each seat played half the hands."""
-    a, b = _policy(first), _policy(second)
-    return (expected_value(a, b) - expected_value(b, a)) / 2.0
-
-
-def _best_response_moves(dist: Distribution) -> dict[str, str]:
-    """{infostate: move} of a pure best response to `dist` in either seat: at player_0's
-    states against its player_1 part, at player_1's against its player_0 part."""
-    policy = _policy(dist)
-    pure = {**best_response(policy, 0), **best_response(policy, 1)}
-    return {s: _MOVES[s[1:]][int(pure[s])] for s in INFO_STATES}
-
-
-EVALUATION = GameEval(
-    unit="chips",
-    per="hand",
-    starts=tuple({"deal": d} for d in range(len(DEALS))),
-    scripted=("kuhn_equilibrium",),
-    system_prompt="You are a poker player.",
-    references={"best response to random": 0.458},
-    exact=(
-        ExactMeasure(
-            name="exploitability",
-            decisions=decision_dialogues,
-            value=_exploitability,
-            better="lower",
-            references={"uniform play": 11 / 24, "equilibrium": 0.0},
-            description="exploitability (NashConv/2)",
-            payoff=_payoff,
-            best_response=_best_response_moves,
-        ),
-    ),
-)
+EVALUATION = poker_evaluation(GAME, decision_dialogues, tuple({"deal": d} for d in range(len(DEALS))),
+                              ("kuhn_equilibrium",))
 """The evaluation hook: chips per hand, stratified by the 6 deals, exact exploitability."""

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from games import calculator, liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions
+from games import calculator, leduc_poker, liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions
 from games.kuhn_poker import equilibrium_policy
 from games.tictactoe import minimax_moves, to_move
 
@@ -97,7 +97,7 @@ TABLE = "table"
 """The name of :class:`TablePolicy` for `make_scripted` (not a config opponent: it needs its
 table, which the runtime computes)."""
 
-GAME_POLICIES = (calculator, liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions)
+GAME_POLICIES = (calculator, leduc_poker, liars_dice, negotiation, prisoners_dilemma, referential, twenty_questions)
 """Game modules whose `SCRIPTED_POLICIES` join `SCRIPTED`."""
 
 
@@ -118,7 +118,8 @@ def _collect() -> dict[str, type]:
 
 
 SCRIPTED: dict[str, type] = _collect()
-"""Scripted policies by name: `random` (any game), `kuhn_equilibrium`, `tictactoe_minimax`,
+"""Scripted policies by name: `random` (any game), `kuhn_equilibrium`, `leduc_equilibrium`,
+`tictactoe_minimax`,
 `negotiation_fair`, `negotiation_greedy`, `referential_heuristic` (either seat),
 `twenty_questions_heuristic` (either seat)."""
 

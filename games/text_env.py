@@ -8,6 +8,8 @@ A game subclasses :class:`TextAECEnv`, sets ``metadata``, and writes its rules i
 
 from __future__ import annotations
 
+import functools
+import re
 import string
 from typing import Any, Sequence
 
@@ -15,6 +17,24 @@ import gymnasium
 from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import AECEnv
+
+
+@functools.lru_cache(maxsize=64)
+def _words(legal: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(r"\b(" + "|".join(map(re.escape, legal)) + r")\b", re.IGNORECASE)
+
+
+def parse_one_word(reply: object, legal: Sequence[str], max_text: int) -> str | None:
+    """The one legal word named in ``reply`` (whole word, any case), or None if it is invalid.
+
+    A reply that names two or more legal moves ("check or bet") is ambiguous, hence invalid:
+    echoing the instruction must not count as a decision. Only the first ``max_text``
+    characters are read; anything that is not a string is invalid.
+    """
+    if not isinstance(reply, str):
+        return None
+    found = {m.group(1).lower() for m in _words(tuple(legal)).finditer(reply[:max_text])}
+    return found.pop() if len(found) == 1 else None
 
 
 class TextAECEnv(AECEnv[str, dict[str, str], str]):

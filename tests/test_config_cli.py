@@ -33,7 +33,7 @@ def test_default_config_loads_and_names_bad_fields(tmp_path):
 def test_bundled_configs_load_by_name():
     from opentinker.config import bundled_configs
 
-    assert {"default", "tictactoe", "connect_four"} <= set(bundled_configs())
+    assert {"default", "tictactoe", "connect_four", "kuhn_league", "leduc_league"} <= set(bundled_configs())
     for name in bundled_configs():
         cfg = load_config(name)
         __import__("games").resolve(cfg.game)  # registered, or an importable PettingZoo env
