@@ -447,12 +447,50 @@ def render_tools_job(results: Path) -> str:
     return head + table(header, rows)
 
 
+def render_learning_suite(results: Path) -> str:
+    """``learning_suite.json``: per job, seed and policy, the final evaluation against random,
+    the base model and each scripted seat (95% intervals), wins / draws / losses against
+    random where the game counts them, the invalid rate, the gain over the untrained policy,
+    the run's wall time and the scheduler's peak; then each job's verdict."""
+    r = load(results, "learning_suite")
+
+    def ci(m: dict[str, Any] | None, unit: str) -> str:
+        return "—" if m is None else f"{m[unit]:+.3f} ± {m['ci95']:.3f}"
+
+    rows = []
+    for row in r["rows"]:
+        unit = row["unit"]
+        for policy, final in row["final"].items():
+            rnd, ok = final.get("random"), row["learned"].get(policy, {})
+            scripted = ", ".join(f"`{o}` {ci(m, unit)}" for o, m in final.items() if o not in ("random", "base"))
+            wdl = "/".join(f"{int(rnd[k])}" for k in ("wins", "draws", "losses")) if rnd and "wins" in rnd else "—"
+            gain = f"{ok['gain_vs_untrained']:+.3f} ± {ok['gain_ci95']:.3f}" if ok else "—"
+            rows.append([f"`{row['job']}`" + (f" {policy}" if len(row["final"]) > 1 else ""), str(row["seed"]),
+                         ci(rnd, unit), wdl, ci(final.get("base"), unit), scripted or "—",
+                         pct(rnd["invalid_rate"]) if rnd else "—", gain,
+                         f"{row['wall_s'] / 60:.1f} min", f"{row['scheduler_peak_rss_mb']:.0f} MB"])
+    p = r["provenance"]
+    head = (f"{', '.join(sorted({row['model'] for row in r['rows']}))}; "
+            f"{_machine_label({**p, 'cpu_capability': p['capability']})}; the 2-core machine was shared with other "
+            "work, so times are upper bounds; units: each game's own (`opentinker games`)\n\n")
+    header = ["job", "seed", "vs random (95% CI)", "W/D/L vs random", "vs base", "vs scripted seats",
+              "invalid", "gain over untrained", "wall time", "scheduler peak"]
+    verdict = "\n".join(
+        f"- `{job}` (seeds {', '.join(map(str, v['seeds']))}): "
+        + ("learned on every seed" if v["every_seed"] else "did not learn on every seed")
+        + f"; scheduler peak {v['scheduler_peak_mb']:.0f} MB ("
+        + ("under" if v.get("scheduler_under_budget") else "over") + " 4 GB)"
+        for job, v in r["verdicts"].items())
+    return head + table(header, rows) + "\n" + verdict + "\n"
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "default_job_times": render_default_job_times,
     "compare_learners": render_compare_learners,
     "lora_vs_full": render_lora_vs_full,
     "lora_vs_full_tools": lambda results: render_lora_vs_full(results, "lora_vs_full_tools"),
     "tools_job": render_tools_job,
+    "learning_suite": render_learning_suite,
     "default_job": render_default_job,
     "default_job_sweep": render_default_job_sweep,
     "pipeline_pace": render_pipeline_pace,
