@@ -80,7 +80,8 @@ def test_an_exploring_learner_scripted_opponent_and_transcript(chat_tok):
     assert summary.invalid == {"player_0": 0, "player_1": 0}
     lines = summary.transcript
     assert lines[0] == "player_0 [adapter:main] sees:" and lines[1].startswith("    ")
-    replies = [line for line in lines if line.startswith(("player_0 [adapter:main@3]: ", "player_1 [scripted:random]: "))]
+    replies = [line for line in lines
+               if line.startswith(("player_0 [adapter:main@3]: ", "player_1 [scripted:random]: "))]
     assert len(replies) == summary.turns["player_0"] + summary.turns["player_1"]
     assert replies[0] == f"player_0 [adapter:main@3]: {chat_tok.decode(list(traj.turns[0].sampled_tokens)[:-1])!r}"
     r0, r1 = summary.rewards["player_0"], summary.rewards["player_1"]
