@@ -14,7 +14,7 @@ import shutil
 import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +25,20 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
 
 import games
-from opentinker.config import ConfigError, JobConfig, to_toml
-from opentinker.control.config_checks import check_config
-from opentinker.control import transcripts
+from opentinker.config import ConfigError, JobConfig
 from opentinker.control.checkpoints import (
     Checkpoint,
     latest_checkpoint,
-    truncate_metrics,
     write_checkpoint,
 )
 from opentinker.control.runtime import ComponentDied, Job
-from opentinker.engine.model_specs import resolve_model
 from opentinker.eval.ratings import plot_ratings
 from opentinker.eval.report import (
     MetricsLog,
@@ -55,7 +52,7 @@ from opentinker.files import write_atomic
 from opentinker.interrupt import Interrupted, StopOnInterrupt
 from opentinker.machine import git_commit, machine
 from opentinker.progress import EpisodeFeed
-from opentinker.training import trajectory_log
+from opentinker.run_folder import OpenRun, open_run
 
 logger = logging.getLogger(__name__)
 
@@ -145,109 +142,89 @@ class _Started:
     """The newest checkpoint's step."""
 
 
+@dataclass
+class _Ended:
+    """How the steps of a run ended."""
+
+    interrupted: bool = False
+    """By Ctrl-C (the newest checkpoint stands)."""
+    died: ComponentDied | None = None
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Where the final adapters were saved (when it ran to its end)."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Path | None,
              checkpoint: Checkpoint | None, restarts: int, spent_s: float, stop: StopOnInterrupt,
              state: _Started) -> RunResult:
-    check_config(cfg)
-    t_start = time.perf_counter()
-    ckpt = None
-    if resume is not None:
-        run_dir = Path(resume)
-        # Verified before anything of the run is rewritten (by the caller, the CLI, when given).
-        ckpt = checkpoint or latest_checkpoint(run_dir, cfg)
-        for why in ckpt.skipped:
-            console.print(f"[yellow]skipped checkpoint[/] {escape(why)}")
-    else:
-        run_dir = run_dir or cfg.run_dir()  # inside out_dir (checked)
-    policies = [p.name for p in cfg.policies]
-    console.print(f"[bold]opentinker[/] run [cyan]{escape(str(run_dir))}[/]  model={escape(cfg.model.base)}  "
-                  f"backend={cfg.runtime.backend}")
-    with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
-        model_path = resolve_model(cfg.model.base)
-    if ckpt is not None:
-        rows = truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
-        for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
-            trajectory_log.truncate(path, ckpt.step)  # the steps after it are played again
-        transcripts.truncate(run_dir / "transcripts.txt", ckpt.step)
-        log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
-        log.rows = rows
-        state.run_dir, state.saved = run_dir, ckpt.step
-    else:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            (run_dir / "config.toml").write_bytes(to_toml(cfg))
-        except OSError as e:  # /proc, /sys, a read-only disk, root where the permission check passed
-            shutil.rmtree(run_dir, ignore_errors=True)
-            raise ConfigError("out_dir", f"cannot make the run folder {str(run_dir)!r}: "
-                                         f"{e.strerror or type(e).__name__}") from None
-        state.run_dir, state.fresh = run_dir, True
-        log = MetricsLog(run_dir / "metrics.jsonl")
-    if ckpt is not None:  # with any --set of the resume
-        (run_dir / "config.toml").write_bytes(to_toml(cfg))
+    run = open_run(cfg, console, run_dir, resume, checkpoint, state, stop)
     if cfg.offline_job() is not None:
-        return _run_offline(cfg, console, run_dir, model_path, log)
+        return _run_offline(cfg, console, run.run_dir, run.model_path, run.log)
+    job = _start_job(run, restarts)
+    ended = _train(run, job)
+    if ended.interrupted:
+        if state.saved is None and resume is None:  # nothing to continue from: leave no half-made folder
+            shutil.rmtree(run.run_dir, ignore_errors=True)
+            raise Interrupted(run.run_dir, None, removed=True)
+        raise Interrupted(run.run_dir, state.saved)
+    if ended.died is not None:
+        return _recover(cfg, console, run.run_dir, ended.died, run.now, job.restarts,
+                        spent_s + time.perf_counter() - run.t_start)
+    return _finish(run, job, ended, spent_s)
+
+
+def _start_job(run: OpenRun, restarts: int) -> Job:
+    """Start the job's components (and, resuming, load the checkpoint's adapters and learner
+    states); a new run that cannot start, or a Ctrl-C meanwhile, leaves no folder behind."""
+    cfg, console, run_dir, ckpt = run.cfg, run.console, run.run_dir, run.ckpt
     schedulers = f"{len(cfg.runtime.devices)} schedulers ({', '.join(cfg.runtime.devices)})" \
         if len(cfg.runtime.devices) > 1 else "scheduler"
-    with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(policies)} learner(s), {schedulers}, "
-                        "coordinator"):
+    with console.status(f"starting {cfg.runtime.env_runners} env runners, {len(run.policies)} learner(s), "
+                        f"{schedulers}, coordinator"):
         try:
-            job = Job(cfg, model_path, run_dir=str(run_dir.resolve()))
+            job = Job(cfg, run.model_path, run_dir=str(run_dir.resolve()))
         except (ConfigError, KeyboardInterrupt) as e:  # a new run that cannot start (or Ctrl-C) leaves nothing
-            log.close()
+            run.log.close()
             if ckpt is None:
                 shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(e, KeyboardInterrupt):
                 raise Interrupted(run_dir, None if ckpt is None else ckpt.step, removed=ckpt is None) from None
             raise
-    state.job = job
-    if stop.asked:  # Ctrl-C while the components started: nothing trained to keep
+    run.state.job = job
+    if run.stop.asked:  # Ctrl-C while the components started: nothing trained to keep
         job.shutdown()
-        log.close()
+        run.log.close()
         if ckpt is None:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise Interrupted(run_dir, None if ckpt is None else ckpt.step, removed=ckpt is None)
     job.restarts = restarts
     job.said = lambda text: console.print(f"[yellow]{escape(text)}[/]")
-    console.print(f"started in {time.perf_counter() - t_start:.1f} s")
-    start = 1
+    console.print(f"started in {time.perf_counter() - run.t_start:.1f} s")
     if ckpt is not None:
         try:
             job.coordinator("load_adapters", str(ckpt.adapters.resolve()), ckpt.step)
-            job.load_learner_states(read_learner_states(ckpt.adapters, policies))
+            job.load_learner_states(read_learner_states(ckpt.adapters, run.policies))
         except BaseException:
             job.shutdown()
             raise
-        start = ckpt.step + 1
         console.print(f"resumed from {ckpt.folder} (step {ckpt.step})")
-    ev = cfg.eval
-    final_n = ev.final_hands_per_stratum or ev.hands_per_stratum
-    game_eval = games.evaluation(cfg.game)
-    plain = not console.is_terminal  # a log file, nohup, CI: one plain line per step and evaluation
+    return job
 
-    def report(step: int, kind: str, m: dict[str, float]) -> str:
-        status = _status(m, policies, kind, game_eval)
-        if plain:
-            console.print(f"step {step}/{cfg.train.steps} {kind}: {status} "
-                          f"({time.perf_counter() - t_start:.0f} s)", highlight=False)
-        return status
 
+def _train(run: OpenRun, job: Job) -> _Ended:
+    """The first evaluation (a new run), then each step with its evaluations and checkpoints,
+    on a progress bar (plain lines when the console is not a terminal: a log file, nohup, CI),
+    and the final adapters; the job is shut down at the end, however it ends."""
+    cfg, ckpt = run.cfg, run.ckpt
+    start = 1 if ckpt is None else ckpt.step + 1
+    plain = not run.console.is_terminal
+    ended = _Ended()
     feed: EpisodeFeed | None = None
-    died: ComponentDied | None = None
-    now = "the first evaluation"  # what the job was doing, for the message of a component that dies
-    interrupted = False
-
-    def save_checkpoint(step: int) -> None:
-        write_checkpoint(run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
-                         lambda paths: save_learner_states(job.learner_states(), paths), first, last,
-                         updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
-                                           for p in cfg.policies})
-        state.saved = step
-
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-            console=console, redirect_stdout=True, redirect_stderr=True,
+            console=run.console, redirect_stdout=True, redirect_stderr=True,
             disable=plain,  # a log file gets the plain lines of report(), not the bars' last frame
         ) as progress:
             task = progress.add_task("eval (untrained)" if ckpt is None else "train", total=cfg.train.steps,
@@ -259,74 +236,115 @@ def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
                                 description="  episodes (train)" if train else "  episodes (eval)")
 
             feed = EpisodeFeed(on_episodes)
-            if ckpt is None:
-                first = job.supervised("evaluate", 0, True, final_n, feed.endpoint)
-                log.write(0, "eval", first)
-                report(0, "eval", first)
-                last = first
-            else:
-                first, last = ckpt.first_eval, ckpt.last_eval
-            progress.update(task, description="train", status=_status(last, policies, "eval", game_eval))
-            for step in range(start, cfg.train.steps + 1):
-                if stop.asked:  # Ctrl-C during the first evaluation: nothing trained to keep
-                    interrupted = True
-                    break
-                now = f"step {step}"
-                m = job.supervised("train_step", step, feed.endpoint)
-                m["runtime/restarts"] = float(job.restarts)
-                log.write(step, "train", m)
-                progress.update(task, advance=1, status=report(step, "train", m))
-                final = step == cfg.train.steps
-                if final or (ev.every and step % ev.every == 0):
-                    progress.update(task, description="eval")
-                    last = job.supervised("evaluate", step, final, final_n if final else ev.hands_per_stratum,
-                                           feed.endpoint)
-                    log.write(step, "eval", last)
-                    progress.update(task, description="train", status=report(step, "eval", last))
-                if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop.asked:
-                    save_checkpoint(step)
-                if stop.asked and not final:  # Ctrl-C: this step is done and saved
-                    interrupted = True
-                    break
-        if not interrupted:
-            adapters = job.coordinator("save_adapters", str((run_dir / "adapters").resolve()))
-            save_learner_states(job.learner_states(), adapters)
-            info = job.info()
+            steps = _Steps(run, job, progress, task, feed.endpoint, plain)
+            ended.interrupted = steps.run_all(start)
+        if not ended.interrupted:
+            ended.adapters = job.coordinator("save_adapters", str((run.run_dir / "adapters").resolve()))
+            save_learner_states(job.learner_states(), ended.adapters)
+            ended.info = job.info()
     except ComponentDied as e:
-        e.run_dir = str(run_dir)  # where --resume continues
-        died = e
+        e.run_dir = str(run.run_dir)  # where --resume continues
+        ended.died = e
     except KeyboardInterrupt:  # a second Ctrl-C: at once, the newest checkpoint stands
-        interrupted = True
+        ended.interrupted = True
     finally:
         if feed is not None:
             feed.close()
         job.shutdown()
-        log.close()
-    if interrupted:
-        if state.saved is None and resume is None:  # nothing to continue from: leave no half-made folder
-            shutil.rmtree(run_dir, ignore_errors=True)
-            raise Interrupted(run_dir, None, removed=True)
-        raise Interrupted(run_dir, state.saved)
-    if died is not None:
-        return _recover(cfg, console, run_dir, died, now, job.restarts, spent_s + time.perf_counter() - t_start)
-    plot_learning_curves(log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)
+        run.log.close()
+    return ended
+
+
+class _Steps:
+    """The evaluations and steps of a run, each logged to ``metrics.jsonl`` and reported on
+    the progress bar's ``task`` (and in a plain line when ``plain``)."""
+
+    def __init__(self, run: OpenRun, job: Job, progress: Progress, task: TaskID, feed: str, plain: bool) -> None:
+        self.run, self.job, self.progress, self.task, self.feed, self.plain = run, job, progress, task, feed, plain
+
+    def report(self, step: int, kind: str, m: dict[str, float]) -> str:
+        """The status line of ``m``; printed as a plain line when there are no bars."""
+        run = self.run
+        status = _status(m, run.policies, kind, run.game_eval)
+        if self.plain:
+            run.console.print(f"step {step}/{run.cfg.train.steps} {kind}: {status} "
+                              f"({time.perf_counter() - run.t_start:.0f} s)", highlight=False)
+        return status
+
+    def run_all(self, start: int) -> bool:
+        """The first evaluation (a new run), then the steps from ``start``; True when a Ctrl-C
+        stopped them (after the first evaluation, or after a step it saved)."""
+        run, ev = self.run, self.run.cfg.eval
+        if run.ckpt is None:
+            run.first = self.job.supervised("evaluate", 0, True, ev.final_hands_per_stratum or ev.hands_per_stratum,
+                                            self.feed)
+            run.log.write(0, "eval", run.first)
+            self.report(0, "eval", run.first)
+            run.last = run.first
+        else:
+            run.first, run.last = run.ckpt.first_eval, run.ckpt.last_eval
+        self.progress.update(self.task, description="train", status=_status(run.last, run.policies, "eval",
+                                                                            run.game_eval))
+        for step in range(start, run.cfg.train.steps + 1):
+            if run.stop.asked:  # Ctrl-C during the first evaluation: nothing trained to keep
+                return True
+            if self.step(step):
+                return True
+        return False
+
+    def step(self, step: int) -> bool:
+        """Train ``step``, evaluate and checkpoint it when due; True when a Ctrl-C asks to stop
+        after it (it is saved)."""
+        run, job, progress, task = self.run, self.job, self.progress, self.task
+        cfg, ev = run.cfg, run.cfg.eval
+        run.now = f"step {step}"
+        m = job.supervised("train_step", step, self.feed)
+        m["runtime/restarts"] = float(job.restarts)
+        run.log.write(step, "train", m)
+        progress.update(task, advance=1, status=self.report(step, "train", m))
+        final = step == cfg.train.steps
+        if final or (ev.every and step % ev.every == 0):
+            progress.update(task, description="eval")
+            hands = (ev.final_hands_per_stratum or ev.hands_per_stratum) if final else ev.hands_per_stratum
+            run.last = job.supervised("evaluate", step, final, hands, self.feed)
+            run.log.write(step, "eval", run.last)
+            progress.update(task, description="train", status=self.report(step, "eval", run.last))
+        if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or run.stop.asked:
+            self.save_checkpoint(step)
+        return run.stop.asked and not final  # Ctrl-C: this step is done and saved
+
+    def save_checkpoint(self, step: int) -> None:
+        run, job, cfg = self.run, self.job, self.run.cfg
+        write_checkpoint(run.run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
+                         lambda paths: save_learner_states(job.learner_states(), paths), run.first, run.last,
+                         updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
+                                           for p in cfg.policies})
+        run.state.saved = step
+
+
+def _finish(run: OpenRun, job: Job, ended: _Ended, spent_s: float) -> RunResult:
+    """A finished run's learning curves, cross-play and rating plots, its tables, and
+    ``summary.json``; its :class:`RunResult`."""
+    cfg, console, run_dir, policies, game_eval = run.cfg, run.console, run.run_dir, run.policies, run.game_eval
+    first, last, adapters = run.first, run.last, ended.adapters
+    plot_learning_curves(run.log.rows, policies, run_dir / "learning_curve.png", cfg.game, game_eval)
     plot_cross_play([("step 0", first), (f"step {cfg.train.steps}", last)], policies, run_dir / "cross_play.png",
                     game_eval)
     console.print(summary_table(first, last, policies, cfg.train.steps, game_eval))
-    history = rating_history(log.rows)
+    history = rating_history(run.log.rows)
     if history:
         plot_ratings(history, run_dir / "ratings.png")
     table = ratings_table(last, cfg.train.steps)
     if table is not None:
         console.print(table)
-    total = spent_s + time.perf_counter() - t_start  # the attempts a restore replaced included
+    total = spent_s + time.perf_counter() - run.t_start  # the attempts a restore replaced included
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters,
                                                       "wall_s": total, "restarts": job.restarts,
                                                       "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
                                                       "commit": git_commit()[0]},
                                                      indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
-    return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=log.rows, info=info)
+    return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=run.log.rows, info=ended.info)
 
 
 def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDied, now: str,

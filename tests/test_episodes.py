@@ -3,13 +3,16 @@ another seat's move, sum to each seat's total."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
+import pytest
 from conftest import run
 
 from games.kuhn_poker import DEALS
 from opentinker.rollout.episodes import play_episode
 from protocols.messages import (
     EpisodeSpec,
+    ParseOutcome,
     PolicyKind,
     PolicyRef,
     RunEpisodes,
@@ -40,3 +43,80 @@ def test_a_showdown_paid_on_the_callers_move_lands_on_the_bettors_turn(chat_tok)
     assert [t.reward for t in by_seat["player_1"].turns] == [-2.0]
     for t in trajectories:
         assert sum(turn.reward for turn in t.turns) == t.total_reward
+
+
+def test_an_exploring_learner_scripted_opponent_and_transcript(chat_tok):
+    """With ``explore`` 1 a learner's every decision is a legal move scored through ``score``
+    (its log-probs and version on the turn); a scripted seat acts in the runner and has no
+    turns; the transcript has each observation, each reply and the outcome."""
+    main = PolicyRef(kind=PolicyKind.ADAPTER, name="main")
+    rand = PolicyRef(kind=PolicyKind.SCRIPTED, name="random")
+    spec = EpisodeSpec(episode_id=3, group_id=1, game="kuhn_poker_v0", game_kwargs={"deal": DEALS.index((2, 1))},
+                       seed=9, seats={"player_0": main, "player_1": rand}, train=True)
+    msg = RunEpisodes(episodes=[spec], sampling=SamplingParams(max_tokens=4, temperature=0.7),
+                      system_prompt="You play poker.", learners={"main": "tcp://127.0.0.1:1"}, step=4, explore=1.0)
+    scored = []
+
+    async def sample(ref, prompt, params):
+        raise AssertionError("an exploring learner does not sample")
+
+    async def score(ref, tokens, temperature, tail):
+        scored.append((ref, tokens, temperature, tail))
+        return -0.25 * np.arange(1, len(tokens) + 1, dtype=np.float32), 3
+
+    summary, trajectories = run(play_episode(spec, msg, chat_tok, sample, score))
+    (traj,) = trajectories
+    assert (traj.seat, traj.policy, traj.step, traj.group_id, traj.seed) == ("player_0", "main", 4, 1, 9)
+    assert len(traj.turns) == len(scored) == summary.turns["player_0"] >= 1
+    for turn, (ref, tokens, temperature, tail) in zip(traj.turns, scored):
+        reply = list(turn.sampled_tokens)
+        assert chat_tok.decode(reply[:-1]) in ("check", "bet", "call", "fold") and reply[-1] == chat_tok.eos_id
+        assert ref == main and temperature == 0.7 and tail == len(reply) and list(tokens[-tail:]) == reply
+        np.testing.assert_array_equal(turn.sampler_logprobs, -0.25 * np.arange(len(tokens) - tail + 1,
+                                                                                len(tokens) + 1))
+        assert turn.policy.version == 3 and turn.stop_reason is StopReason.STOP
+        assert turn.parse is ParseOutcome.OK
+    assert summary.rewards["player_0"] == -summary.rewards["player_1"] == traj.total_reward != 0
+    assert summary.invalid == {"player_0": 0, "player_1": 0}
+    lines = summary.transcript
+    assert lines[0] == "player_0 [adapter:main] sees:" and lines[1].startswith("    ")
+    replies = [line for line in lines
+               if line.startswith(("player_0 [adapter:main@3]: ", "player_1 [scripted:random]: "))]
+    assert len(replies) == summary.turns["player_0"] + summary.turns["player_1"]
+    assert replies[0] == f"player_0 [adapter:main@3]: {chat_tok.decode(list(traj.turns[0].sampled_tokens)[:-1])!r}"
+    r0, r1 = summary.rewards["player_0"], summary.rewards["player_1"]
+    assert lines[-1] == f"outcome: player_0 {r0:+g}, player_1 {r1:+g}"
+
+
+def test_an_invalid_reply_is_counted_and_a_bad_episode_is_refused(chat_tok):
+    """A reply the game rejects counts as invalid (turn, summary and transcript); a seat the
+    game lacks, a seat without a policy, and exploring without ``score`` are errors."""
+    main = PolicyRef(kind=PolicyKind.ADAPTER, name="main")
+    base = PolicyRef(kind=PolicyKind.BASE)
+    spec = EpisodeSpec(episode_id=1, group_id=0, game="kuhn_poker_v0", game_kwargs={"deal": DEALS.index((2, 1))},
+                       seed=0, seats={"player_0": main, "player_1": base}, train=True)
+    msg = RunEpisodes(episodes=[spec], sampling=SamplingParams(max_tokens=4), system_prompt="You play poker.",
+                      learners={"main": "tcp://127.0.0.1:1"})
+    replies = iter(["banana"])
+
+    async def sample(ref, prompt, params):
+        toks = np.asarray([*chat_tok.encode(next(replies)), chat_tok.eos_id], np.int32)
+        return SampleResult(tokens=[toks], logprobs=[np.zeros(len(toks), np.float32)],
+                            stop_reasons=[StopReason.STOP], adapter_version=2, batch_id=0)
+
+    summary, trajectories = run(play_episode(spec, msg, chat_tok, sample))
+    (traj,) = trajectories  # the base model does not learn
+    (turn,) = traj.turns  # an invalid reply forfeits the hand
+    assert turn.parse is ParseOutcome.INVALID and turn.reward == -1.0 and turn.policy.version == 2
+    assert summary.rewards == {"player_0": -1.0, "player_1": 1.0} and summary.invalid == {"player_0": 1, "player_1": 0}
+    assert summary.transcript[-2:] == ["player_0 [adapter:main@2]: 'banana'  (invalid)",
+                                       "outcome: player_0 -1 (1 invalid), player_1 +1"]
+
+    for seats, why in (({"player_0": main, "player_9": base}, "has no seat 'player_9'"),
+                       ({"player_1": base}, "no policy for seat 'player_0'")):
+        bad = msgspec.structs.replace(spec, seats=seats)
+        with pytest.raises(ValueError, match=why):
+            run(play_episode(bad, msg, chat_tok, sample))
+    exploring = msgspec.structs.replace(msg, explore=0.5)
+    with pytest.raises(ValueError, match="needs a score function"):
+        run(play_episode(spec, exploring, chat_tok, sample))

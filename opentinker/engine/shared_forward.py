@@ -165,6 +165,23 @@ def selected_hidden(
     families it does not run. ``share=False`` runs every row in full.
     """
     taken = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
+    useqs, upos, row_index = _distinct_rows(seqs, taken, share)
+    if len(useqs) == 0 or sum(len(p) for p in upos) == 0:
+        return Hidden(torch.zeros((0, 0), device=device), torch.zeros(0, dtype=torch.long, device=device),
+                      row_index, taken)
+    shared = _shared_levels(body, useqs, upos, pad_id, device, share)
+    h3 = _tails(body, useqs, shared, pad_id, device)
+    h_N, targets = _gather_hidden(useqs, upos, shared, h3, device)
+    return Hidden(h_N, targets, row_index, taken)
+
+
+def _distinct_rows(
+    seqs: Sequence[np.ndarray], taken: Sequence[np.ndarray], share: bool
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The distinct rows (a sequence with its selected positions ``taken``; with ``share``
+    False, every row): their sequences (``int64[T]``), their selected positions, and per input
+    row, ``int64[n_i]``, the entries of the distinct rows' selected positions, flat in (row,
+    position) order, that are its own."""
     as64 = [np.asarray(s, dtype=np.int64) for s in seqs]
     if share:
         reps, inverse = _unique([s.tobytes() + b"|" + p.tobytes() for s, p in zip(as64, taken)])
@@ -172,14 +189,46 @@ def selected_hidden(
         reps, inverse = list(range(len(seqs))), list(range(len(seqs)))
     useqs = [as64[i] for i in reps]
     upos = [taken[i] for i in reps]
-    U = len(useqs)
     starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])]).astype(np.int64)
     row_index = [np.arange(starts[u], starts[u + 1], dtype=np.int64) for u in inverse]
-    if U == 0 or starts[-1] == 0:
-        return Hidden(torch.zeros((0, 0), device=device), torch.zeros(0, dtype=torch.long, device=device),
-                      row_index, taken)
+    return useqs, upos, row_index
 
-    # Level 1: the common prefix; level 2: contexts up to the token before the first loss token.
+
+class _Shared(NamedTuple):
+    """The shared levels of the tree, run: what every distinct row's tail continues from."""
+
+    P: int
+    """Length of the prefix common to all rows (0: none run)."""
+    split: list[int]
+    """Per distinct row, where its tail starts (its context is ``[P, split)``)."""
+    cinv: list[int]
+    """Per distinct row, its context's index."""
+    att_C_T: torch.Tensor
+    """``int64[C, P + Lc]``: each context's attention mask over the prefix and the context."""
+    cache: Any
+    """The KV cache of the ``C`` contexts (``None`` when nothing was run)."""
+    h1_P_H: torch.Tensor | None
+    """``float[P, H]``: the prefix's hidden states (``None`` without a prefix)."""
+
+
+def _padded(rows: Sequence[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` right-padded with ``pad_id`` to the longest: ``int64[B, L]`` ids and their
+    ``int64[B, L]`` mask (1 on real tokens)."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    m = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(r)
+        m[i, : len(r)] = 1
+    return ids, m
+
+
+def _shared_levels(body: HiddenFn, useqs: Sequence[np.ndarray], upos: Sequence[np.ndarray], pad_id: int,
+                   device: torch.device, share: bool) -> _Shared:
+    """Level 1, the common prefix, once; level 2, each distinct context (up to the token before
+    its first selected position), once, from a copy of the prefix's cache. ``useqs``: the
+    distinct rows' ``int64[T]`` sequences; ``upos``: their selected positions."""
+    U = len(useqs)
     # The prefix stops one token short of the shortest sequence: a sequence that is a prefix
     # of all the others must keep a non-empty tail of its own.
     P = min(_lcp(useqs), min(len(s) for s in useqs) - 1) if share and U > 1 else 0
@@ -200,39 +249,46 @@ def selected_hidden(
     Lc = max(len(c) for c in ctx)
     att_C = torch.ones((C, P), dtype=torch.long)
     if Lc > 0:
-        ids = torch.full((C, Lc), pad_id, dtype=torch.long)
-        m = torch.zeros((C, Lc), dtype=torch.long)
-        for i, c in enumerate(ctx):
-            ids[i, : len(c)] = torch.as_tensor(c)
-            m[i, : len(c)] = 1
+        ids, m = _padded(ctx, pad_id)
         att_C = torch.cat([att_C, m], 1)
         pos = (P + torch.arange(Lc))[None].expand(C, Lc)
         _, cache = body(ids.to(device), att_C.to(device), pos.to(device), cache, use_cache=True)
-    # Level 3: every distinct sequence's tail, in buckets of similar length so that short
-    # tails are not padded to the longest (a two-turn sequence's tail holds a whole turn).
-    tails = [s[c:] for s, c in zip(useqs, split)]
-    h3: list[torch.Tensor | None] = [None] * U
+    return _Shared(P, split, cinv, att_C, cache, h1)
+
+
+def _tails(body: HiddenFn, useqs: Sequence[np.ndarray], shared: _Shared, pad_id: int,
+           device: torch.device) -> list[torch.Tensor]:
+    """Level 3: every distinct row's tail (``float[T - split, H]`` each), from its context's
+    cache, in buckets of similar length so that short tails are not padded to the longest (a
+    two-turn sequence's tail holds a whole turn)."""
+    tails = [s[c:] for s, c in zip(useqs, shared.split)]
+    h3: list[torch.Tensor] = [torch.empty(0)] * len(useqs)
     for bucket in _buckets([len(t) for t in tails]):
-        Lt = max(len(tails[u]) for u in bucket)
-        ids = torch.full((len(bucket), Lt), pad_id, dtype=torch.long)
-        m = torch.zeros((len(bucket), Lt), dtype=torch.long)
-        for i, u in enumerate(bucket):
-            ids[i, : len(tails[u])] = torch.as_tensor(tails[u])
-            m[i, : len(tails[u])] = 1
-        ctx_rows = torch.as_tensor([cinv[u] for u in bucket], dtype=torch.long)
-        att = torch.cat([att_C[ctx_rows], m], 1)
-        pos = torch.as_tensor([split[u] for u in bucket])[:, None] + torch.arange(Lt)[None]
+        ids, m = _padded([tails[u] for u in bucket], pad_id)
+        Lt = ids.shape[1]
+        ctx_rows = torch.as_tensor([shared.cinv[u] for u in bucket], dtype=torch.long)
+        att = torch.cat([shared.att_C_T[ctx_rows], m], 1)
+        pos = torch.as_tensor([shared.split[u] for u in bucket])[:, None] + torch.arange(Lt)[None]
         sub = None
-        if cache is not None:
+        if shared.cache is not None:
             idx = ctx_rows.to(device)
-            if isinstance(cache, DenseCache):  # the engine's own forward
-                sub = cache.index_select(idx)
+            if isinstance(shared.cache, DenseCache):  # the engine's own forward
+                sub = shared.cache.index_select(idx)
             else:
-                sub = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx)) for k, v, *_ in cache])
+                sub = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx))
+                                                   for k, v, *_ in shared.cache])
         out, _ = body(ids.to(device), att.to(device), pos.to(device), sub)
         for i, u in enumerate(bucket):
             h3[u] = out[i]
+    return h3
 
+
+def _gather_hidden(useqs: Sequence[np.ndarray], upos: Sequence[np.ndarray], shared: _Shared,
+                   h3: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden state before each selected position of each distinct row (``float[U, H]``, in
+    (row, position) order; from the prefix's states or the row's tail, ``h3``) and the tokens
+    there (``int64[U]``)."""
+    P, split = shared.P, shared.split
     rows = np.concatenate([np.full(len(p), u) for u, p in enumerate(upos)]).astype(np.int64)
     cols = np.concatenate(upos).astype(np.int64)
     targets = torch.as_tensor(np.asarray([useqs[u][c] for u, c in zip(rows, cols)], dtype=np.int64), device=device)
@@ -244,13 +300,16 @@ def selected_hidden(
     sel3 = np.nonzero(~in_prefix)[0]
     h_N = torch.stack([h3[rows[j]][before[j] - splits[j]] for j in sel3]) if len(sel3) else None
     if in_prefix.any():
+        h1 = shared.h1_P_H
+        assert h1 is not None  # a position before P
         sel1 = np.nonzero(in_prefix)[0]
         H = h1.shape[-1]
         h_all = torch.zeros((len(rows), H), dtype=h1.dtype, device=device)
         if h_N is not None:
             h_all = h_all.index_copy(0, torch.as_tensor(sel3, device=device), h_N)
         h_N = h_all.index_copy(0, torch.as_tensor(sel1, device=device), h1[torch.as_tensor(before[sel1], device=device)])
-    return Hidden(h_N, targets, row_index, taken)
+    assert h_N is not None  # some position is selected
+    return h_N, targets
 
 
 def project_logprobs(

@@ -13,8 +13,9 @@ states as the policy's log-probs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -73,6 +74,70 @@ def part_tokens(registry: AdapterRegistry, budget_bytes: int = DEFAULT_TRAIN_MEM
         dtype_bytes = 4
     room = int(budget_bytes) - head_bytes(registry.vocab_size)
     return max(1, room // activation_bytes_per_token(hidden, inter, layers, max(dtype_bytes, 4)))
+
+
+class _LossJob(NamedTuple):
+    """One loss of a ``forward_backward``: the main loss or a term."""
+
+    name: str
+    """A name in ``learners.LOSSES``."""
+    config: dict[str, float]
+    prefix: str
+    """Of its metrics' keys: ``""`` for the main loss, ``"<term>/"`` for a term."""
+    norm: float
+    """What its loss sum is divided by."""
+
+
+@dataclass
+class _LossPlan:
+    """What every part of a ``forward_backward`` computes, decided before the first."""
+
+    adapter: str
+    state: AdapterState
+    on_logp: list[_LossJob]
+    """The losses on the policy's log-probs (main loss first)."""
+    on_values: list[_LossJob]
+    """The losses on the critic's values."""
+    critic: dict[str, torch.nn.Parameter]
+    """The adapter's parameter table when a loss is on values (its value head), else empty."""
+    given: set[str]
+    """The loss inputs the datums carry."""
+    want_ref: bool
+    """Compute ``ref_logprobs`` (the base model's, adapter off)."""
+    want_entropy: bool
+    """Compute ``entropy`` (full-vocabulary) at the log-prob positions."""
+    entropy_grad: bool
+    """The entropy is a term of the loss (differentiable), not only a diagnostic."""
+    policy: bool
+    """The main loss is a policy loss (the log-prob mismatch is reported)."""
+    temperature: float
+    lm_head: Callable[[torch.Tensor], torch.Tensor]
+    """The vocabulary projection at ``temperature``."""
+
+
+@dataclass
+class _Seen:
+    """What the summary of a ``forward_backward`` needs from every part, each ``float32[N]``
+    per part: the policy's log-probs and the sampler's at the same positions, the critic's
+    values and their targets."""
+
+    logp: list[torch.Tensor] = field(default_factory=list)
+    sampler: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    targets: list[torch.Tensor] = field(default_factory=list)
+
+
+def _summary(plan: _LossPlan, acc: MetricSums, seen: _Seen) -> tuple[float, dict[str, float]]:
+    """The normalised loss (every term's, summed) and the metrics: ``acc``'s, with the log-prob
+    mismatch quantiles and the critic's ``explained_variance`` computed exactly over all parts."""
+    metrics = acc.result()
+    if plan.policy and seen.logp:
+        metrics.update(logprob_mismatch(torch.cat(seen.logp), torch.cat(seen.sampler)))
+    for job in plan.on_values:
+        if seen.values:
+            metrics[job.prefix + "explained_variance"] = explained_variance(
+                torch.cat(seen.values), torch.cat(seen.targets))
+    return sum(v for k, v in metrics.items() if k.startswith("term/")), metrics
 
 
 class Trainer:
@@ -150,6 +215,22 @@ class Trainer:
         the critic's ``explained_variance`` are exact over the whole call), each term's as
         ``<term>/<metric>``, and each term's normalised loss as ``term/<name>``.
         """
+        plan = self._plan_losses(adapter, datums, loss, loss_config, normalizer, value_normalizer)
+        acc = MetricSums()
+        seen = _Seen()
+        plan.state.pending_grad = True  # from the first part on: a call cut short leaves gradients to discard
+        limit = min(max_tokens, self.part_tokens) if max_tokens > 0 else self.part_tokens
+        for i, part in enumerate(chunks(datums, chunk, limit)):
+            if i:
+                yield  # between parts
+            self._part_backward(plan, part, acc, seen)
+        return _summary(plan, acc, seen)
+
+    def _plan_losses(self, adapter: str, datums: Sequence[Datum], loss: str, loss_config: Mapping[str, float],
+                     normalizer: float, value_normalizer: float) -> _LossPlan:
+        """Check the call (its arguments, the adapter, the datums) and decide what each part
+        computes: the losses on log-probs and on values, and the inputs computed here
+        (``ref_logprobs``, ``entropy``); ``ValueError`` naming what is wrong."""
         if not normalizer > 0:
             raise ValueError(f"ForwardBackward.normalizer must be > 0, got {normalizer}")
         if not value_normalizer >= 0:
@@ -169,76 +250,70 @@ class Trainer:
             raise ValueError(f"loss_config names the main loss {loss!r} as a term")
         state = self.registry.trainable(adapter, "forward_backward")
         norms = {LossKind.VALUE: value_normalizer or normalizer}
-        # (name, config, metric prefix, normalizer): the main loss, then each term.
-        jobs = [(loss, config, "", norms.get(spec.kind, normalizer))] + [
-            (t, {**config, "coef": c} if LOSSES[t].kind is LossKind.VALUE else {"coef": c}, f"{t}/",
-             norms.get(LOSSES[t].kind, normalizer)) for t, c in terms.items()]
-        on_values = [j for j in jobs if LOSSES[j[0]].kind is LossKind.VALUE]
-        on_logp = [j for j in jobs if LOSSES[j[0]].kind is not LossKind.VALUE]
+        # The main loss, then each term.
+        jobs = [_LossJob(loss, config, "", norms.get(spec.kind, normalizer))] + [
+            _LossJob(t, {**config, "coef": c} if LOSSES[t].kind is LossKind.VALUE else {"coef": c}, f"{t}/",
+                     norms.get(LOSSES[t].kind, normalizer)) for t, c in terms.items()]
+        on_values = [j for j in jobs if LOSSES[j.name].kind is LossKind.VALUE]
+        on_logp = [j for j in jobs if LOSSES[j.name].kind is not LossKind.VALUE]
         named = state.critic(adapter, "forward_backward with the 'value' loss") if on_values else {}
         self.check_datums(datums, ("mask", *(VALUE_INPUTS if on_values else ())))
         given = set(datums[0].loss_inputs) if datums else set()
-        needs = set().union(*(LOSSES[j[0]].needs for j in on_logp))
-        want_ref = "ref_logprobs" in needs and "ref_logprobs" not in given
+        needs = set().union(*(LOSSES[j.name].needs for j in on_logp))
         policy = spec.kind is LossKind.POLICY
-        want_entropy = bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given
-        acc = MetricSums()
-        seen: dict[str, list[torch.Tensor]] = {"logp": [], "sampler": [], "values": [], "targets": []}
-        lm_head = scaled(self.registry.lm_head, temperature)
-        state.pending_grad = True  # from the first part on: a call cut short leaves gradients to discard
-        limit = min(max_tokens, self.part_tokens) if max_tokens > 0 else self.part_tokens
-        for i, part in enumerate(chunks(datums, chunk, limit)):
-            if i:
-                yield  # between parts
-            seqs = [d.tokens for d in part]
-            masks = [np.asarray(d.loss_inputs["mask"]) if on_logp else np.zeros(len(d.tokens)) for d in part]
-            vmasks = [np.asarray(d.loss_inputs["value_mask"]) if on_values else np.zeros(len(d.tokens))
-                      for d in part]
-            ref_N = None
-            if want_ref:
-                with torch.no_grad(), self.registry.select(None):
-                    ref_N = self.inference.logp_at(seqs, masks, self.inference.share_prefix, temperature=temperature).logp_N
-            # A part over the budget is one datum (or pair) longer than it: checkpointing each layer
-            # keeps a hidden-wide tensor a token a layer instead of all, for one more forward.
-            long = computed_tokens(part) > self.part_tokens
-            with self.registry.select(adapter), grad_on(state), layer_checkpointing(long):
-                hidden = self.inference.hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
-                if len(hidden.tokens_U) == 0:
-                    continue
-                total_loss = torch.zeros((), device=self.device)
-                outputs: list[tuple[list, torch.Tensor, dict[str, torch.Tensor]]] = []
-                if on_logp:
-                    logp_N, entropy_N = project_logprobs(lm_head, hidden, hidden.at(masks), want_entropy,
-                                                         "entropy" in terms)
-                    inputs = gather(part, masks, given - {"mask", *VALUE_INPUTS}, self.device)
-                    if ref_N is not None:
-                        inputs["ref_logprobs"] = ref_N
-                    if entropy_N is not None:
-                        inputs["entropy"] = entropy_N
-                    outputs.append((on_logp, logp_N, inputs))
-                    if policy:
-                        seen["logp"].append(logp_N.detach())
-                        seen["sampler"].append(inputs["sampler_logprobs"])
-                if on_values:
-                    values_N = value_head.apply(named, hidden.h_U_H[hidden.at(vmasks)])
-                    vinputs = gather(part, vmasks, ("value_targets", "old_values"), self.device)
-                    outputs.append((on_values, values_N, vinputs))
-                    seen["values"].append(values_N.detach())
-                    seen["targets"].append(vinputs["value_targets"])
-                for todo, first_N, inputs in outputs:
-                    for name, cfg, prefix, norm in todo:
-                        out = compute_loss(name, first_N, inputs, cfg)
-                        total_loss = total_loss + out.loss_sum / norm
-                        acc.add(prefix, out.metrics, term=(name, out.loss_sum, norm))
-                total_loss.backward()
-        metrics = acc.result()
-        if policy and seen["logp"]:
-            metrics.update(logprob_mismatch(torch.cat(seen["logp"]), torch.cat(seen["sampler"])))
-        for _, _, prefix, _ in on_values:
-            if seen["values"]:
-                metrics[prefix + "explained_variance"] = explained_variance(
-                    torch.cat(seen["values"]), torch.cat(seen["targets"]))
-        return sum(v for k, v in metrics.items() if k.startswith("term/")), metrics
+        return _LossPlan(
+            adapter=adapter, state=state, on_logp=on_logp, on_values=on_values, critic=named, given=given,
+            want_ref="ref_logprobs" in needs and "ref_logprobs" not in given,
+            want_entropy=bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given,
+            entropy_grad="entropy" in terms, policy=policy, temperature=temperature,
+            lm_head=scaled(self.registry.lm_head, temperature))
+
+    def _part_backward(self, plan: _LossPlan, part: Sequence[Datum], acc: MetricSums, seen: _Seen) -> None:
+        """One part's forward (the reference's log-probs first when wanted, then one pass of the
+        body with the adapter on) and the backward of its losses; folds its metrics into
+        ``acc`` and what the summary needs into ``seen``."""
+        seqs = [d.tokens for d in part]
+        masks = [np.asarray(d.loss_inputs["mask"]) if plan.on_logp else np.zeros(len(d.tokens)) for d in part]
+        vmasks = [np.asarray(d.loss_inputs["value_mask"]) if plan.on_values else np.zeros(len(d.tokens))
+                  for d in part]
+        ref_N = None
+        if plan.want_ref:
+            with torch.no_grad(), self.registry.select(None):
+                ref_N = self.inference.logp_at(seqs, masks, self.inference.share_prefix,
+                                               temperature=plan.temperature).logp_N
+        # A part over the budget is one datum (or pair) longer than it: checkpointing each layer
+        # keeps a hidden-wide tensor a token a layer instead of all, for one more forward.
+        long = computed_tokens(part) > self.part_tokens
+        with self.registry.select(plan.adapter), grad_on(plan.state), layer_checkpointing(long):
+            hidden = self.inference.hidden_at(seqs, [(m != 0) | (v != 0) for m, v in zip(masks, vmasks)])
+            if len(hidden.tokens_U) == 0:
+                return
+            total_loss = torch.zeros((), device=self.device)
+            outputs: list[tuple[list[_LossJob], torch.Tensor, dict[str, torch.Tensor]]] = []
+            if plan.on_logp:
+                logp_N, entropy_N = project_logprobs(plan.lm_head, hidden, hidden.at(masks), plan.want_entropy,
+                                                     plan.entropy_grad)
+                inputs = gather(part, masks, plan.given - {"mask", *VALUE_INPUTS}, self.device)
+                if ref_N is not None:
+                    inputs["ref_logprobs"] = ref_N
+                if entropy_N is not None:
+                    inputs["entropy"] = entropy_N
+                outputs.append((plan.on_logp, logp_N, inputs))
+                if plan.policy:
+                    seen.logp.append(logp_N.detach())
+                    seen.sampler.append(inputs["sampler_logprobs"])
+            if plan.on_values:
+                values_N = value_head.apply(plan.critic, hidden.h_U_H[hidden.at(vmasks)])
+                vinputs = gather(part, vmasks, ("value_targets", "old_values"), self.device)
+                outputs.append((plan.on_values, values_N, vinputs))
+                seen.values.append(values_N.detach())
+                seen.targets.append(vinputs["value_targets"])
+            for todo, first_N, inputs in outputs:
+                for name, cfg, prefix, norm in todo:
+                    out = compute_loss(name, first_N, inputs, cfg)
+                    total_loss = total_loss + out.loss_sum / norm
+                    acc.add(prefix, out.metrics, term=(name, out.loss_sum, norm))
+            total_loss.backward()
 
     def discard_gradients(self, adapter: str) -> int:
         """Zero the gradients accumulated since the last :meth:`optim_step` (a dead learner's);

@@ -10,14 +10,15 @@ tokens, and every sample is seeded from the episode (seed, id, seat, turn).
 from __future__ import annotations
 
 import functools
-from typing import Any, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, NamedTuple
 
 import msgspec
 import numpy as np
 
 import games
 from games.scripted import SCRIPTED, TABLE
-from games.tool_use import find_tool_use
+from games.tool_use import ToolUse, find_tool_use
 from opentinker.config import JobConfig, opponent_pool
 from opentinker.rollout.matchmaking import WinRates, draw_opponent
 from opentinker.rollout.render import ChatTokenizer, SeatRenderer
@@ -184,6 +185,43 @@ def _cut(text: str) -> str:
     return text if len(text) <= TRANSCRIPT_OBS_CHARS else text[:TRANSCRIPT_OBS_CHARS] + f" ... [{len(text)} characters]"
 
 
+@dataclass
+class _Play:
+    """One episode in play: its game, each LLM seat's renderer, and the bookkeeping of its
+    decisions (per seat)."""
+
+    spec: EpisodeSpec
+    msg: RunEpisodes
+    tok: ChatTokenizer
+    env: Any
+    agents: list[str]
+    scripted: dict[str, games.ScriptedPolicy]
+    rng: np.random.Generator
+    """The scripted seats' draws."""
+    explore_rng: np.random.Generator
+    """Whether a learner's seat explores, and its move when it does."""
+    tool_use: ToolUse | None
+    renderers: dict[str, SeatRenderer]
+    turns: dict[str, list[Turn]]
+    totals: dict[str, float]
+    invalid: dict[str, int]
+    decisions: dict[str, int]
+    transcript: list[str] = field(default_factory=list)
+
+    def counts(self, agent: str) -> tuple[int, tuple[int, int]]:
+        """``agent``'s invalid replies and (tool calls, invalid tool calls) so far."""
+        calls = (self.tool_use.tool_calls[agent], self.tool_use.invalid_tool_calls[agent]) if self.tool_use else (0, 0)
+        return invalid_count(self.env, agent), calls
+
+
+class _Reply(NamedTuple):
+    """An LLM seat's decision: the observation's tokens (``int32[O]``), the sample, its text."""
+
+    obs_tokens: np.ndarray
+    result: SampleResult
+    text: str
+
+
 async def play_episode(
     spec: EpisodeSpec,
     msg: RunEpisodes,
@@ -198,6 +236,36 @@ async def play_episode(
     Returns the episode's summary and, for a training episode, the trajectory of every seat
     played by a trainable policy named in ``msg.learners``.
     """
+    play = _start_episode(spec, msg, tok, score)
+    env = play.env
+    for agent in env.agent_iter(max_iter=MAX_AGENT_STEPS):
+        obs, _, term, trunc, info = env.last()
+        if term or trunc:
+            env.step(None)
+            continue
+        ref = spec.seats.get(agent)
+        if ref is None:
+            raise ValueError(f"episode {spec.episode_id}: no policy for seat {agent!r}")
+        play.decisions[agent] += 1
+        before = play.counts(agent)
+        reply = None
+        if agent in play.scripted:
+            text = play.scripted[agent].act(obs["text"], info, play.rng)
+        else:
+            reply = await _llm_reply(play, agent, ref, obs["text"], info, sample, score)
+            text = reply.text
+        env.step(text)
+        _record(play, agent, ref, before, text, reply)
+    else:
+        if env.agents:
+            raise RuntimeError(f"episode {spec.episode_id} did not end in {MAX_AGENT_STEPS} agent-steps")
+    env.close()
+    return _finish_episode(play)
+
+
+def _start_episode(spec: EpisodeSpec, msg: RunEpisodes, tok: ChatTokenizer, score: ScoreFn | None) -> _Play:
+    """Check the episode (``ValueError``: exploring without ``score``, a seat the game lacks),
+    make its game at the start its seed gives, and a renderer for each LLM seat."""
     if msg.explore and spec.train and score is None:
         raise ValueError("exploring (RunEpisodes.explore > 0) needs a score function for the replies")
     explore_rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 11])
@@ -212,87 +280,95 @@ async def play_episode(
     tool_use = find_tool_use(env)
     renderers = {a: SeatRenderer(tok, msg.system_prompt, tool_use.schemas(a) if tool_use else ())
                  for a in agents if a not in scripted}
-    turns: dict[str, list[Turn]] = {a: [] for a in agents}
-    totals = {a: 0.0 for a in agents}
-    invalid = {a: 0 for a in agents}
-    decisions = {a: 0 for a in agents}
-    transcript: list[str] = []
-    for agent in env.agent_iter(max_iter=MAX_AGENT_STEPS):
-        obs, _, term, trunc, info = env.last()
-        if term or trunc:
-            env.step(None)
-            continue
-        ref = spec.seats.get(agent)
-        if ref is None:
-            raise ValueError(f"episode {spec.episode_id}: no policy for seat {agent!r}")
-        decisions[agent] += 1
-        invalid_before = invalid_count(env, agent)
-        calls_before = (tool_use.tool_calls[agent], tool_use.invalid_tool_calls[agent]) if tool_use else (0, 0)
-        if agent in scripted:
-            text = scripted[agent].act(obs["text"], info, rng)
-            env.step(text)
-        else:
-            r = renderers[agent]
-            # A tool's result is a ``tool`` message of the template (mask 0 like any observation).
-            tool_result = info.get("tool_result") is not None
-            obs_tokens = r.observe(obs["text"], "tool" if tool_result else "user")
-            transcript.append(f"{agent} [{ref.label()}] {'gets the tool result' if tool_result else 'sees'}:")
-            transcript.extend("    " + line for line in _cut(obs["text"]).splitlines())
-            seed = sample_seed(spec.seed, spec.episode_id, agents.index(agent), len(turns[agent]))
-            params = msgspec.structs.replace(
-                msg.sampling, seed=seed, stop_token_ids=msg.sampling.stop_token_ids or (tok.eos_id,)
-            )
-            legal = list(info.get("legal_moves") or [])
-            if (score is not None and msg.explore and spec.train and ref.kind is PolicyKind.ADAPTER
-                    and ref.name in msg.learners and legal and explore_rng.random() < msg.explore):
-                move = str(legal[int(explore_rng.integers(len(legal)))])
-                reply = np.asarray(tok.encode(move)[: msg.sampling.max_tokens - 1] + [tok.eos_id], dtype=np.int32)
-                prompt = r.prompt()
-                logprobs, version = await score(ref, np.concatenate([prompt, reply]), msg.sampling.temperature, len(reply))
-                result = SampleResult(tokens=[reply], logprobs=[np.asarray(logprobs[-len(reply):], np.float32)],
-                                      stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
-            else:
-                result = await sample(ref, r.prompt(), params)
-            sampled, stop = result.tokens[0], result.stop_reasons[0]
-            r.add_reply(sampled, stop is StopReason.STOP)
-            text = tok.decode(sampled)
-            env.step(text)
-        bad = invalid_count(env, agent) > invalid_before
-        invalid[agent] += int(bad)
-        calls = (tool_use.tool_calls[agent], tool_use.invalid_tool_calls[agent]) if tool_use else (0, 0)
-        parse = (ParseOutcome.INVALID if bad else ParseOutcome.OK) if calls == calls_before else (
-            ParseOutcome.INVALID_TOOL_CALL if calls[1] > calls_before[1] else ParseOutcome.TOOL_CALL)
-        if agent not in scripted:
-            turns[agent].append(
-                Turn(
-                    obs_tokens=obs_tokens,
-                    sampled_tokens=np.asarray(sampled, dtype=np.int32),
-                    sampler_logprobs=np.asarray(result.logprobs[0], dtype=np.float32),
-                    policy=msgspec.structs.replace(ref, version=result.adapter_version),
-                    stop_reason=stop,
-                    parse=parse,
-                    reward=float(env.rewards.get(agent, 0.0)),
-                )
-            )
-        for a, rew in env.rewards.items():
-            totals[a] += float(rew)
-            if a != agent and rew and turns[a] and a not in scripted:
-                # A reward that arrives on another seat's move (a showdown, a rejected
-                # proposal) belongs to this seat's latest decision.
-                last = turns[a][-1]
-                turns[a][-1] = msgspec.structs.replace(last, reward=last.reward + float(rew))
-        who = ref if agent in scripted else msgspec.structs.replace(ref, version=result.adapter_version)
-        transcript.append(f"{agent} [{who.label()}]: {text!r}" + ("  (invalid)" if bad else ""))
+    return _Play(spec=spec, msg=msg, tok=tok, env=env, agents=agents, scripted=scripted, rng=rng,
+                 explore_rng=explore_rng, tool_use=tool_use, renderers=renderers,
+                 turns={a: [] for a in agents}, totals={a: 0.0 for a in agents},
+                 invalid={a: 0 for a in agents}, decisions={a: 0 for a in agents})
+
+
+async def _llm_reply(play: _Play, agent: str, ref: PolicyRef, obs_text: str, info: dict[str, Any],
+                     sample: SampleFn, score: ScoreFn | None) -> _Reply:
+    """An LLM seat's decision: its renderer takes the observation (a ``tool`` message for a
+    tool's result), then the reply is sampled, or, for an exploring learner, a legal move."""
+    spec, msg, tok = play.spec, play.msg, play.tok
+    r = play.renderers[agent]
+    # A tool's result is a ``tool`` message of the template (mask 0 like any observation).
+    tool_result = info.get("tool_result") is not None
+    obs_tokens = r.observe(obs_text, "tool" if tool_result else "user")
+    play.transcript.append(f"{agent} [{ref.label()}] {'gets the tool result' if tool_result else 'sees'}:")
+    play.transcript.extend("    " + line for line in _cut(obs_text).splitlines())
+    seed = sample_seed(spec.seed, spec.episode_id, play.agents.index(agent), len(play.turns[agent]))
+    params = msgspec.structs.replace(
+        msg.sampling, seed=seed, stop_token_ids=msg.sampling.stop_token_ids or (tok.eos_id,)
+    )
+    legal = list(info.get("legal_moves") or [])
+    if (score is not None and msg.explore and spec.train and ref.kind is PolicyKind.ADAPTER
+            and ref.name in msg.learners and legal and play.explore_rng.random() < msg.explore):
+        result = await _explore(play, ref, r.prompt(), legal, score)
     else:
-        if env.agents:
-            raise RuntimeError(f"episode {spec.episode_id} did not end in {MAX_AGENT_STEPS} agent-steps")
-    env.close()
-    transcript.append("outcome: " + ", ".join(f"{a} {totals[a]:+g}" + (f" ({invalid[a]} invalid)" if invalid[a] else "")
-                                              for a in agents))
+        result = await sample(ref, r.prompt(), params)
+    sampled, stop = result.tokens[0], result.stop_reasons[0]
+    r.add_reply(sampled, stop is StopReason.STOP)
+    return _Reply(obs_tokens, result, tok.decode(sampled))
+
+
+async def _explore(play: _Play, ref: PolicyRef, prompt: np.ndarray, legal: list[Any], score: ScoreFn) -> SampleResult:
+    """A legal move drawn uniformly as the reply to ``prompt`` (``int32[T]``), ended by eos,
+    with the policy's log-probs of it (``score``)."""
+    tok, sampling = play.tok, play.msg.sampling
+    move = str(legal[int(play.explore_rng.integers(len(legal)))])
+    reply = np.asarray(tok.encode(move)[: sampling.max_tokens - 1] + [tok.eos_id], dtype=np.int32)
+    logprobs, version = await score(ref, np.concatenate([prompt, reply]), sampling.temperature, len(reply))
+    return SampleResult(tokens=[reply], logprobs=[np.asarray(logprobs[-len(reply):], np.float32)],
+                        stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
+
+
+def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[int, int]], text: str,
+            reply: _Reply | None) -> None:
+    """After ``agent``'s move ``text`` (``reply``: an LLM seat's, else None): whether the game
+    took it (``before``: :meth:`_Play.counts` before it), its turn, the rewards it paid (one
+    paid to another seat goes to that seat's latest turn), its transcript line."""
+    env = play.env
+    invalid_before, calls_before = before
+    bad = invalid_count(env, agent) > invalid_before
+    play.invalid[agent] += int(bad)
+    calls = play.counts(agent)[1]
+    parse = (ParseOutcome.INVALID if bad else ParseOutcome.OK) if calls == calls_before else (
+        ParseOutcome.INVALID_TOOL_CALL if calls[1] > calls_before[1] else ParseOutcome.TOOL_CALL)
+    if reply is not None:
+        result = reply.result
+        play.turns[agent].append(
+            Turn(
+                obs_tokens=reply.obs_tokens,
+                sampled_tokens=np.asarray(result.tokens[0], dtype=np.int32),
+                sampler_logprobs=np.asarray(result.logprobs[0], dtype=np.float32),
+                policy=msgspec.structs.replace(ref, version=result.adapter_version),
+                stop_reason=result.stop_reasons[0],
+                parse=parse,
+                reward=float(env.rewards.get(agent, 0.0)),
+            )
+        )
+    for a, rew in env.rewards.items():
+        play.totals[a] += float(rew)
+        if a != agent and rew and play.turns[a] and a not in play.scripted:
+            # A reward that arrives on another seat's move (a showdown, a rejected
+            # proposal) belongs to this seat's latest decision.
+            last = play.turns[a][-1]
+            play.turns[a][-1] = msgspec.structs.replace(last, reward=last.reward + float(rew))
+    who = ref if reply is None else msgspec.structs.replace(ref, version=reply.result.adapter_version)
+    play.transcript.append(f"{agent} [{who.label()}]: {text!r}" + ("  (invalid)" if bad else ""))
+
+
+def _finish_episode(play: _Play) -> tuple[EpisodeSummary, list[Trajectory]]:
+    """The episode's summary (its transcript ending with the outcome) and, for a training
+    episode, the trajectories of the learners' seats."""
+    spec, msg, totals, invalid, tool_use = play.spec, play.msg, play.totals, play.invalid, play.tool_use
+    outcome = ", ".join(f"{a} {totals[a]:+g}" + (f" ({invalid[a]} invalid)" if invalid[a] else "") for a in play.agents)
+    play.transcript.append("outcome: " + outcome)
     trajectories = []
     if spec.train:
         for agent, ref in spec.seats.items():
-            if ref.kind is PolicyKind.ADAPTER and ref.name in msg.learners and turns[agent]:
+            if ref.kind is PolicyKind.ADAPTER and ref.name in msg.learners and play.turns[agent]:
                 trajectories.append(
                     Trajectory(
                         episode_id=spec.episode_id,
@@ -300,14 +376,14 @@ async def play_episode(
                         seat=agent,
                         seed=spec.seed,
                         policy=ref.name,
-                        turns=turns[agent],
+                        turns=play.turns[agent],
                         total_reward=totals[agent],
                         step=msg.step,
                     )
                 )
     summary = EpisodeSummary(
         episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed,
-        rewards=totals, invalid=invalid, turns=decisions, transcript=transcript,
+        rewards=totals, invalid=invalid, turns=play.decisions, transcript=play.transcript,
         tool_calls=dict(tool_use.tool_calls) if tool_use else {},
         invalid_tool_calls=dict(tool_use.invalid_tool_calls) if tool_use else {},
     )

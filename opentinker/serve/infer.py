@@ -31,9 +31,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from opentinker.bus.sync import SyncClient
+    from opentinker.config import JobConfig
+    from opentinker.control.runtime import Job
+    from opentinker.control.sources import Source
+    from opentinker.rollout.render import ChatTokenizer
+    from protocols.messages import SamplingParams
 
 MAX_LINES = 1_000_000
 MAX_TOKENS = 4096
@@ -107,29 +115,48 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Run what ``args`` describe (see the module docstring); returns the summary: rows,
     tokens drawn, wall time, tokens per second and the machine. ``progress(done, total)``
     after each batch."""
-    import msgspec
-
-    from opentinker.bus.common import RemoteError
     from opentinker.bus.sync import SyncClient
-    from opentinker.control.runtime import Job
-    from opentinker.engine.model_specs import resolve_model
-    from opentinker.control.sources import (
-        CliError,
-        base_model,
-        read_source,
-        stage_adapters,
-    )
     from opentinker.machine import machine
-    from opentinker.serve.detokenize import ChoiceText, finish_choices, reply_params
+    from opentinker.rollout.render import ChatTokenizer
+    from opentinker.serve.detokenize import reply_params
     from opentinker.serve.queue import read_model_config
-    from protocols.messages import (
-        AdapterInfo,
-        LoadAdapter,
-        SampleRequest,
-        SampleResult,
-    )
 
     t0 = time.perf_counter()
+    out = _check_args(args)
+    source, model, model_path = _model_of(args)
+    tok = ChatTokenizer(model_path)
+    context = int(read_model_config(model_path).get("max_position_embeddings") or 2048)
+    if args.max_tokens >= context:
+        raise InferError(f"--max-tokens {args.max_tokens}: the model's context is {context} tokens, prompt included")
+    prompts = read_prompts(args.prompts, tok, context - args.max_tokens)
+    params = reply_params(args.temperature, args.top_p, 0, args.max_tokens, tok.eos_id, args.seed)
+    with tempfile.TemporaryDirectory(prefix="opentinker-infer-") as tmp:
+        cfg, job = _start_job(args, model, model_path, tmp)
+        partial = None
+        try:
+            with SyncClient(job.scheduler_endpoint, "infer", credentials=job.scheduler_credentials) as client:
+                name = None if source is None else _load_adapter(client, args.adapter, source, Path(tmp))
+                fd, partial_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+                partial = Path(partial_name)
+                with os.fdopen(fd, "w") as f:
+                    drawn = _write_replies(client, f, _Batches(args, tok, prompts, params, name), progress)
+            try:
+                os.link(partial, out)  # never replaces a file (one made since the check above)
+            except FileExistsError:
+                raise InferError(f"--out {out}: already exists (nothing is replaced)") from None
+        finally:
+            if partial is not None:
+                partial.unlink(missing_ok=True)
+            job.shutdown()
+    wall = time.perf_counter() - t0
+    return {"prompts": args.prompts, "out": str(out), "rows": len(prompts), "tokens_drawn": drawn,
+            "model": model, "adapter": args.adapter or "", "wall_s": wall, "tokens_per_s": drawn / max(wall, 1e-9),
+            "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)}
+
+
+def _check_args(args: argparse.Namespace) -> Path:
+    """``--out`` (new, in a folder that exists) and the sampling options, checked before
+    anything is read; :class:`InferError` naming the first that is wrong."""
     out = Path(args.out)
     if out.exists():
         raise InferError(f"--out {out}: already exists (nothing is replaced)")
@@ -141,6 +168,15 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         raise InferError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
     if not 1 <= args.batch <= 1024 or not 0 <= args.seed < 2**31:
         raise InferError(f"--batch between 1 and 1024 and --seed in [0, 2**31), got {args.batch}, {args.seed}")
+    return out
+
+
+def _model_of(args: argparse.Namespace) -> tuple[Source | None, str, str]:
+    """The adapter ``--adapter`` names (None: the bare base model; a run must have one policy),
+    the base model's name (``--model``, else the adapter's) and its folder."""
+    from opentinker.control.sources import CliError, base_model, read_source
+    from opentinker.engine.model_specs import resolve_model
+
     source = None
     if args.adapter:
         try:
@@ -155,80 +191,95 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         model_path = resolve_model(model)
     except (OSError, ValueError) as e:
         raise InferError(f"model {model}: {e}") from None
-    from opentinker.rollout.render import ChatTokenizer
+    return source, model, model_path
 
-    tok = ChatTokenizer(model_path)
-    context = int(read_model_config(model_path).get("max_position_embeddings") or 2048)
-    if args.max_tokens >= context:
-        raise InferError(f"--max-tokens {args.max_tokens}: the model's context is {context} tokens, prompt included")
-    prompts = read_prompts(args.prompts, tok, context - args.max_tokens)
-    params = reply_params(args.temperature, args.top_p, 0, args.max_tokens, tok.eos_id, args.seed)
-    with tempfile.TemporaryDirectory(prefix="opentinker-infer-") as tmp:
-        from opentinker.config import ConfigError, config_from_dict
-        from opentinker.control.config_checks import check_config
 
-        model_table = {"base": model, **({"threads": args.threads} if args.threads else {}),
-                       **({"device": args.device} if args.device else {})}
+def _start_job(args: argparse.Namespace, model: str, model_path: str, tmp: str) -> tuple[JobConfig, Job]:
+    """A job of a scheduler alone (in this process, or on ``--scheduler``'s) with its run
+    folder in ``tmp``; :class:`InferError` for bad ``--threads``/``--device``/``--scheduler``
+    or a shared scheduler that refuses it."""
+    from opentinker.config import ConfigError, config_from_dict
+    from opentinker.control.config_checks import check_config
+    from opentinker.control.runtime import Job
+
+    model_table = {"base": model, **({"threads": args.threads} if args.threads else {}),
+                   **({"device": args.device} if args.device else {})}
+    try:
+        cfg = config_from_dict({"name": "infer", "out_dir": tmp, "sampling": {"max_tokens": args.max_tokens},
+                               "model": model_table, "runtime": {"backend": "local", "scheduler": args.scheduler}})
+        check_config(cfg)
+    except ConfigError as e:  # --threads, --device, --scheduler
+        raise InferError(str(e)) from None
+    try:
+        job = Job(cfg, model_path, run_dir=tmp, scheduler_only=True)
+    except ConfigError as e:  # a shared scheduler that refuses the job
+        raise InferError(str(e)) from None
+    return cfg, job
+
+
+def _load_adapter(client: SyncClient, adapter: str, source: Source, tmp: Path) -> str:
+    """Load the adapter of ``source`` (copied into the job's folder ``tmp``, less its
+    optimizer state) on the scheduler, frozen; its name there."""
+    from opentinker.bus.common import RemoteError
+    from opentinker.control.sources import stage_adapters
+    from protocols.messages import AdapterInfo, LoadAdapter
+
+    ((label, path),) = stage_adapters(source.adapters, tmp, skip=("learner_state.json",
+                                                                  "optimizer.safetensors")).items()
+    try:
+        info = client.request(LoadAdapter(path=path, name=label, trainable=False), 600)
+    except RemoteError as e:  # e.g. an adapter of another base model
+        raise InferError(f"--adapter {adapter}: {e.error.message}") from None
+    assert isinstance(info, AdapterInfo)
+    return label
+
+
+@dataclass(frozen=True)
+class _Batches:
+    """What each batch of prompts is sampled with."""
+
+    args: argparse.Namespace
+    """``--batch``, ``--seed``, ``--max-tokens``, ``--timeout-s``."""
+    tok: ChatTokenizer
+    prompts: list[Prompt]
+    params: SamplingParams
+    """The sampling of the first line (line ``i`` draws with seed ``--seed + i``)."""
+    adapter: str | None
+    """The adapter's name on the scheduler (None: the bare base model)."""
+
+
+def _write_replies(client: SyncClient, f: TextIO, run: _Batches, progress: Any) -> int:
+    """Sample the prompts in batches of ``--batch`` and write one JSON line per prompt to ``f``
+    (flushed after each batch, then ``progress(done, total)``); the tokens drawn."""
+    import msgspec
+
+    from opentinker.bus.common import RemoteError
+    from opentinker.serve.detokenize import ChoiceText, finish_choices
+    from protocols.messages import SampleRequest, SampleResult
+
+    args, prompts, drawn = run.args, run.prompts, 0
+    for start in range(0, len(prompts), args.batch):
+        batch = prompts[start:start + args.batch]
+        req = SampleRequest(adapter=run.adapter, prompts=[p.tokens for p in batch], client="infer",
+                            params=msgspec.structs.replace(run.params, seed=args.seed + start))
         try:
-            cfg = config_from_dict({"name": "infer", "out_dir": tmp, "sampling": {"max_tokens": args.max_tokens},
-                                   "model": model_table, "runtime": {"backend": "local", "scheduler": args.scheduler}})
-            check_config(cfg)
-        except ConfigError as e:  # --threads, --device, --scheduler
-            raise InferError(str(e)) from None
-        try:
-            job = Job(cfg, model_path, run_dir=tmp, scheduler_only=True)
-        except ConfigError as e:  # a shared scheduler that refuses the job
-            raise InferError(str(e)) from None
-        partial = None
-        drawn = 0
-        try:
-            with SyncClient(job.scheduler_endpoint, "infer", credentials=job.scheduler_credentials) as client:
-                name = None
-                if source is not None:
-                    ((label, path),) = stage_adapters(source.adapters, Path(tmp), skip=("learner_state.json",
-                                                                                        "optimizer.safetensors")).items()
-                    try:
-                        info = client.request(LoadAdapter(path=path, name=label, trainable=False), 600)
-                    except RemoteError as e:  # e.g. an adapter of another base model
-                        raise InferError(f"--adapter {args.adapter}: {e.error.message}") from None
-                    assert isinstance(info, AdapterInfo)
-                    name = label
-                fd, partial_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
-                partial = Path(partial_name)
-                with os.fdopen(fd, "w") as f:
-                    for start in range(0, len(prompts), args.batch):
-                        batch = prompts[start:start + args.batch]
-                        req = SampleRequest(adapter=name, prompts=[p.tokens for p in batch], client="infer",
-                                            params=msgspec.structs.replace(params, seed=args.seed + start))
-                        try:
-                            result = client.request(req, args.timeout_s)
-                        except (RemoteError, TimeoutError) as e:
-                            raise InferError(f"prompts {start + 1} to {start + len(batch)}: the scheduler did not "
-                                             f"answer them: {e}") from None
-                        assert isinstance(result, SampleResult)
-                        rows = [ChoiceText(tok, [], args.max_tokens) for _ in batch]
-                        finish_choices(rows, result)
-                        for p, row in zip(batch, rows):
-                            drawn += row.drawn
-                            f.write(json.dumps({"id": p.id, "text": row.text, "finish_reason": row.finish,
-                                                "tokens": row.ids, "logprobs": row.logprobs,
-                                                "prompt_tokens": len(p.tokens), "model": name or "base",
-                                                "adapter_version": result.adapter_version}) + "\n")
-                        f.flush()
-                        if progress is not None:
-                            progress(start + len(batch), len(prompts))
-            try:
-                os.link(partial, out)  # never replaces a file (one made since the check above)
-            except FileExistsError:
-                raise InferError(f"--out {out}: already exists (nothing is replaced)") from None
-        finally:
-            if partial is not None:
-                partial.unlink(missing_ok=True)
-            job.shutdown()
-    wall = time.perf_counter() - t0
-    return {"prompts": args.prompts, "out": str(out), "rows": len(prompts), "tokens_drawn": drawn,
-            "model": model, "adapter": args.adapter or "", "wall_s": wall, "tokens_per_s": drawn / max(wall, 1e-9),
-            "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)}
+            result = client.request(req, args.timeout_s)
+        except (RemoteError, TimeoutError) as e:
+            raise InferError(f"prompts {start + 1} to {start + len(batch)}: the scheduler did not "
+                             f"answer them: {e}") from None
+        assert isinstance(result, SampleResult)
+        rows = [ChoiceText(run.tok, [], args.max_tokens) for _ in batch]
+        finish_choices(rows, result)
+        for p, row in zip(batch, rows):
+            drawn += row.drawn
+            f.write(json.dumps({"id": p.id, "text": row.text, "finish_reason": row.finish,
+                                "tokens": row.ids, "logprobs": row.logprobs,
+                                "prompt_tokens": len(p.tokens), "model": run.adapter or "base",
+                                "adapter_version": result.adapter_version}) + "\n")
+        f.flush()
+        if progress is not None:
+            progress(start + len(batch), len(prompts))
+    return drawn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -136,6 +136,7 @@ class _Api:
     clients, the bus client (made in the lifespan), the defaults."""
 
     def __init__(self, model_path: str, timeout_s: float, max_tokens: int, limits: Limits) -> None:
+        self.model_path = model_path
         self.tokens = TokenText(model_path)
         self.tok = self.tokens.tok
         self.timeout_s, self.max_tokens = timeout_s, max_tokens
@@ -241,7 +242,31 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
     """
     limits = limits or Limits()
     api = _Api(model_path, timeout_s, max_tokens, limits)
-    keys = [k.encode() for k in ([api_key] if api_key else []) + list(api_keys)]
+    keys = _Keys([k.encode() for k in ([api_key] if api_key else []) + list(api_keys)])
+    # FastAPI's own pages answer without the route dependencies: with a key, they are not served.
+    pages = {} if not keys.keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = fastapi.FastAPI(title="OpenTinker", lifespan=_lifespan(api, endpoint, credentials),
+                          dependencies=[fastapi.Depends(_authorize)], **pages)
+    # A client without the key is refused before a byte of its body is read.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes,
+                       allowed=lambda authorization: keys.index(authorization) is not None)
+    app.state.api_key = api_key or (api_keys[0] if api_keys else None)
+    app.state.admission = api.admission
+    app.state.api = api  # the routes' shared state (its tokenizer, pool, admission), for inspection
+    app.state.keys = keys
+    for kind in (ApiError, Refused, RemoteError, TimeoutError, ConnectionError):
+        app.add_exception_handler(kind, _on_error)
+    app.add_exception_handler(RequestValidationError, _on_bad_body)  # type: ignore[arg-type]
+    app.get("/v1/models")(list_models)
+    app.post("/v1/chat/completions", openapi_extra=_schema(ChatBody))(chat_completions)
+    app.post("/v1/completions", openapi_extra=_schema(CompletionBody))(completions)
+    return app
+
+
+def _lifespan(api: _Api, endpoint: str, credentials: Credentials | None
+              ) -> Callable[[fastapi.FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the bus client to the scheduler at ``endpoint`` made on uvicorn's
+    loop; at the end, the client, its context and the worker threads closed."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -254,90 +279,93 @@ def make_app(endpoint: str, model_path: str, *, api_key: str | None = None, time
             ctx.destroy(linger=0)
             api.pool.shutdown(wait=False, cancel_futures=True)
 
-    def key_index(authorization: str) -> int | None:
+    return lifespan
+
+
+class _Keys:
+    """The API keys a client may present (none: every client is let in)."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+
+    def index(self, authorization: str) -> int | None:
         """Which key an ``Authorization`` header carries (0 when none is needed), or None."""
-        if not keys:
+        if not self.keys:
             return 0
         scheme, _, given = authorization.partition(" ")
         # Compared with every key, so that the time taken says nothing about which one is near.
-        hits = [hmac.compare_digest(given.strip().encode(), k) for k in keys]
+        hits = [hmac.compare_digest(given.strip().encode(), k) for k in self.keys]
         return hits.index(True) if scheme.lower() == "bearer" and any(hits) else None
 
-    async def authorize(request: fastapi.Request) -> str:
-        """The client's name for admission: its key's index with several keys, else its address."""
-        index = key_index(request.headers.get("authorization", ""))
-        if index is None:
-            raise ApiError(401, NO_KEY, "authentication_error", code="invalid_api_key")
-        if len(keys) > 1:
-            return f"key {index}"
-        return request.client.host if request.client else "?"
 
-    # FastAPI's own pages answer without the route dependencies: with a key, they are not served.
-    pages = {} if not keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = fastapi.FastAPI(title="OpenTinker", lifespan=lifespan, dependencies=[fastapi.Depends(authorize)], **pages)
-    # A client without the key is refused before a byte of its body is read.
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes,
-                       allowed=lambda authorization: key_index(authorization) is not None)
-    app.state.api_key = api_key or (api_keys[0] if api_keys else None)
-    app.state.admission = api.admission
-    app.state.api = api  # the routes' shared state (its tokenizer, pool, admission), for inspection
+async def _authorize(request: fastapi.Request) -> str:
+    """Every route's dependency: the client's name for admission, its key's index with several
+    keys, else its address (401 without a key the app takes)."""
+    keys: _Keys = request.app.state.keys
+    index = keys.index(request.headers.get("authorization", ""))
+    if index is None:
+        raise ApiError(401, NO_KEY, "authentication_error", code="invalid_api_key")
+    if len(keys.keys) > 1:
+        return f"key {index}"
+    return request.client.host if request.client else "?"
 
-    async def on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
-        err = api_error(e)
-        return JSONResponse(err.body, status_code=err.status)
 
-    async def on_bad_body(_: fastapi.Request, e: RequestValidationError) -> JSONResponse:
-        err = bad_body(list(e.errors()))
-        return JSONResponse(err.body, 400)
+async def _on_error(_: fastapi.Request, e: Exception) -> JSONResponse:
+    """An error a route raised, as OpenAI's error body (:func:`api_error`)."""
+    err = api_error(e)
+    return JSONResponse(err.body, status_code=err.status)
 
-    for kind in (ApiError, Refused, RemoteError, TimeoutError, ConnectionError):
-        app.add_exception_handler(kind, on_error)
-    app.add_exception_handler(RequestValidationError, on_bad_body)  # type: ignore[arg-type]
 
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        """OpenAI's model list: ``base``, then every adapter of the scheduler."""
-        now = int(time.time())
-        names = [BASE, *(n for n in await api.adapters() if n != BASE)]
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "opentinker",
-                                            "root": model_path, "parent": None if n == BASE else BASE} for n in names]}
+async def _on_bad_body(_: fastapi.Request, e: RequestValidationError) -> JSONResponse:
+    """A body FastAPI's validation refused, as OpenAI's 400 error body."""
+    err = bad_body(list(e.errors()))
+    return JSONResponse(err.body, 400)
 
-    @app.post("/v1/chat/completions", openapi_extra=_schema(ChatBody))
-    async def chat_completions(request: fastapi.Request, client: str = fastapi.Depends(authorize)) -> Any:
-        """A chat completion (or its SSE stream) of the conversation, rendered by the chat template."""
-        body = await api.body(request, ChatBody)
-        if body.top_logprobs:
-            raise ApiError(400, "top_logprobs > 0 is not supported: only the drawn token's log-prob is known",
-                           param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        api.check_text(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
-        ids = await api.off_loop(lambda: api.tok.encode(api.tok.render(messages, add_generation_prompt=True)))
-        api.check_ids(ids)
-        return await api.serve(request, client, body, [np.asarray(ids, np.int32)],
-                               body.max_completion_tokens or body.max_tokens, bool(body.logprobs))
 
-    @app.post("/v1/completions", openapi_extra=_schema(CompletionBody))
-    async def completions(request: fastapi.Request, client: str = fastapi.Depends(authorize)) -> Any:
-        """A completion (or its SSE stream) of each prompt: text, or token ids as given."""
-        body = await api.body(request, CompletionBody)
-        if body.logprobs:
-            raise ApiError(400, "logprobs > 0 asks for alternatives, which are not computed: logprobs=0 gives the "
-                           "drawn tokens' log-probs", param="logprobs")
-        p = body.prompt
-        many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        if len(many) > MAX_ROWS:
-            raise ApiError(400, f"at most {MAX_ROWS} prompts per request", param="prompt")
-        for x in many:
-            api.check_text(len(x), "prompt") if isinstance(x, str) else api.check_ids(x)
-        ids = await api.off_loop(lambda: [api.tok.encode(x) if isinstance(x, str) else x for x in many])
-        for x in ids:
-            api.check_ids(x)
-        if not ids or not all(ids):
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return await api.serve(request, client, body, [np.asarray(x, np.int32) for x in ids], body.max_tokens,
-                               body.logprobs is not None)
+async def list_models(request: fastapi.Request) -> dict[str, Any]:
+    """OpenAI's model list: ``base``, then every adapter of the scheduler."""
+    api: _Api = request.app.state.api
+    now = int(time.time())
+    names = [BASE, *(n for n in await api.adapters() if n != BASE)]
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "opentinker",
+                                        "root": api.model_path, "parent": None if n == BASE else BASE} for n in names]}
 
-    return app
+
+async def chat_completions(request: fastapi.Request, client: str = fastapi.Depends(_authorize)) -> Any:
+    """A chat completion (or its SSE stream) of the conversation, rendered by the chat template."""
+    api: _Api = request.app.state.api
+    body = await api.body(request, ChatBody)
+    if body.top_logprobs:
+        raise ApiError(400, "top_logprobs > 0 is not supported: only the drawn token's log-prob is known",
+                       param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    api.check_text(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+    ids = await api.off_loop(lambda: api.tok.encode(api.tok.render(messages, add_generation_prompt=True)))
+    api.check_ids(ids)
+    return await api.serve(request, client, body, [np.asarray(ids, np.int32)],
+                           body.max_completion_tokens or body.max_tokens, bool(body.logprobs))
+
+
+async def completions(request: fastapi.Request, client: str = fastapi.Depends(_authorize)) -> Any:
+    """A completion (or its SSE stream) of each prompt: text, or token ids as given."""
+    api: _Api = request.app.state.api
+    body = await api.body(request, CompletionBody)
+    if body.logprobs:
+        raise ApiError(400, "logprobs > 0 asks for alternatives, which are not computed: logprobs=0 gives the "
+                       "drawn tokens' log-probs", param="logprobs")
+    p = body.prompt
+    many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if len(many) > MAX_ROWS:
+        raise ApiError(400, f"at most {MAX_ROWS} prompts per request", param="prompt")
+    for x in many:
+        api.check_text(len(x), "prompt") if isinstance(x, str) else api.check_ids(x)
+    ids = await api.off_loop(lambda: [api.tok.encode(x) if isinstance(x, str) else x for x in many])
+    for x in ids:
+        api.check_ids(x)
+    if not ids or not all(ids):
+        raise ApiError(400, "prompt is empty", param="prompt")
+    return await api.serve(request, client, body, [np.asarray(x, np.int32) for x in ids], body.max_tokens,
+                           body.logprobs is not None)
 
 
 def _schema(kind: type[BaseBody]) -> dict[str, Any]:
