@@ -59,6 +59,8 @@ class Args:
     threads: int = 0
     backend: str = ""
     """``local`` or ``ray`` for every job; default: each job's own."""
+    note: str = ""
+    """What these runs are, kept in the JSON (e.g. the machine was shared)."""
     quick: bool = False
 
 
@@ -233,8 +235,8 @@ def main() -> None:
             except RuntimeError as e:  # a failed run is reported, and the others go on
                 print(f"  [{job} seed {seed}] failed: {e}")
     rows = gather(Path(args.out))
-    out = {"provenance": script_provenance(args), "suite": list(SUITE), "verdicts": verdicts(rows),
-           "rows": rows}
+    out = {"provenance": script_provenance(args), "note": args.note, "suite": list(SUITE),
+           "verdicts": verdicts(rows), "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if rows:

@@ -471,8 +471,8 @@ def render_learning_suite(results: Path) -> str:
                          f"{row['wall_s'] / 60:.1f} min", f"{row['scheduler_peak_rss_mb']:.0f} MB"])
     p = r["provenance"]
     head = (f"{', '.join(sorted({row['model'] for row in r['rows']}))}; "
-            f"{_machine_label({**p, 'cpu_capability': p['capability']})}; the 2-core machine was shared with other "
-            "work, so times are upper bounds; units: each game's own (`opentinker games`)\n\n")
+            f"{_machine_label({**p, 'cpu_capability': p['capability']})}"
+            + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
     header = ["job", "seed", "vs random (95% CI)", "W/D/L vs random", "vs base", "vs scripted seats",
               "invalid", "gain over untrained", "wall time", "scheduler peak"]
     verdict = "\n".join(
