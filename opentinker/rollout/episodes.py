@@ -4,7 +4,10 @@ single-process baseline of ``benchmarks/pipeline_pace.py``).
 
 The game is driven through the PettingZoo AEC loop; scripted seats act inside the runner;
 each LLM seat keeps a :class:`~opentinker.rollout.render.SeatRenderer`, so a turn adds only its delta
-tokens, and every sample is seeded from the episode (seed, id, seat, turn).
+tokens, and every sample is seeded from the episode (seed, id, seat, turn). A scripted seat
+named in ``RunEpisodes.learners`` is rendered and recorded like an LLM seat (its replies'
+tokens as if sampled): the transcripts an offline SFT job learns from
+(:mod:`opentinker.training.scripted_data`).
 """
 
 from __future__ import annotations
@@ -180,6 +183,13 @@ TRANSCRIPT_OBS_CHARS = 2000
 """Longest observation a transcript shows (the rest cut with a note)."""
 
 
+def reply_tokens(tok: ChatTokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:
+    """``int32[S]``: a reply written as text, as the policy would sample it: its tokens (at most
+    ``max_tokens - 1`` of them when given) and the stop token."""
+    ids = tok.encode(text)
+    return np.asarray((ids if max_tokens is None else ids[: max_tokens - 1]) + [tok.eos_id], dtype=np.int32)
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= TRANSCRIPT_OBS_CHARS else text[:TRANSCRIPT_OBS_CHARS] + f" ... [{len(text)} characters]"
 
@@ -196,7 +206,9 @@ async def play_episode(
     drawn uniformly, scored through ``score``).
 
     Returns the episode's summary and, for a training episode, the trajectory of every seat
-    played by a trainable policy named in ``msg.learners``.
+    played by a trainable policy named in ``msg.learners``, or by a scripted policy named there
+    (its turns rendered as an LLM seat's would be, each reply's tokens :func:`reply_tokens` with
+    log-probs 0: a demonstration).
     """
     if msg.explore and spec.train and score is None:
         raise ValueError("exploring (RunEpisodes.explore > 0) needs a score function for the replies")
@@ -210,8 +222,9 @@ async def play_episode(
     scripted = {a: scripted_seat(ref) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED}
     rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
     tool_use = find_tool_use(env)
+    shown = {a for a, ref in spec.seats.items() if a in scripted and ref.name in msg.learners}
     renderers = {a: SeatRenderer(tok, msg.system_prompt, tool_use.schemas(a) if tool_use else ())
-                 for a in agents if a not in scripted}
+                 for a in agents if a not in scripted or a in shown}
     turns: dict[str, list[Turn]] = {a: [] for a in agents}
     totals = {a: 0.0 for a in agents}
     invalid = {a: 0 for a in agents}
@@ -228,14 +241,20 @@ async def play_episode(
         decisions[agent] += 1
         invalid_before = invalid_count(env, agent)
         calls_before = (tool_use.tool_calls[agent], tool_use.invalid_tool_calls[agent]) if tool_use else (0, 0)
-        if agent in scripted:
-            text = scripted[agent].act(obs["text"], info, rng)
-            env.step(text)
-        else:
+        if agent in renderers:
             r = renderers[agent]
             # A tool's result is a ``tool`` message of the template (mask 0 like any observation).
             tool_result = info.get("tool_result") is not None
             obs_tokens = r.observe(obs["text"], "tool" if tool_result else "user")
+        if agent in scripted:
+            text = scripted[agent].act(obs["text"], info, rng)
+            if agent in shown:  # a demonstration: the reply as the policy would write it
+                sampled, stop = reply_tokens(tok, text), StopReason.STOP
+                result = SampleResult(tokens=[sampled], logprobs=[np.zeros(len(sampled), np.float32)],
+                                      stop_reasons=[stop], adapter_version=0, batch_id=-1)
+                r.add_reply(sampled, True)
+            env.step(text)
+        else:
             transcript.append(f"{agent} [{ref.label()}] {'gets the tool result' if tool_result else 'sees'}:")
             transcript.extend("    " + line for line in _cut(obs["text"]).splitlines())
             seed = sample_seed(spec.seed, spec.episode_id, agents.index(agent), len(turns[agent]))
@@ -246,7 +265,7 @@ async def play_episode(
             if (score is not None and msg.explore and spec.train and ref.kind is PolicyKind.ADAPTER
                     and ref.name in msg.learners and legal and explore_rng.random() < msg.explore):
                 move = str(legal[int(explore_rng.integers(len(legal)))])
-                reply = np.asarray(tok.encode(move)[: msg.sampling.max_tokens - 1] + [tok.eos_id], dtype=np.int32)
+                reply = reply_tokens(tok, move, msg.sampling.max_tokens)
                 prompt = r.prompt()
                 logprobs, version = await score(ref, np.concatenate([prompt, reply]), msg.sampling.temperature, len(reply))
                 result = SampleResult(tokens=[reply], logprobs=[np.asarray(logprobs[-len(reply):], np.float32)],
@@ -262,7 +281,7 @@ async def play_episode(
         calls = (tool_use.tool_calls[agent], tool_use.invalid_tool_calls[agent]) if tool_use else (0, 0)
         parse = (ParseOutcome.INVALID if bad else ParseOutcome.OK) if calls == calls_before else (
             ParseOutcome.INVALID_TOOL_CALL if calls[1] > calls_before[1] else ParseOutcome.TOOL_CALL)
-        if agent not in scripted:
+        if agent in renderers:
             turns[agent].append(
                 Turn(
                     obs_tokens=obs_tokens,
@@ -276,7 +295,7 @@ async def play_episode(
             )
         for a, rew in env.rewards.items():
             totals[a] += float(rew)
-            if a != agent and rew and turns[a] and a not in scripted:
+            if a != agent and rew and turns[a]:
                 # A reward that arrives on another seat's move (a showdown, a rejected
                 # proposal) belongs to this seat's latest decision.
                 last = turns[a][-1]
@@ -292,7 +311,7 @@ async def play_episode(
     trajectories = []
     if spec.train:
         for agent, ref in spec.seats.items():
-            if ref.kind is PolicyKind.ADAPTER and ref.name in msg.learners and turns[agent]:
+            if (ref.kind is PolicyKind.ADAPTER or agent in shown) and ref.name in msg.learners and turns[agent]:
                 trajectories.append(
                     Trajectory(
                         episode_id=spec.episode_id,
