@@ -235,7 +235,13 @@ def test_every_bundled_job_passes_the_checks(tmp_path):
     from opentinker.config import bundled_configs
 
     for name in bundled_configs():
-        check_config(load_config(name, {"out_dir": str(tmp_path / "runs")}))
+        cfg = load_config(name, {"out_dir": str(tmp_path / "runs")})
+        if any(p.init and not os.path.isdir(p.init) for p in cfg.policies):
+            # A warm start from a run not made yet (tools_warm: tools_sft's adapter) is refused by name.
+            with pytest.raises(ConfigError, match=r"^policies\[main\].init: '.*/runs/tools_sft/adapters/main': no such folder"):
+                check_config(cfg)
+            cfg = load_config(name, {"out_dir": str(tmp_path / "runs"), "policies": [{"name": "main", "init": ""}]})
+        check_config(cfg)
     assert not (tmp_path / "runs").exists()
 
 
