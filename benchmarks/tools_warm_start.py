@@ -24,7 +24,14 @@ from typing import Any
 from _args import parse_args
 
 from _machine import provenance  # isort: skip  (first: before torch)
-from _jobs import eval_curve, final_metrics, finished_run, opentinker, read_rows, run_logged
+from _jobs import (
+    eval_curve,
+    final_metrics,
+    finished_run,
+    opentinker,
+    read_rows,
+    run_logged,
+)
 
 import games
 from opentinker.config import load_config

@@ -21,7 +21,14 @@ from opentinker.config import ConfigError, JobConfig, config_from_dict
 from opentinker.rollout.episodes import play_episode
 from opentinker.training.offline import training_units
 from opentinker.training.scripted_data import scripted_episodes, scripted_trajectories
-from protocols.messages import PolicyKind, PolicyRef, RunEpisodes, SampleResult, SamplingParams, StopReason
+from protocols.messages import (
+    PolicyKind,
+    PolicyRef,
+    RunEpisodes,
+    SampleResult,
+    SamplingParams,
+    StopReason,
+)
 
 
 def _raw(tmp_path, **offline) -> dict:
@@ -88,10 +95,10 @@ def test_the_loss_is_on_the_scripted_replies_tokens_and_never_on_a_tool_result(t
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"offline": {"scripted": "no_such_seat"}}, r"offline.scripted: 'no_such_seat' is not a scripted policy; "
-                                                r"calculator_v0's are random, calc_tool_user, calc_no_tool"),
-    ({"offline": {"scripted": "kuhn_equilibrium"}}, r"offline.scripted: 'kuhn_equilibrium' is not a scripted seat "
-                                                    r"of calculator_v0"),
+    ({"offline": {"scripted": "no_such_seat"}}, (r"offline.scripted: 'no_such_seat' is not a scripted policy; "
+                                                 r"calculator_v0's are random, calc_tool_user, calc_no_tool")),
+    ({"offline": {"scripted": "kuhn_equilibrium"}}, (r"offline.scripted: 'kuhn_equilibrium' is not a scripted seat "
+                                                     r"of calculator_v0")),
     ({"offline": {"kind": "dpo"}}, r"offline.scripted: a scripted seat's play is SFT data"),
     ({"offline": {"data": "runs/x/trajectories"}}, r"offline.data: give either data .* or scripted .*, not both"),
     ({"offline": {"scripted": ""}}, r"offline.data: give either .*, not neither"),

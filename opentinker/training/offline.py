@@ -37,13 +37,13 @@ from learners import (
     preference_pairs,
     sft_datums,
 )
-from opentinker.training import trajectory_log
-from opentinker.training.scripted_data import scripted_trajectories
 from opentinker.bus import SyncClient
 from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split
 from opentinker.config import JobConfig
 from opentinker.eval.report import MetricsLog
+from opentinker.training import trajectory_log
+from opentinker.training.scripted_data import scripted_trajectories
 from protocols.messages import (
     AdamParams,
     CreateAdapter,
