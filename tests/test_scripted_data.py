@@ -5,13 +5,10 @@ an adapter a warm start takes (local backend, tiny-random)."""
 
 from __future__ import annotations
 
-import io
-
 import msgspec
 import numpy as np
 import pytest
 from conftest import DEVICE, run
-from rich.console import Console
 
 import games
 from games.calculator import SYSTEM_PROMPT
@@ -114,14 +111,25 @@ def test_a_scripted_seat_that_cannot_give_data_is_a_config_error(tmp_path, chang
         config_from_dict(raw)
 
 
-def test_an_offline_job_on_a_scripted_seat_saves_an_adapter_a_warm_start_takes(tmp_path) -> None:
-    from opentinker.control.config_checks import check_config
-    from opentinker.run import run_job
+def test_the_bundled_sft_job_saves_an_adapter_the_warm_job_takes(tmp_path, tiny_path) -> None:
+    """``opentinker run tools_sft`` (cut down, on tiny-random) learns its data and saves an
+    adapter that ``tools_warm`` takes as ``policies[0].init`` (checked before anything starts)."""
+    import json
 
-    res = run_job(_job(tmp_path), console=Console(file=io.StringIO()))
+    from opentinker.cli import main
+    from opentinker.config import load_config
+    from opentinker.control.config_checks import check_config
+
+    small = ["model.base=tiny-random", "model.threads=1", "runtime.backend=local", f"out_dir={tmp_path}",
+             "offline.episodes=4", "offline.steps=3", "offline.batch_size=4", "train.lr=1e-2"]
+    assert main(["run", "tools_sft", *(x for s in small for x in ("--set", s))]) == 0
+    (run_dir,) = tmp_path.glob("calculator_v0__tools_sft__0__*")
+    summary = json.loads((run_dir / "summary.json").read_text())
     key = "eval/main/sft/loss"
-    assert res.last_eval[key] < res.first_eval[key]
-    adapter = res.run_dir / "adapters" / "main"
-    raw = {k: v for k, v in _raw(tmp_path).items() if k != "offline"}
-    raw["policies"] = [{"name": "main", "opponents": {"random": 1}, "init": str(adapter)}]
-    check_config(config_from_dict(raw))  # the tools job's --set 'policies[0].init=<run>/adapters/main'
+    assert summary["data"] == "calc_tool_user's play (4 episodes)" and summary["units"] == 4
+    assert summary["last_eval"][key] < summary["first_eval"][key]
+    adapter = run_dir / "adapters" / "main"
+    assert summary["adapters"]["main"] == str(adapter)
+    warm = load_config("tools_warm", {"model": {"base": "tiny-random"}, "out_dir": str(tmp_path),
+                                      "policies": [{"name": "main", "opponents": {"random": 1}, "init": str(adapter)}]})
+    check_config(warm)
