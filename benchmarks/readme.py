@@ -484,6 +484,47 @@ def render_learning_suite(results: Path) -> str:
     return head + table(header, rows) + "\n" + verdict + "\n"
 
 
+TOOLS_FAILURES = {"invalid_call": "invalid call", "no_number": "no number", "wrong_after_call": "result miscopied",
+                  "wrong_without_call": "wrong without a call"}
+"""``tools_warm_start.json``'s kinds of unsolved training problem, as the table names them."""
+
+
+def render_tools_warm_start(results: Path) -> str:
+    """``tools_sft`` then ``tools_warm`` per seed (``tools_warm_start.json``): the SFT job's loss
+    on its data and time, the RL job's success at every evaluation (step 0: the SFT adapter),
+    at the end with its 95% interval, tool and invalid calls per problem at the end, its time;
+    then the commands and what they ran on."""
+    r = load(results, "tools_warm_start")
+    unit = r["unit"]
+    rows = []
+    for row in r["rows"]:
+        s, rl = row["sft"], row["rl"]
+        f = rl["final"]
+        curve = ", ".join(f"{c[unit]:.3f} ({c['step']})" for c in rl["curve"])
+        tf = rl["training_failures"]
+        failed = (f"{tf['failed']} of {tf['problems']}: " + ", ".join(
+            f"{tf[k]} {label}" for k, label in TOOLS_FAILURES.items() if tf[k]) if tf["failed"] else f"0 of {tf['problems']}")
+        alone = "" if not s.get("eval") else f"{s['eval'][unit]:.3f} ± {s['eval']['ci95']:.3f} ({int(s['eval']['hands'])})"
+        rows.append([str(row["seed"]), f"{s['loss_before']:.3f} → {s['loss_after']:.4f}", f"{s['wall_s'] / 60:.1f} min",
+                     alone, curve, f"{f[unit]:.3f} ± {f['ci95']:.3f}", f"{f.get('tool_calls', 0):.2f}",
+                     f"{f.get('invalid_tool_calls', 0):.2f}", failed, f"{rl['wall_s'] / 60:.1f} min"])
+    p = r["provenance"]
+    first = r["rows"][0]
+    head = (f"`{r['game']}`: SFT on {first['sft']['sequences']} of `calc_tool_user`'s problems for "
+            f"{first['sft']['steps']} steps, then {first['rl']['steps']} RL steps of "
+            f"{first['rl']['curve'][1]['episodes'] // first['rl']['curve'][1]['step']} problems, evaluated on "
+            f"{int(first['rl']['final']['hands'])} problems; {_machine_label({**p, 'cpu_capability': p['capability']})}"
+            f"; commit `{p['commit'][:7]}`" + (f"; {r['args']['note']}" if r["args"].get("note") else "") + "\n\n")
+    header = ["seed", "SFT loss on its data", "SFT wall time", f"SFT adapter's {unit} (95% CI, problems)",
+              f"RL: {unit} at each evaluation (step; 0: the SFT adapter)",
+              f"{unit} at the end (95% CI)", "tool calls / problem", "invalid calls / problem",
+              "RL training problems unsolved", "RL wall time"]
+    commands = "".join(f"- seed {row['seed']}: `{row['sft']['command']}`; "
+                       + (f"`{row['sft']['eval']['command']}`; " if row["sft"].get("eval") else "")
+                       + f"`{row['rl']['command']}`\n" for row in r["rows"])
+    return head + table(header, rows) + "\n" + commands
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "default_job_times": render_default_job_times,
     "compare_learners": render_compare_learners,
@@ -491,6 +532,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "lora_vs_full_tools": lambda results: render_lora_vs_full(results, "lora_vs_full_tools"),
     "tools_job": render_tools_job,
     "learning_suite": render_learning_suite,
+    "tools_warm_start": render_tools_warm_start,
     "default_job": render_default_job,
     "default_job_sweep": render_default_job_sweep,
     "pipeline_pace": render_pipeline_pace,

@@ -466,15 +466,25 @@ class RuntimeConfig(_Config):
 
 
 class OfflineConfig(_Config):
-    """An offline job: train the first policy's adapter on trajectories a run recorded, through
-    the scheduler, with the ``sft`` or a preference (``dpo``, ``ipo``) loss; no games are played."""
+    """An offline job: train the first policy's adapter on trajectories a run recorded, or on a
+    scripted seat's play of the job's game (``scripted``), through the scheduler, with the
+    ``sft`` or a preference (``dpo``, ``ipo``) loss; no model plays."""
 
     kind: Literal["sft", "dpo", "ipo"]
     """``sft``: maximum likelihood on the sampled tokens of trajectories whose total reward is
     above ``min_reward`` (e.g. winning games); ``dpo`` / ``ipo``: pairs of trajectories from the
     same start (group, seed, seat) with different rewards, the higher one chosen."""
-    data: PathStr
-    """A ``trajectories/<policy>.jsonl`` file of a run, or a folder of such files."""
+    data: PathStr = ""
+    """A ``trajectories/<policy>.jsonl`` file of a run, or a folder of such files (or set
+    ``scripted`` instead)."""
+    scripted: Annotated[str, Meta(max_length=256)] = ""
+    """Instead of ``data``: a scripted seat of the job's game (e.g. ``calc_tool_user``) whose
+    play is the data: ``episodes`` episodes of the game with it in the first policy's seat,
+    each of its turns rendered as the policy's sampling renders them (system prompt, tool
+    declarations, tool results as ``tool`` messages) and its replies the loss tokens
+    (:mod:`opentinker.training.scripted_data`). ``sft`` only."""
+    episodes: Annotated[int, Meta(ge=1, le=MAX_EPISODES_PER_STEP)] = 64
+    """Episodes the ``scripted`` seat plays (each a distinct start, drawn from the job's seed)."""
     steps: PosSteps = 20
     batch_size: Annotated[int, Meta(ge=1, le=MAX_EPISODES_PER_STEP)] = 16
     """Sequences (``sft``) or pairs (``dpo``, ``ipo``) per step, cycling through the data in an
@@ -485,6 +495,18 @@ class OfflineConfig(_Config):
     """DPO's inverse temperature."""
     tau: PosCoef = 0.1
     """IPO's regularisation (target margin ``1 / (2 tau)``)."""
+
+    def __post_init__(self) -> None:
+        if bool(self.data) == bool(self.scripted):
+            raise ValueError("offline.data: give either data (a trajectories file) or scripted (a scripted seat), "
+                             f"not {'both' if self.data else 'neither'}")
+        if self.scripted and self.kind != "sft":
+            raise ValueError(f"offline.scripted: a scripted seat's play is SFT data (kind = 'sft'), not {self.kind!r}: "
+                             "it has no worse trajectory to prefer against")
+
+    def source(self) -> str:
+        """What the data is, for messages: the file, or the scripted seat's play."""
+        return f"{self.scripted}'s play ({self.episodes} episodes)" if self.scripted else self.data
 
 
 class LeagueConfig(_Config):
@@ -589,6 +611,7 @@ class JobConfig(_Config):
                 msgspec.structs.force_setattr(self, "system_prompt", games.evaluation(self.game).system_prompt)
             except ValueError as e:
                 raise ValueError(f"game: {e}") from None
+        self._check_scripted_data()
         for p in self.policies:
             self.train_for(p.name)
             if p.init and not os.path.isabs(p.init):  # absolute: every actor and a resume read it alike
@@ -609,6 +632,28 @@ class JobConfig(_Config):
             if p.device >= max(len(devices), 1) or (p.device > 0 and not devices):
                 raise ValueError(f"policies[{p.name}].device: {p.device} is not an index into runtime.devices "
                                  f"{devices} (0 to {max(len(devices), 1) - 1}; -1: placed by adapter count)")
+
+    def _check_scripted_data(self) -> None:
+        """``offline.scripted`` names a scripted seat of this game, and every other seat of its
+        episodes is scripted too (no model plays in an offline job)."""
+        oc = self.offline_job()
+        if oc is None or not oc.scripted:
+            return
+        import games
+        from games.scripted import SCRIPTED
+
+        own = tuple(dict.fromkeys(("random", *games.evaluation(self.game).scripted)))
+        if oc.scripted not in SCRIPTED:
+            raise ValueError(f"offline.scripted: {oc.scripted!r} is not a scripted policy; {self.game}'s are "
+                             f"{', '.join(own)}")
+        if oc.scripted not in own:
+            raise ValueError(f"offline.scripted: {oc.scripted!r} is not a scripted seat of {self.game} (its own: "
+                             f"{', '.join(own)})")
+        p = self.policies[0]
+        live = sorted(o for o, w in p.opponents.items() if w > 0 and o != "self" and o not in SCRIPTED)
+        if live:
+            raise ValueError(f"offline.scripted: policies[{p.name}].opponents {live} would need a model to play; "
+                             "a scripted seat's data is played by scripted seats only (self: the scripted seat)")
 
     def offline_job(self) -> OfflineConfig | None:
         """The ``[offline]`` table, or ``None`` for a self-play job."""

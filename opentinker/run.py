@@ -373,7 +373,7 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
     oc = cfg.offline_job()
     assert oc is not None
     try:
-        with console.status(f"offline {oc.kind} on {oc.data}: {oc.steps} steps"):
+        with console.status(f"offline {oc.kind} on {oc.source()}: {oc.steps} steps"):
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
             try:
                 summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import readme
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("## The default job", "## Comparing learners", "## Benchmarks")
+SECTIONS = ("## The default job", "## Comparing learners", "## Agents that use tools", "## Benchmarks")
 NUMBER = re.compile(r"(\d+\.\d+)(%?)")
 JSON_NAME = re.compile(r"([\w.-]+)\.json\b")
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.MULTILINE | re.DOTALL)
@@ -45,6 +45,8 @@ def test_readme_blocks_match_their_json() -> None:
     ("compare_learners", ("summary", "rloo", "chips", "mean")),
     ("compare_learners", ("summary", "dpo", "learn_s_per_step")),
     ("lora_vs_full", ("ratios", "s_per_step", "mean")),
+    ("tools_warm_start", ("rows", 1, "rl", "final", "success")),
+    ("tools_warm_start", ("rows", 0, "sft", "wall_s")),
 ])
 def test_a_changed_json_fails_the_check(tmp_path: Path, name: str, path: tuple) -> None:
     results = tmp_path / "results"

@@ -105,7 +105,7 @@ def check_config(cfg: JobConfig) -> None:
     _check_out_dir(cfg.out_dir)
     cfg.run_dir()  # neither the name nor the game can lead the run folder out of out_dir
     oc = cfg.offline_job()
-    if oc is not None and not Path(oc.data).exists():
+    if oc is not None and oc.data and not Path(oc.data).exists():
         raise ConfigError("offline.data", f"{oc.data!r}: no such file or folder")
     info = check_model(cfg.model.base)
     _check_cluster(cfg)

@@ -4,7 +4,10 @@ single-process baseline of ``benchmarks/pipeline_pace.py``).
 
 The game is driven through the PettingZoo AEC loop; scripted seats act inside the runner;
 each LLM seat keeps a :class:`~opentinker.rollout.render.SeatRenderer`, so a turn adds only its delta
-tokens, and every sample is seeded from the episode (seed, id, seat, turn).
+tokens, and every sample is seeded from the episode (seed, id, seat, turn). A scripted seat
+named in ``RunEpisodes.learners`` is rendered and recorded like an LLM seat (its replies'
+tokens as if sampled): the transcripts an offline SFT job learns from
+(:mod:`opentinker.training.scripted_data`).
 """
 
 from __future__ import annotations
@@ -181,6 +184,13 @@ TRANSCRIPT_OBS_CHARS = 2000
 """Longest observation a transcript shows (the rest cut with a note)."""
 
 
+def reply_tokens(tok: ChatTokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:
+    """``int32[S]``: a reply written as text, as the policy would sample it: its tokens (at most
+    ``max_tokens - 1`` of them when given) and the stop token."""
+    ids = tok.encode(text)
+    return np.asarray((ids if max_tokens is None else ids[: max_tokens - 1]) + [tok.eos_id], dtype=np.int32)
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= TRANSCRIPT_OBS_CHARS else text[:TRANSCRIPT_OBS_CHARS] + f" ... [{len(text)} characters]"
 
@@ -196,6 +206,8 @@ class _Play:
     env: Any
     agents: list[str]
     scripted: dict[str, games.ScriptedPolicy]
+    shown: set[str]
+    """Scripted seats named among the learners: rendered and recorded, their replies demonstrations."""
     rng: np.random.Generator
     """The scripted seats' draws."""
     explore_rng: np.random.Generator
@@ -234,7 +246,9 @@ async def play_episode(
     drawn uniformly, scored through ``score``).
 
     Returns the episode's summary and, for a training episode, the trajectory of every seat
-    played by a trainable policy named in ``msg.learners``.
+    played by a trainable policy named in ``msg.learners``, or by a scripted policy named there
+    (its turns rendered as an LLM seat's would be, each reply's tokens :func:`reply_tokens` with
+    log-probs 0: a demonstration).
     """
     play = _start_episode(spec, msg, tok, score)
     env = play.env
@@ -251,6 +265,8 @@ async def play_episode(
         reply = None
         if agent in play.scripted:
             text = play.scripted[agent].act(obs["text"], info, play.rng)
+            if agent in play.shown:
+                reply = _demonstration(play, agent, obs["text"], info, text)
         else:
             reply = await _llm_reply(play, agent, ref, obs["text"], info, sample, score)
             text = reply.text
@@ -278,9 +294,10 @@ def _start_episode(spec: EpisodeSpec, msg: RunEpisodes, tok: ChatTokenizer, scor
     scripted = {a: scripted_seat(ref) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED}
     rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
     tool_use = find_tool_use(env)
+    shown = {a for a, ref in spec.seats.items() if a in scripted and ref.name in msg.learners}
     renderers = {a: SeatRenderer(tok, msg.system_prompt, tool_use.schemas(a) if tool_use else ())
-                 for a in agents if a not in scripted}
-    return _Play(spec=spec, msg=msg, tok=tok, env=env, agents=agents, scripted=scripted, rng=rng,
+                 for a in agents if a not in scripted or a in shown}
+    return _Play(spec=spec, msg=msg, tok=tok, env=env, agents=agents, scripted=scripted, shown=shown, rng=rng,
                  explore_rng=explore_rng, tool_use=tool_use, renderers=renderers,
                  turns={a: [] for a in agents}, totals={a: 0.0 for a in agents},
                  invalid={a: 0 for a in agents}, decisions={a: 0 for a in agents})
@@ -312,12 +329,25 @@ async def _llm_reply(play: _Play, agent: str, ref: PolicyRef, obs_text: str, inf
     return _Reply(obs_tokens, result, tok.decode(sampled))
 
 
+def _demonstration(play: _Play, agent: str, obs_text: str, info: dict[str, Any], text: str) -> _Reply:
+    """A shown scripted seat's move ``text`` as the policy would have written it: the
+    observation rendered as an LLM seat's (a ``tool`` message for a tool's result), the reply's
+    tokens (:func:`reply_tokens`) with log-probs 0."""
+    r = play.renderers[agent]
+    obs_tokens = r.observe(obs_text, "tool" if info.get("tool_result") is not None else "user")
+    sampled = reply_tokens(play.tok, text)
+    r.add_reply(sampled, True)
+    result = SampleResult(tokens=[sampled], logprobs=[np.zeros(len(sampled), np.float32)],
+                          stop_reasons=[StopReason.STOP], adapter_version=0, batch_id=-1)
+    return _Reply(obs_tokens, result, text)
+
+
 async def _explore(play: _Play, ref: PolicyRef, prompt: np.ndarray, legal: list[Any], score: ScoreFn) -> SampleResult:
     """A legal move drawn uniformly as the reply to ``prompt`` (``int32[T]``), ended by eos,
     with the policy's log-probs of it (``score``)."""
     tok, sampling = play.tok, play.msg.sampling
     move = str(legal[int(play.explore_rng.integers(len(legal)))])
-    reply = np.asarray(tok.encode(move)[: sampling.max_tokens - 1] + [tok.eos_id], dtype=np.int32)
+    reply = reply_tokens(tok, move, sampling.max_tokens)
     logprobs, version = await score(ref, np.concatenate([prompt, reply]), sampling.temperature, len(reply))
     return SampleResult(tokens=[reply], logprobs=[np.asarray(logprobs[-len(reply):], np.float32)],
                         stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
@@ -350,12 +380,12 @@ def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[in
         )
     for a, rew in env.rewards.items():
         play.totals[a] += float(rew)
-        if a != agent and rew and play.turns[a] and a not in play.scripted:
+        if a != agent and rew and play.turns[a]:
             # A reward that arrives on another seat's move (a showdown, a rejected
             # proposal) belongs to this seat's latest decision.
             last = play.turns[a][-1]
             play.turns[a][-1] = msgspec.structs.replace(last, reward=last.reward + float(rew))
-    who = ref if reply is None else msgspec.structs.replace(ref, version=reply.result.adapter_version)
+    who = ref if reply is None or agent in play.scripted else msgspec.structs.replace(ref, version=reply.result.adapter_version)
     play.transcript.append(f"{agent} [{who.label()}]: {text!r}" + ("  (invalid)" if bad else ""))
 
 
@@ -368,7 +398,7 @@ def _finish_episode(play: _Play) -> tuple[EpisodeSummary, list[Trajectory]]:
     trajectories = []
     if spec.train:
         for agent, ref in spec.seats.items():
-            if ref.kind is PolicyKind.ADAPTER and ref.name in msg.learners and play.turns[agent]:
+            if (ref.kind is PolicyKind.ADAPTER or agent in play.shown) and ref.name in msg.learners and play.turns[agent]:
                 trajectories.append(
                     Trajectory(
                         episode_id=spec.episode_id,

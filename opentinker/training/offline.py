@@ -1,7 +1,10 @@
-"""Offline jobs (``[offline]`` in a job config): SFT or DPO/IPO on trajectories a run recorded.
+"""Offline jobs (``[offline]`` in a job config): SFT or DPO/IPO on trajectories a run recorded,
+or SFT on a scripted seat's play.
 
-No game is played. The job reads ``trajectories/<policy>.jsonl`` files
-(:mod:`opentinker.training.trajectory_log`), builds SFT sequences or preference pairs with the pure
+No model plays. The job reads ``trajectories/<policy>.jsonl`` files
+(:mod:`opentinker.training.trajectory_log`), or has the scripted seat ``offline.scripted`` play
+the game (:mod:`opentinker.training.scripted_data`: the same trajectories a learner's seat
+gives, its replies the loss tokens), builds SFT sequences or preference pairs with the pure
 functions of :mod:`learners.offline`, starts only the scheduler, and trains the first policy's
 adapter through it (``CreateAdapter``, then ``ForwardBackward`` with the ``sft`` / ``dpo`` /
 ``ipo`` loss and ``OptimStep`` per step, then ``SaveAdapter``), exactly as online learners do.
@@ -34,12 +37,13 @@ from learners import (
     preference_pairs,
     sft_datums,
 )
-from opentinker.training import trajectory_log
 from opentinker.bus import SyncClient
 from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split
 from opentinker.config import JobConfig
 from opentinker.eval.report import MetricsLog
+from opentinker.training import trajectory_log
+from opentinker.training.scripted_data import scripted_trajectories
 from protocols.messages import (
     AdamParams,
     CreateAdapter,
@@ -65,7 +69,10 @@ def training_units(cfg: JobConfig) -> tuple[list[list[Datum]], int]:
     """
     oc = cfg.offline_job()
     assert oc is not None
-    trajectories = [trajectory_log.from_record(r) for r in trajectory_log.read(oc.data)]
+    if oc.scripted:
+        trajectories = scripted_trajectories(cfg)
+    else:
+        trajectories = [trajectory_log.from_record(r) for r in trajectory_log.read(oc.data)]
     if oc.kind == "sft":
         units = [[d] for d in sft_datums(trajectories, oc.min_reward)]
         why = f"no trajectory with total reward > {oc.min_reward}"
@@ -74,7 +81,7 @@ def training_units(cfg: JobConfig) -> tuple[list[list[Datum]], int]:
         units = [datums[i : i + 2] for i in range(0, len(datums), 2)]
         why = "no two trajectories of one start (group, seed, seat) with different rewards"
     if not units:
-        raise ValueError(f"offline {oc.kind}: {why} in {oc.data} ({len(trajectories)} trajectories)")
+        raise ValueError(f"offline {oc.kind}: {why} in {oc.source()} ({len(trajectories)} trajectories)")
     return units, len(trajectories)
 
 
@@ -177,7 +184,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Crede
         path = str((run_dir / "adapters" / name).resolve())
         client.request(SaveAdapter(adapter=name, path=path), timeout)
     summary = {
-        "kind": oc.kind, "data": oc.data, "trajectories": n_trajectories,
+        "kind": oc.kind, "data": oc.source(), "trajectories": n_trajectories,
         "units": len(units), "first_eval": first, "last_eval": last, "adapters": {name: path},
         "wall_s": time.perf_counter() - t0,
     }
