@@ -118,12 +118,12 @@ WARM_JOBS = {"calculator_v0": ("tools_sft", "tools_warm", 0.95)}
 
 def rl_job(args: Args) -> tuple[str, float] | None:
     """The bundled RL job ``args`` run and its target (``None``: Kuhn poker's job, built here)."""
-    if args.game == GAME:
-        return None
     if args.warm:
         if args.game not in WARM_JOBS:
             raise SystemExit(f"--warm: lora_vs_full has a warm start for {', '.join(WARM_JOBS)} only")
         return WARM_JOBS[args.game][1], WARM_JOBS[args.game][2]
+    if args.game == GAME:
+        return None
     if args.game not in GAME_JOBS:
         raise SystemExit(f"--game {args.game!r}: lora_vs_full knows {GAME} and {', '.join(GAME_JOBS)}")
     return GAME_JOBS[args.game]

@@ -129,3 +129,43 @@ def test_lora_vs_full_on_the_tool_task_runs_the_bundled_tools_job(monkeypatch) -
     base = lvf.scripted_baselines("calculator_v0", n=20)
     assert base["calc_tool_user"] == {"success": 1.0, "ci95": 0.0, "tool_calls": 1.0, "episodes": 20}
     assert base["calc_no_tool"]["success"] < 0.2 and base["calc_no_tool"]["tool_calls"] == 0.0
+
+
+def test_lora_vs_full_warm_starts_each_kind_from_its_own_sft(monkeypatch) -> None:
+    import lora_vs_full as lvf
+
+    from opentinker.config import load_config
+
+    monkeypatch.setattr(sys, "argv", ["lora_vs_full.py", "--game", "calculator_v0", "--warm"])
+    args = lvf.game_defaults(lvf.parse_args(lvf.Args, None)[0])
+    warm, sft = load_config("tools_warm"), load_config("tools_sft")
+    # The RL job is tools_warm's (its steps, rate and no exploration), timed to 0.95 success.
+    assert (args.steps, args.lora_lr, args.target) == (warm.train.steps, warm.train.lr, 0.95)
+    for kind, lr in (("lora", sft.train.lr), ("full", args.sft_full_lr)):
+        s = lvf.sft_config(args, kind, 2)
+        assert (s.name, s.seed, s.policies[0].kind, s.train.lr, s.offline.scripted) == (
+            f"lvf_sft_{kind}", 2, kind, lr, "calc_tool_user")
+        cfg = lvf.job_config(args, kind, 2, "/x/adapters/main")
+        assert (cfg.policies[0].kind, cfg.policies[0].init, cfg.sampling.explore) == (kind, "/x/adapters/main", 0.0)
+    monkeypatch.setattr(sys, "argv", ["lora_vs_full.py", "--warm"])
+    with pytest.raises(SystemExit, match="warm start for calculator_v0"):
+        lvf.game_defaults(lvf.parse_args(lvf.Args, None)[0])
+
+
+@pytest.mark.slow
+def test_lora_vs_full_warm_runs_sft_then_rl_from_its_weights(tmp_path, tiny_path) -> None:
+    js = tmp_path / "lvf.json"
+    cmd = [sys.executable, "benchmarks/lora_vs_full.py", "--quick", "--game", "calculator_v0", "--warm",
+           "--out", str(tmp_path / "o"), "--json", str(js)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(js.read_text())
+    assert set(r["provenance"]["config"]) == {"lora", "full", "sft_lora", "sft_full"}
+    for row in r["rows"]:
+        sft = row["sft"]
+        assert sft["loss_last"] < sft["loss_first"] and sft["train_wall_s"] > 0
+        assert row["peak_rss_largest_mb"] >= sft["peak_rss_largest_mb"]
+        # The RL run started from the SFT's saved weights, of its own kind.
+        saved = json.loads((Path(sft["run"]) / "summary.json").read_text())["adapters"]["main"]
+        cfg = (Path(row["run"]) / "config.toml").read_text()
+        assert f'init = "{saved}"' in cfg and f'kind = "{row["kind"]}"' in cfg
