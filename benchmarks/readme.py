@@ -390,6 +390,7 @@ def render_lora_vs_full(results: Path, name: str = "lora_vs_full") -> str:
     """Mean over seeds per kind, the full / LoRA ratios, and whether the paper's claim holds."""
     r = load(results, name)
     unit = r["unit"]
+    warm = bool(r["args"].get("warm"))
     rows = []
     for kind in ("lora", "full"):
         mine = [row for row in r["rows"] if row["kind"] == kind]
@@ -401,18 +402,22 @@ def render_lora_vs_full(results: Path, name: str = "lora_vs_full") -> str:
                  ", ".join("never" if row["episodes_to_target"] is None else str(row["episodes_to_target"])
                            for row in mine)]
         cells += [fmt.format(sum(row[k] for row in mine) / len(mine)) for k, _, fmt in LVF_COLUMNS]
+        if warm:
+            cells.append(", ".join(f"{row['sft']['loss_first']:.3f} -> {row['sft']['loss_last']:.4f} in "
+                                   f"{row['sft']['train_wall_s']:.0f} s" for row in mine))
         rows.append(cells)
     ratio = r["ratios"]
     rows.append(["full / LoRA", "", x(ratio["wall_s_to_target"]["mean"]) if "wall_s_to_target" in ratio else "n/a", ""]
-                + [x(ratio[k]["mean"]) if k in ratio else "n/a" for k, _, _ in LVF_COLUMNS])
-    header = ["kind", f"final {unit} vs random (per seed, 95% CI)", f"time to {r['args']['target']:+g}",
-              "episodes to it", *(label for _, label, _ in LVF_COLUMNS)]
+                + [x(ratio[k]["mean"]) if k in ratio else "n/a" for k, _, _ in LVF_COLUMNS] + ([""] if warm else []))
+    header = ["kind", f"final {unit} vs random (per seed, 95% CI)", f"time to {r['args']['target']:+g}"
+              + (" (SFT included)" if warm else ""), "episodes to it", *(label for _, label, _ in LVF_COLUMNS)]
+    header += ["SFT: loss on the data, time (per seed)"] if warm else []
     p = r["provenance"]
     seeds = {k: sorted({row["seed"] for row in r["rows"] if row["kind"] == k}) for k in ("lora", "full")}
     said = (f"{len(seeds['lora'])} seeds" if seeds["lora"] == seeds["full"] else
             f"seeds {', '.join(map(str, seeds['lora']))} with LoRA, {', '.join(map(str, seeds['full']))} with full training")
-    head = (f"`{r['game']}`, {said}, {r['args']['steps']} steps of "
-            f"{r['args']['groups_per_step'] * r['args']['group_size']} episodes; "
+    head = (f"`{r['game']}`, {said}, " + ("each kind from its own SFT job, then " if warm else "")
+            + f"{r['args']['steps']} steps of {r['args']['groups_per_step'] * r['args']['group_size']} episodes; "
             f"{_machine_label({**p, 'cpu_capability': p['capability']})}; "
             f"{r.get('runs_wall_s', r['wall_s']) / 60:.0f} min in all "
             f"(commit `{p['commit'][:7]}`: `{p['command']}`)\n\n")
@@ -530,6 +535,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "compare_learners": render_compare_learners,
     "lora_vs_full": render_lora_vs_full,
     "lora_vs_full_tools": lambda results: render_lora_vs_full(results, "lora_vs_full_tools"),
+    "lora_vs_full_tools_warm": lambda results: render_lora_vs_full(results, "lora_vs_full_tools_warm"),
     "tools_job": render_tools_job,
     "learning_suite": render_learning_suite,
     "tools_warm_start": render_tools_warm_start,
