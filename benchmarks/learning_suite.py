@@ -24,6 +24,7 @@ the machine; the plot draws each job's curves, one line per seed and policy.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import tomllib
@@ -36,7 +37,7 @@ from _jobs import finished_run, opentinker, read_rows, run_logged
 from _machine import script_provenance
 
 import games
-from opentinker.config import load_config
+from opentinker.config import load_config, to_toml
 
 SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions", "prisoners_dilemma",
          "liars_dice", "connect_four", "negotiation_three")
@@ -112,10 +113,19 @@ def learned(curve: list[dict[str, float]], final: dict[str, dict[str, float]], u
     return out
 
 
+def config_sha256(job: str) -> str:
+    """The hash of ``job``'s bundled config as it stands: a seed run under another config
+    (a default changed since) is neither reused nor gathered."""
+    return hashlib.sha256(to_toml(load_config(job, {}))).hexdigest()
+
+
 def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
     """One seed of ``job``: run (or reuse) it, evaluate it, and return its result row."""
-    folder = Path(args.out) / job / f"seed{seed}"
-    key = {"job": job, "seed": seed, "sets": overrides(args, seed, folder), "eval_games": args.eval_games}
+    cfg = load_config(job, {})
+    sha = config_sha256(job)
+    folder = Path(args.out) / job / f"seed{seed}-{sha[:8]}"  # a changed job config runs afresh
+    key = {"job": job, "seed": seed, "sets": overrides(args, seed, folder), "eval_games": args.eval_games,
+           "config_sha256": sha}
     result = folder / "result.json"
     if result.is_file():
         row = json.loads(result.read_text())
@@ -123,7 +133,6 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
             print(f"  [{job} seed {seed}] reused {result}")
             return row
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(job, {})
     mem: dict[str, float] = {}
     run = finished_run(folder, cfg.name, seed)
     if run is None:
@@ -162,8 +171,15 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
 
 
 def gather(out: Path) -> list[dict[str, Any]]:
-    """Every seed's result under ``out``, in the suite's job order, then by seed."""
-    rows = [json.loads(p.read_text()) for p in sorted(out.glob("*/seed*/result.json"))]
+    """Every seed's result under ``out`` made with its job's config as it stands now, in the
+    suite's job order, then by seed."""
+    rows = []
+    for p in sorted(out.glob("*/seed*/result.json")):
+        row = json.loads(p.read_text())
+        if row["job"] in SUITE and row["key"].get("config_sha256") == config_sha256(row["job"]):
+            rows.append(row)
+        else:
+            print(f"  skipped {p}: made with another config of {row['job']}")
     order = {job: i for i, job in enumerate(SUITE)}
     return sorted(rows, key=lambda r: (order.get(r["job"], len(order)), r["job"], r["seed"]))
 

@@ -68,10 +68,22 @@ def test_a_quick_suite_runs_a_seed_and_reuses_it(tmp_path, tiny_path) -> None:
     assert row["peak_rss_total_mb"] > 0 and row["scheduler_peak_rss_mb"] > 0
     assert r["verdicts"]["default"]["seeds"] == [0]
     assert png.stat().st_size > 0
-    result = out / "default" / "seed0" / "result.json"
+    (folder,) = (out / "default").glob("seed0-*")
+    assert folder.name == f"seed0-{ls.config_sha256('default')[:8]}"
+    result = folder / "result.json"
     before = result.stat().st_mtime_ns
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "reused" in again.stdout and "step 1/1" not in again.stdout
     assert result.stat().st_mtime_ns == before
-    assert len(list((out / "default" / "seed0").glob("kuhn_poker_v0__*"))) == 1
+    assert len(list(folder.glob("kuhn_poker_v0__*"))) == 1
+
+
+def test_results_of_another_config_are_not_gathered(tmp_path) -> None:
+    sha = ls.config_sha256("default")
+    for name, key_sha in (("seed0-current", sha), ("seed1-stale", "0" * 64)):
+        folder = tmp_path / "default" / name
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({"job": "default", "seed": int(name[4]),
+                                                        "key": {"config_sha256": key_sha}}))
+    assert [r["seed"] for r in ls.gather(tmp_path)] == [0]
