@@ -452,12 +452,12 @@ def render_tools_job(results: Path) -> str:
     return head + table(header, rows)
 
 
-def render_learning_suite(results: Path) -> str:
+def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
     """``learning_suite.json``: per job, seed and policy, the final evaluation against random,
     the base model and each scripted seat (95% intervals), wins / draws / losses against
     random where the game counts them, the invalid rate, the gain over the untrained policy,
     the run's wall time and the scheduler's peak; then each job's verdict."""
-    r = load(results, "learning_suite")
+    r = load(results, name)
 
     def ci(m: dict[str, Any] | None, unit: str) -> str:
         return "—" if m is None else f"{m[unit]:+.3f} ± {m['ci95']:.3f}"
@@ -538,6 +538,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "lora_vs_full_tools_warm": lambda results: render_lora_vs_full(results, "lora_vs_full_tools_warm"),
     "tools_job": render_tools_job,
     "learning_suite": render_learning_suite,
+    "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "tools_warm_start": render_tools_warm_start,
     "default_job": render_default_job,
     "default_job_sweep": render_default_job_sweep,
