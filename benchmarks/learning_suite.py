@@ -24,6 +24,7 @@ the machine; the plot draws each job's curves, one line per seed and policy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -113,6 +114,7 @@ def learned(curve: list[dict[str, float]], final: dict[str, dict[str, float]], u
     return out
 
 
+@functools.cache
 def config_sha256(job: str) -> str:
     """The hash of ``job``'s bundled config as it stands: a seed run under another config
     (a default changed since) is neither reused nor gathered."""
