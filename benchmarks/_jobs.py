@@ -1,6 +1,7 @@
 """What the benchmark scripts that run whole jobs share (``compare_learners.py``,
-``lora_vs_full.py``): running ``opentinker`` commands with their output kept and their peak
-memory sampled, finding finished runs, reading a run's metrics, and the statistics over seeds."""
+``lora_vs_full.py``, ``tools_warm_start.py``, ``learning_suite.py``): running ``opentinker``
+commands with their output kept and their peak memory sampled, running a job or reusing its
+finished run, reading a run's metrics, and the statistics over seeds."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import psutil
 
 import games
+from opentinker.config import JobConfig, to_toml
 
 
 def bootstrap_ci(values: list[float], n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
@@ -28,6 +30,10 @@ def bootstrap_ci(values: list[float], n_boot: int = 10_000, seed: int = 0) -> tu
         return float(x[0]), float(x[0]), float(x[0])
     means = x[np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))].mean(axis=1)
     return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+PEAK_KEYS = ("peak_rss_total_mb", "peak_rss_largest_mb")
+"""The peak memory figures :class:`PeakRss` gives (and ``bench_job.json`` keeps)."""
 
 
 class PeakRss:
@@ -91,6 +97,40 @@ def finished_run(root: Path, name: str, seed: int, config: bytes | None = None) 
     done = sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/summary.json")
                   if config is None or (p.parent / "config.toml").read_bytes() == config)
     return done[-1] if done else None
+
+
+def run_or_reuse(cmd: list[str], root: Path, name: str, seed: int, log: Path, label: str,
+                 config: bytes | None = None) -> tuple[Path, dict[str, Any]]:
+    """The finished run of job ``name`` and ``seed`` under ``root`` (given ``config``, one whose
+    ``config.toml`` is exactly it: :func:`finished_run`), made now by ``cmd`` (an
+    :func:`opentinker` command; its output in ``log``) unless one is there; with what
+    ``bench_job.json`` recorded when it was made: wall time, peak memory, the command line
+    (``{}`` for a run made without this helper). Raises ``RuntimeError`` when the command
+    fails or leaves no finished run."""
+    run = finished_run(root, name, seed, config)
+    if run is not None:
+        print(f"  [{label}] reusing {run}", flush=True)
+    else:
+        wall, mem = run_logged(cmd, log, label)
+        run = finished_run(root, name, seed, config)
+        if run is None:
+            raise RuntimeError(f"{label}: `{shlex.join(cmd)}` finished but left no summary.json under {root}")
+        shown = shlex.join(["opentinker", *cmd[3:]])
+        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem, "command": shown}))
+    info = run / "bench_job.json"
+    return run, json.loads(info.read_text()) if info.is_file() else {}
+
+
+def run_config(config: JobConfig, out: Path, label: str) -> tuple[Path, dict[str, Any]]:
+    """:func:`run_or_reuse` for a job config made in a script (its ``out_dir`` must be
+    ``out / "runs"``): written to ``out/<name>_seed<seed>.toml``, its output in ``.log``
+    beside it; a finished run of exactly this config is reused."""
+    toml = to_toml(config)
+    stem = out / f"{config.name}_seed{config.seed}"
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".toml").write_bytes(toml)
+    return run_or_reuse(opentinker("run", str(stem.with_suffix(".toml"))), out / "runs", config.name, config.seed,
+                        stem.with_suffix(".log"), label, toml)
 
 
 def read_rows(run: Path) -> list[dict[str, Any]]:

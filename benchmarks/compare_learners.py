@@ -51,23 +51,24 @@ from _args import parse_args
 
 from _machine import provenance  # isort: skip  (first: before torch)
 from _jobs import (
+    PEAK_KEYS,
     bootstrap_ci,
     eval_curve,
     final_metrics,
-    finished_run,
     fmt_ci,
     job_phases,
     model_table,
     opentinker,
     opponent_mix,
     read_rows,
+    run_config,
     run_logged,
     to_target,
     train_clock,
 )
 
 import games
-from opentinker.config import JobConfig, OfflineConfig, to_toml
+from opentinker.config import JobConfig, OfflineConfig
 
 LEARNERS: dict[str, dict[str, Any]] = {
     "dr_grpo": {"advantage": "dr_grpo"},
@@ -210,23 +211,9 @@ def summarize(rows: list[dict[str, Any]], learners: list[str], ev: games.GameEva
 def run_seed(args: Args, seed: int, learners: list[str], ev: games.GameEval) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A seed: the shared online job, then ``dpo``'s offline job and evaluation. Returns the
     (learner, seed) rows and the job's phases."""
-    out = Path(args.out).resolve()
-    root = out / "runs"
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = job_config(args, seed, learners)
-    run = finished_run(root, "compare", seed, to_toml(cfg))
-    if run is None:
-        path = out / f"compare_seed{seed}.toml"
-        path.write_bytes(to_toml(cfg))
-        wall, mem = run_logged(opentinker("run", str(path)), out / f"compare_seed{seed}.log", f"seed {seed}")
-        run = finished_run(root, "compare", seed, to_toml(cfg))
-        assert run is not None, f"seed {seed}: the run left no summary.json under {root}"
-        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
-    else:
-        print(f"  [seed {seed}] reusing {run}")
-    job = json.loads((run / "bench_job.json").read_text())
+    run, job = run_config(job_config(args, seed, learners), Path(args.out).resolve(), f"seed {seed}")
     rows = online_rows(args, run, learners, seed, ev)
-    phases = job_phases(run, {k: v for k, v in job.items() if k != "wall_s"}, job["wall_s"])
+    phases = job_phases(run, {k: job[k] for k in PEAK_KEYS}, job["wall_s"])
     if "dpo" in learners:
         rows.append(dpo_row(args, seed, run, ev, phases))
     return rows, {"seed": seed, "run": str(run), **phases}
@@ -245,22 +232,14 @@ def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[s
     """``dpo``: an offline DPO job on the frozen policy's trajectories of ``run``, then
     ``opentinker eval`` of its adapter with the online learners' final evaluation."""
     out = Path(args.out).resolve()
-    root = out / "runs"
-    off_cfg = dpo_config(args, seed, run)
-    off = finished_run(root, "compare_dpo", seed, to_toml(off_cfg))
-    if off is None:
-        path = out / f"compare_dpo_seed{seed}.toml"
-        path.write_bytes(to_toml(off_cfg))
+    try:
+        off, job = run_config(dpo_config(args, seed, run), out, f"seed {seed} dpo")
+    except RuntimeError as e:  # e.g. no pair of trajectories with different outcomes
         log = out / f"compare_dpo_seed{seed}.log"
-        try:
-            wall, mem = run_logged(opentinker("run", str(path)), log, f"seed {seed} dpo")
-        except RuntimeError as e:  # e.g. no pair of trajectories with different outcomes
-            reason = next((ln for ln in reversed(log.read_text().splitlines()) if ln.strip()), str(e))
-            print(f"  [seed {seed} dpo] failed: {reason}")
-            return {"learner": "dpo", "seed": seed, "error": reason}
-        off = finished_run(root, "compare_dpo", seed, to_toml(off_cfg))
-        assert off is not None
-        (off / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
+        lines = log.read_text().splitlines() if log.is_file() else []
+        reason = next((ln for ln in reversed(lines) if ln.strip()), str(e))
+        print(f"  [seed {seed} dpo] failed: {reason}")
+        return {"learner": "dpo", "seed": seed, "error": reason}
     report = off / "eval.json"
     if not report.is_file():
         cmd = opentinker("eval", str(off), "--vs", "random", "--games-per-stratum", str(args.final_hands),
@@ -268,7 +247,6 @@ def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[s
                          *(["--threads", str(args.threads)] if args.threads else []))
         run_logged(cmd, out / f"compare_dpo_eval_seed{seed}.log", f"seed {seed} dpo eval")
     metrics = json.loads(report.read_text())["metrics"]
-    job = json.loads((off / "bench_job.json").read_text())
     trains = [r for r in read_rows(off) if r["kind"] == "train"]
     first = next(r for r in read_rows(run) if r["kind"] == "eval")
     episodes = args.steps * args.groups_per_step * args.group_size

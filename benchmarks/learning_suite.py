@@ -34,14 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from _args import parse_args
-from _jobs import finished_run, opentinker, read_rows, run_logged
+from _jobs import PEAK_KEYS, opentinker, read_rows, run_logged, run_or_reuse
 from _machine import script_provenance
 
 import games
 from opentinker.config import load_config, to_toml
+from opentinker.eval.report import rating_history
 
 SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions", "prisoners_dilemma",
-         "liars_dice", "connect_four", "negotiation_three")
+         "liars_dice", "connect_four", "negotiation_three", "kuhn_pair")
 """The bundled jobs the suite runs by default, in its table's order."""
 
 
@@ -135,13 +136,9 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
             print(f"  [{job} seed {seed}] reused {result}")
             return row
     folder.mkdir(parents=True, exist_ok=True)
-    mem: dict[str, float] = {}
-    run = finished_run(folder, cfg.name, seed)
-    if run is None:
-        sets = [x for s in overrides(args, seed, folder) for x in ("--set", s)]
-        _, mem = run_logged(opentinker("run", job, *sets), folder / "run.log", f"{job} seed {seed}")
-        run = finished_run(folder, cfg.name, seed)
-        assert run is not None, f"{job} seed {seed}: the run finished but left no summary.json under {folder}"
+    sets = [x for s in overrides(args, seed, folder) for x in ("--set", s)]
+    run, info = run_or_reuse(opentinker("run", job, *sets), folder, cfg.name, seed, folder / "run.log", f"{job} seed {seed}")
+    mem = {k: info[k] for k in PEAK_KEYS if k in info}
     run_cfg = tomllib.loads((run / "config.toml").read_text())
     game = run_cfg["game"]
     ev = games.evaluation(game)
@@ -167,6 +164,8 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
                                       if "perf/scheduler_peak_rss_mb" in r), default=None),
         "curve": curve, "final": final, "eval_wall_s": report["wall_s"],
         "learned": {p: learned(curve[p], final[p], ev.unit, ev.competitive) for p in policies if curve[p]},
+        "ratings": [{"step": h["step"], "ratings": {p: list(h["ratings"][p]) for p in policies if p in h["ratings"]}}
+                    for h in rating_history(rows)],
     }
     result.write_text(json.dumps(row, indent=1))
     return row
@@ -190,53 +189,78 @@ SCHEDULER_BUDGET_MB = 4096
 """The issue's bound on a bundled job's scheduler (resident memory, SmolLM2-135M)."""
 
 
+def settled(history: list[dict[str, Any]]) -> bool | None:
+    """Whether every policy's rating has settled: at the last two evaluations its
+    Bradley-Terry ratings' 95% intervals (``history``: :func:`rating_history`'s, policies
+    only) overlap. None with fewer than two rated evaluations."""
+    if len(history) < 2:
+        return None
+    before, last = history[-2]["ratings"], history[-1]["ratings"]
+    return all(p in before and max(before[p][1], last[p][1]) <= min(before[p][2], last[p][2]) for p in last)
+
+
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Job -> seeds, whether every policy beat its untrained self (and random, in a
-    competitive game) on every seed, and the scheduler's highest peak over the seeds against
-    :data:`SCHEDULER_BUDGET_MB`."""
+    competitive game) on every seed, whether the ratings of a job with several policies
+    settled on every seed (:func:`settled`), and the scheduler's highest peak over the seeds
+    against :data:`SCHEDULER_BUDGET_MB`."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
         v = out.setdefault(r["job"], {"seeds": [], "every_seed": True, "scheduler_peak_mb": 0.0})
         v["seeds"].append(r["seed"])
         for ok in r["learned"].values():
             v["every_seed"] &= bool(ok["beats_untrained"]) and ok.get("beats_random", True)
+        if len(r["learned"]) > 1 and r.get("ratings"):
+            v["ratings_settled"] = v.get("ratings_settled", True) and bool(settled(r["ratings"]))
         v["scheduler_peak_mb"] = max(v["scheduler_peak_mb"], r.get("scheduler_peak_rss_mb") or 0.0)
         v["scheduler_under_budget"] = v["scheduler_peak_mb"] < SCHEDULER_BUDGET_MB
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
     """One panel per job: each seed's and policy's score against random by step, with its
-    95% interval as a band."""
+    95% interval as a band; for a job with several policies a second panel of their
+    Bradley-Terry ratings (logits against random) by step, with their intervals. Returns the
+    panels' titles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     jobs = list(dict.fromkeys(r["job"] for r in rows))
-    cols = min(3, len(jobs))
-    fig, axes = plt.subplots(math.ceil(len(jobs) / cols), cols, figsize=(4.4 * cols, 3.4 * math.ceil(len(jobs) / cols)),
-                             squeeze=False)
-    for ax, job in zip(axes.flat, jobs):
+    panels = [(job, kind) for job in jobs
+              for kind in ("curve", "ratings")
+              if kind == "curve" or any(r["job"] == job and len(r["curve"]) > 1 and r.get("ratings") for r in rows)]
+    cols = min(3, len(panels))
+    n_rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.4 * cols, 3.4 * n_rows), squeeze=False)
+    for ax, (job, kind) in zip(axes.flat, panels):
+        first = next(r for r in rows if r["job"] == job)
         for r in (r for r in rows if r["job"] == job):
-            for policy, curve in r["curve"].items():
-                x = [c["step"] for c in curve]
-                y = [c[r["unit"]] for c in curve]
-                lo = [c[r["unit"]] - c["ci95"] for c in curve]
-                hi = [c[r["unit"]] + c["ci95"] for c in curve]
+            series = ({p: [(c["step"], c[r["unit"]], c["ci95"]) for c in curve] for p, curve in r["curve"].items()}
+                      if kind == "curve" else
+                      {p: [(h["step"], h["ratings"][p][0], (h["ratings"][p][2] - h["ratings"][p][1]) / 2)
+                           for h in r["ratings"] if p in h["ratings"]] for p in r["curve"]})
+            for policy, points in series.items():
+                x, y, half = (list(v) for v in zip(*points)) if points else ([], [], [])
                 label = f"seed {r['seed']}" + (f" {policy}" if len(r["curve"]) > 1 else "")
                 (line,) = ax.plot(x, y, marker="o", ms=3, label=label)
-                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.12)
-        first = next(r for r in rows if r["job"] == job)
-        ax.set(title=f"{job} ({first['game']})", xlabel="step", ylabel=f"{first['label']} vs random")
+                ax.fill_between(x, [a - b for a, b in zip(y, half)], [a + b for a, b in zip(y, half)],
+                                color=line.get_color(), alpha=0.12)
+        if kind == "curve":
+            ax.set(title=f"{job} ({first['game']})", xlabel="step", ylabel=f"{first['label']} vs random")
+        else:
+            ax.set(title=f"{job}: ratings", xlabel="step", ylabel="Bradley-Terry logits (random = 0)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(jobs):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    titles = [ax.get_title() for ax in list(axes.flat)[:len(panels)]]
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return titles
 
 
 def main() -> None:

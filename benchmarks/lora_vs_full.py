@@ -48,22 +48,21 @@ from _args import parse_args
 
 from _machine import provenance  # isort: skip  (first: before torch)
 from _jobs import (
+    PEAK_KEYS,
     bootstrap_ci,
     eval_curve,
     final_metrics,
-    finished_run,
     job_phases,
     model_table,
-    opentinker,
     opponent_mix,
     read_rows,
-    run_logged,
+    run_config,
     to_target,
 )
 
 import games
 from games.tool_use import find_tool_use
-from opentinker.config import JobConfig, load_config, to_toml
+from opentinker.config import JobConfig, load_config
 
 KINDS = ("lora", "full")
 PAPER = {"speedup": 3.0, "memory_saving": 0.40}
@@ -184,40 +183,19 @@ def sft_config(args: Args, kind: str, seed: int) -> JobConfig:
     }, JobConfig)
 
 
-def run_job(args: Args, config: JobConfig, label: str) -> Path:
-    """The finished run of ``config`` (run now unless one with exactly this config is there),
-    with its wall time and peak memory in ``bench_job.json``."""
-    out = Path(args.out).resolve()
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    toml = to_toml(config)
-    run = finished_run(out / "runs", config.name, config.seed, toml)
-    if run is None:
-        path = out / f"{config.name}_seed{config.seed}.toml"
-        path.write_bytes(toml)
-        wall, mem = run_logged(opentinker("run", str(path)), out / f"{config.name}_seed{config.seed}.log", label)
-        run = finished_run(out / "runs", config.name, config.seed, toml)
-        assert run is not None, f"{label}: no summary.json under {out / 'runs'}"
-        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem}))
-    else:
-        print(f"  [{label}] reusing {run}")
-    return run
-
-
 def run_one(args: Args, kind: str, seed: int, ev: games.GameEval) -> dict[str, Any]:
     """One (kind, seed) run, after its SFT with ``--warm`` (each reused when its folder is
     already finished); its row."""
     sft: dict[str, Any] | None = None
     init = ""
     if args.warm:
-        sft_run = run_job(args, sft_config(args, kind, seed), f"{kind} seed {seed} sft")
+        sft_run, sft_job = run_config(sft_config(args, kind, seed), Path(args.out).resolve(), f"{kind} seed {seed} sft")
         summary = json.loads((sft_run / "summary.json").read_text())
-        sft_job = json.loads((sft_run / "bench_job.json").read_text())
         loss = "eval/main/sft/loss"
         sft = {**sft_job, "run": str(sft_run), "train_wall_s": summary["wall_s"],
                "loss_first": summary["first_eval"][loss], "loss_last": summary["last_eval"][loss]}
         init = summary["adapters"]["main"]
-    run = run_job(args, job_config(args, kind, seed, init), f"{kind} seed {seed}")
-    job = json.loads((run / "bench_job.json").read_text())
+    run, job = run_config(job_config(args, kind, seed, init), Path(args.out).resolve(), f"{kind} seed {seed}")
     rows = read_rows(run)
     trains = [r for r in rows if r["kind"] == "train"]
     curve = eval_curve(rows, "main", ev, args.groups_per_step * args.group_size)
@@ -226,7 +204,7 @@ def run_one(args: Args, kind: str, seed: int, ev: games.GameEval) -> dict[str, A
     if sft is not None:  # the SFT's time counts toward the target, and the larger peak is the kind's
         if target["wall_s_to_target"] is not None:
             target["wall_s_to_target"] += sft["train_wall_s"]
-        job = {**job, **{k: max(job[k], sft[k]) for k in ("peak_rss_total_mb", "peak_rss_largest_mb")}}
+        job = {**job, **{k: max(job[k], sft[k]) for k in PEAK_KEYS}}
     return {
         "learner": kind, "kind": kind, "seed": seed, "run": str(run), "curve": curve, "sft": sft,
         "final": final_metrics(next(r for r in reversed(rows) if r["kind"] == "eval"), "main", ev),
@@ -234,7 +212,7 @@ def run_one(args: Args, kind: str, seed: int, ev: games.GameEval) -> dict[str, A
         "learn_s_per_step": med("train/main/learn_s"),
         "train_tokens_per_s": statistics.median(r["train/main/n_loss_tokens"] / r["train/main/learn_s"] for r in trains),
         "decode_tokens_per_s": med("perf/engine/decode_tokens_per_s"),
-        **job_phases(run, {k: v for k, v in job.items() if k != "wall_s"}, job["wall_s"] + (sft or {}).get("wall_s", 0.0)),
+        **job_phases(run, {k: job[k] for k in PEAK_KEYS}, job["wall_s"] + (sft or {}).get("wall_s", 0.0)),
         **target,
     }
 

@@ -483,6 +483,8 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
     verdict = "\n".join(
         f"- `{job}` (seeds {', '.join(map(str, v['seeds']))}): "
         + ("learned on every seed" if v["every_seed"] else "did not learn on every seed")
+        + ("" if "ratings_settled" not in v else "; ratings " + (
+            "settled (the last two evaluations' intervals overlap)" if v["ratings_settled"] else "still moving"))
         + f"; scheduler peak {v['scheduler_peak_mb']:.0f} MB ("
         + ("under" if v.get("scheduler_under_budget") else "over") + " 4 GB)"
         for job, v in r["verdicts"].items())

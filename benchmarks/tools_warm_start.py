@@ -27,10 +27,10 @@ from _machine import provenance  # isort: skip  (first: before torch)
 from _jobs import (
     eval_curve,
     final_metrics,
-    finished_run,
     opentinker,
     read_rows,
     run_logged,
+    run_or_reuse,
 )
 
 import games
@@ -63,17 +63,8 @@ def run_job(args: Args, job: str, seed: int, extra: list[str]) -> tuple[Path, st
     root.mkdir(parents=True, exist_ok=True)
     sets = [f"seed={seed}", f"out_dir={root}", f"runtime.backend={args.backend}", *extra]
     cmd = opentinker("run", job, *(x for s in sets for x in ("--set", s)))
-    shown = shlex.join(["opentinker", *cmd[3:]])
-    run = finished_run(root, job, seed)
-    if run is None:
-        wall, _ = run_logged(cmd, root.parent / f"{job}_seed{seed}.log", f"{job} seed {seed}")
-        run = finished_run(root, job, seed)
-        assert run is not None, f"{job} seed {seed}: no summary.json under {root}"
-        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, "command": shown}))
-    else:
-        print(f"  [{job} seed {seed}] reusing {run}", flush=True)
-    job_info = json.loads((run / "bench_job.json").read_text())
-    return run, job_info["command"], job_info["wall_s"]
+    run, info = run_or_reuse(cmd, root, job, seed, root.parent / f"{job}_seed{seed}.log", f"{job} seed {seed}")
+    return run, info["command"], info["wall_s"]
 
 
 def sft_eval(args: Args, sft: Path, ev: games.GameEval) -> dict[str, Any] | None:

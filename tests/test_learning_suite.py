@@ -42,6 +42,38 @@ def test_verdicts_need_every_seed_and_every_policy() -> None:
                  "b": {"seeds": [0], "every_seed": False, "scheduler_peak_mb": 5000.0, "scheduler_under_budget": False}}
 
 
+def _history(*points: dict[str, tuple[float, float, float]]) -> list[dict]:
+    return [{"step": 10 * i, "ratings": {p: list(r) for p, r in pt.items()}} for i, pt in enumerate(points)]
+
+
+def test_ratings_settle_when_the_last_two_intervals_overlap() -> None:
+    points = [{"a": (0.0, -0.2, 0.2), "b": (0.0, -0.2, 0.2)}, {"a": (1.0, 0.7, 1.3), "b": (0.1, -0.1, 0.3)}]
+    assert ls.settled(_history(*points)) is False  # a's intervals [-0.2, 0.2] and [0.7, 1.3] are apart
+    still = _history(*points, {"a": (1.2, 0.9, 1.5), "b": (0.3, 0.0, 0.6)})
+    assert ls.settled(still) is True
+    assert ls.settled(still[:1]) is None  # one evaluation: nothing to compare
+    new_player = _history({"a": (0.0, -0.2, 0.2)}, {"a": (0.0, -0.2, 0.2), "b": (0.0, -0.2, 0.2)})
+    assert ls.settled(new_player) is False  # b has no earlier rating
+
+
+def test_a_pair_job_gets_a_ratings_verdict_and_panel(tmp_path) -> None:
+    ok = {"beats_untrained": True, "beats_random": True}
+    curve = {p: [{"step": 0, "chips": -0.2, "ci95": 0.1}, {"step": 10, "chips": 0.3, "ci95": 0.1}] for p in "ab"}
+    settled = _history({"a": (0.5, 0.2, 0.8), "b": (0.4, 0.1, 0.7)}, {"a": (0.6, 0.3, 0.9), "b": (0.5, 0.2, 0.8)})
+    moving = _history({"a": (0.0, -0.2, 0.2), "b": (0.4, 0.1, 0.7)}, {"a": (1.0, 0.7, 1.3), "b": (0.5, 0.2, 0.8)})
+    base = {"job": "pair", "game": "kuhn_poker_v0", "unit": "chips", "label": "chips/hand", "curve": curve,
+            "learned": {"a": ok, "b": ok}, "scheduler_peak_rss_mb": 900.0}
+    rows = [{**base, "seed": 0, "ratings": settled}, {**base, "seed": 1, "ratings": moving},
+            {**base, "job": "solo", "seed": 0, "curve": {"a": curve["a"]}, "learned": {"a": ok}, "ratings": settled}]
+    v = ls.verdicts(rows)
+    assert v["pair"]["ratings_settled"] is False  # seed 1's a moved
+    assert "ratings_settled" not in v["solo"]  # one policy: no pair to settle
+    assert ls.verdicts(rows[:1])["pair"]["ratings_settled"] is True
+    png = tmp_path / "suite.png"
+    assert ls.plot(rows, png) == ["pair (kuhn_poker_v0)", "pair: ratings", "solo (kuhn_poker_v0)"]
+    assert png.stat().st_size > 10_000
+
+
 def test_every_suite_job_is_bundled() -> None:
     from opentinker.config import bundled_configs
 
