@@ -24,12 +24,12 @@ the machine; the plot draws each job's curves, one line per seed and policy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import math
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions
 """The bundled jobs the suite runs by default, in its table's order."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     jobs: str = ",".join(SUITE)
     seeds: str = "0,1,2"
@@ -115,6 +115,46 @@ def learned(curve: list[dict[str, float]], final: dict[str, dict[str, float]], u
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A job's target (the issue's, with its anchor): every policy's final score against
+    random at least ``vs_random``; at least ``drawn`` of its games against the scripted seat
+    ``drawn_vs`` drawn; the run's wall time at most ``minutes``."""
+
+    vs_random: float | None = None
+    drawn_vs: str = ""
+    drawn: float = 0.0
+    minutes: float | None = None
+    anchor: str = ""
+
+
+TARGETS = {
+    "default": Target(vs_random=0.30, anchor="+0.30 chips/hand against random on every seed"),
+    "tictactoe": Target(vs_random=0.6, drawn_vs="tictactoe_minimax", drawn=0.5, minutes=30.0,
+                        anchor="tinker-cookbook's recipe draws every game against minimax by step 40 (a 4B "
+                               "model); here: +0.6 against random, half drawn against minimax, in 30 minutes"),
+}
+"""The jobs with a target to meet besides learning, by job name."""
+
+
+def meets(row: dict[str, Any], target: Target) -> dict[str, Any]:
+    """Each of ``target``'s checks on a seed's row (its final evaluation and wall time): the
+    value, and ``met`` when every check holds for every policy."""
+    checks: dict[str, Any] = {}
+    for policy, final in row["final"].items():
+        if target.vs_random is not None:
+            checks[f"{policy}/vs_random"] = final["random"][row["unit"]]
+        if target.drawn_vs:
+            m = final[target.drawn_vs]
+            checks[f"{policy}/drawn_vs_{target.drawn_vs}"] = m["draws"] / (m["wins"] + m["draws"] + m["losses"])
+    met = all(v >= target.vs_random for k, v in checks.items() if k.endswith("/vs_random"))
+    met &= all(v >= target.drawn for k, v in checks.items() if "/drawn_vs_" in k)
+    if target.minutes is not None:
+        checks["minutes"] = row["wall_s"] / 60
+        met &= checks["minutes"] <= target.minutes
+    return {**checks, "met": met}
+
+
 @functools.cache
 def config_sha256(job: str) -> str:
     """The hash of ``job``'s bundled config as it stands: a seed run under another config
@@ -173,11 +213,13 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
 
 def gather(out: Path) -> list[dict[str, Any]]:
     """Every seed's result under ``out`` made with its job's config as it stands now, in the
-    suite's job order, then by seed."""
+    suite's job order, then by seed; a job with a target gets its checks (:func:`meets`)."""
     rows = []
     for p in sorted(out.glob("*/seed*/result.json")):
         row = json.loads(p.read_text())
         if row["job"] in SUITE and row["key"].get("config_sha256") == config_sha256(row["job"]):
+            if row["job"] in TARGETS:
+                row["target"] = meets(row, TARGETS[row["job"]])
             rows.append(row)
         else:
             print(f"  skipped {p}: made with another config of {row['job']}")
@@ -202,7 +244,8 @@ def settled(history: list[dict[str, Any]]) -> bool | None:
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Job -> seeds, whether every policy beat its untrained self (and random, in a
     competitive game) on every seed, whether the ratings of a job with several policies
-    settled on every seed (:func:`settled`), and the scheduler's highest peak over the seeds
+    settled on every seed (:func:`settled`), whether a job with a target (:data:`TARGETS`)
+    met it on every seed, and the scheduler's highest peak over the seeds
     against :data:`SCHEDULER_BUDGET_MB`."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -210,6 +253,8 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         v["seeds"].append(r["seed"])
         for ok in r["learned"].values():
             v["every_seed"] &= bool(ok["beats_untrained"]) and ok.get("beats_random", True)
+        if "target" in r:
+            v["target_every_seed"] = v.get("target_every_seed", True) and bool(r["target"]["met"])
         if len(r["learned"]) > 1 and r.get("ratings"):
             v["ratings_settled"] = v.get("ratings_settled", True) and bool(settled(r["ratings"]))
         v["scheduler_peak_mb"] = max(v["scheduler_peak_mb"], r.get("scheduler_peak_rss_mb") or 0.0)
@@ -278,6 +323,7 @@ def main() -> None:
                 print(f"  [{job} seed {seed}] failed: {e}")
     rows = gather(Path(args.out))
     out = {"provenance": script_provenance(args), "note": args.note, "suite": list(SUITE),
+           "targets": {job: dataclasses.asdict(t) for job, t in TARGETS.items()},
            "verdicts": verdicts(rows), "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -483,12 +483,30 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
     verdict = "\n".join(
         f"- `{job}` (seeds {', '.join(map(str, v['seeds']))}): "
         + ("learned on every seed" if v["every_seed"] else "did not learn on every seed")
+        + ("" if "target_every_seed" not in v else "; target " + (
+            "met on every seed" if v["target_every_seed"] else "not met on every seed"))
         + ("" if "ratings_settled" not in v else "; ratings " + (
             "settled (the last two evaluations' intervals overlap)" if v["ratings_settled"] else "still moving"))
         + f"; scheduler peak {v['scheduler_peak_mb']:.0f} MB ("
         + ("under" if v.get("scheduler_under_budget") else "over") + " 4 GB)"
         for job, v in r["verdicts"].items())
-    return head + table(header, rows) + "\n" + verdict + "\n"
+    targets = "\n".join(_suite_target(row, r["targets"][row["job"]]) for row in r["rows"] if "target" in row)
+    return head + table(header, rows) + "\n" + verdict + "\n" + (f"\nTargets:\n\n{targets}\n" if targets else "")
+
+
+def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
+    """A seed's line of the suite's targets: each check's value beside its threshold."""
+    checks = row["target"]
+    parts = []
+    for key, value in checks.items():
+        if key.endswith("/vs_random"):
+            parts.append(f"{key.split('/')[0]} {value:+.3f} against random (target {target['vs_random']:+.2f})")
+        elif "/drawn_vs_" in key:
+            parts.append(f"{pct(value)} of games against `{target['drawn_vs']}` drawn (target {pct(target['drawn'])})")
+        elif key == "minutes":
+            parts.append(f"{value:.1f} min (target {target['minutes']:.0f})")
+    return (f"- `{row['job']}` seed {row['seed']}: " + ", ".join(parts) + ": "
+            + ("met" if checks["met"] else "not met") + f" ({target['anchor']})")
 
 
 TOOLS_FAILURES = {"invalid_call": "invalid call", "no_number": "no number", "wrong_after_call": "result miscopied",

@@ -74,6 +74,21 @@ def test_a_pair_job_gets_a_ratings_verdict_and_panel(tmp_path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_targets_check_every_policy_and_the_time() -> None:
+    minimax = {"wins": 0.0, "draws": 12.0, "losses": 8.0, "score": -0.4, "ci95": 0.2}
+    row = {"unit": "score", "wall_s": 1700.0,
+           "final": {"main": {"random": {"score": 0.65, "ci95": 0.1}, "tictactoe_minimax": minimax}}}
+    ttt = ls.TARGETS["tictactoe"]
+    out = ls.meets(row, ttt)
+    assert out == {"main/vs_random": 0.65, "main/drawn_vs_tictactoe_minimax": pytest.approx(0.6),
+                   "minutes": pytest.approx(1700 / 60), "met": True}
+    assert not ls.meets({**row, "wall_s": 1900.0}, ttt)["met"]  # 31.7 minutes
+    few_draws = {"main": {**row["final"]["main"], "tictactoe_minimax": {**minimax, "draws": 9.0, "losses": 11.0}}}
+    assert not ls.meets({**row, "final": few_draws}, ttt)["met"]  # 45% drawn
+    kuhn = {"unit": "chips", "wall_s": 600.0, "final": {"main": {"random": {"chips": 0.289, "ci95": 0.096}}}}
+    assert ls.meets(kuhn, ls.TARGETS["default"]) == {"main/vs_random": 0.289, "met": False}
+
+
 def test_every_suite_job_is_bundled() -> None:
     from opentinker.config import bundled_configs
 
@@ -116,6 +131,8 @@ def test_results_of_another_config_are_not_gathered(tmp_path) -> None:
     for name, key_sha in (("seed0-current", sha), ("seed1-stale", "0" * 64)):
         folder = tmp_path / "default" / name
         folder.mkdir(parents=True)
-        (folder / "result.json").write_text(json.dumps({"job": "default", "seed": int(name[4]),
-                                                        "key": {"config_sha256": key_sha}}))
-    assert [r["seed"] for r in ls.gather(tmp_path)] == [0]
+        (folder / "result.json").write_text(json.dumps({
+            "job": "default", "seed": int(name[4]), "key": {"config_sha256": key_sha}, "unit": "chips",
+            "wall_s": 600.0, "final": {"main": {"random": {"chips": 0.35, "ci95": 0.1}}}}))
+    (row,) = ls.gather(tmp_path)
+    assert row["seed"] == 0 and row["target"] == {"main/vs_random": 0.35, "met": True}
