@@ -24,6 +24,12 @@ every message stands alone. Empty cells show their number (the number is the mov
   in a row.", "Draw: the board is full.", "Your reply was invalid, a forfeit. You lose." or
   "Opponent's reply was invalid, a forfeit. You win."
 
+**Brief messages.** `env(brief=True)`: once a seat has moved it has read the header and the
+instruction in its conversation, so its later messages carry only the news and the board:
+"Opponent took cell 3.\n1 2 X\n4 O 6\n7 8 9" (24 tokens of SmolLM2's instead of 51), the
+board and "Waiting for the opponent." when not to act, the board and the result at the end.
+A game's conversation is about a third shorter, and so is every step that trains on it.
+
 **Legal replies.** A cell is mentioned by a digit 1-9 standing alone (not part of a longer
 number) within the first 512 characters: "5", "Cell 5.", "I take cell 5!" all mean cell 5;
 "10" mentions no cell. The reply is a move when exactly one distinct cell is mentioned and
@@ -46,7 +52,7 @@ cell as a string, "invalid", or None if it never moved).
 search (memoized: 5,478 positions), preferring faster wins and slower losses;
 `minimax_move` the lowest of them. Optimal play never loses; both seats optimal is a draw.
 
-**Version history.** v0: initial release.
+**Version history.** v0: initial release; `brief` added (default off: the messages as before).
 """
 
 from __future__ import annotations
@@ -162,8 +168,11 @@ class raw_env(TextAECEnv):
 
     metadata = {"name": "tictactoe_v0", "is_parallelizable": False, "render_modes": ["ansi"]}
 
-    def __init__(self, render_mode: str | None = None) -> None:
+    def __init__(self, render_mode: str | None = None, brief: bool = False) -> None:
         super().__init__(AGENTS, MAX_TEXT, render_mode)
+        if not isinstance(brief, bool):
+            raise ValueError(f"brief must be true or false, got {brief!r}")
+        self.brief = brief
         self._board = EMPTY * 9
         self._last_cell: int | None = None
 
@@ -235,24 +244,38 @@ class raw_env(TextAECEnv):
             self.infos[agent] = info
 
     def _text(self, agent: str) -> str:
-        intro = f"{HEADER} You are {MARKS[self._seat(agent)]}."
         board = render_board(self._board)
+        if self.brief and MARKS[self._seat(agent)] in self._board:
+            # The seat has moved, so it read the header and the instruction in an earlier
+            # message of its conversation: only the news and the board.
+            return self._brief_text(agent, board)
+        intro = f"{HEADER} You are {MARKS[self._seat(agent)]}."
         if self._done():
-            reason, winner = self._reason(), self._winner()
-            if reason == "forfeit":
-                if self._forfeiter == agent:
-                    result = "Your reply was invalid, a forfeit. You lose."
-                else:
-                    result = "Opponent's reply was invalid, a forfeit. You win."
-            elif reason == "draw":
-                result = "Draw: the board is full."
-            else:
-                result = f"You {'win' if winner == agent else 'lose'}: three in a row."
-            return f"{intro}\n{board}\n{result}"
+            return f"{intro}\n{board}\n{self._result(agent)}"
         if agent != self.agent_selection:
             return f"{intro}\n{board}\nWaiting for the opponent."
         took = f" Opponent took cell {self._last_cell}." if self._last_cell is not None else ""
         return f"{intro}{took}\n{board}\n{INSTRUCTION}"
+
+    def _brief_text(self, agent: str, board: str) -> str:
+        """``brief``'s message to a seat that has moved: the opponent's last cell when it is
+        the seat's turn, the board, and the result at the end."""
+        if self._done():
+            return f"{board}\n{self._result(agent)}"
+        if agent != self.agent_selection:
+            return f"{board}\nWaiting for the opponent."
+        return f"Opponent took cell {self._last_cell}.\n{board}"
+
+    def _result(self, agent: str) -> str:
+        """The last line of a finished game's message to ``agent``."""
+        reason, winner = self._reason(), self._winner()
+        if reason == "forfeit":
+            if self._forfeiter == agent:
+                return "Your reply was invalid, a forfeit. You lose."
+            return "Opponent's reply was invalid, a forfeit. You win."
+        if reason == "draw":
+            return "Draw: the board is full."
+        return f"You {'win' if winner == agent else 'lose'}: three in a row."
 
 
 def env(**kwargs: Any) -> AECEnv[str, dict[str, str], str]:

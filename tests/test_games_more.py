@@ -84,6 +84,31 @@ def test_tictactoe_texts_and_infos() -> None:
     assert (info["winner"], info["reason"], info["last_action"]) == (O, "line", "3")
 
 
+def test_tictactoe_brief_messages_after_a_seats_first_move() -> None:
+    env = games.make("tictactoe_v0", brief=True)
+    env.reset()
+    full_x = "Tic-tac-toe. You are X.\n1 2 3\n4 5 6\n7 8 9\nReply with the number of an empty cell (1-9)."
+    assert env.observe(X)["text"] == full_x  # no move yet: the whole message
+    env.step("5")
+    assert env.observe(O)["text"] == (  # O's first message is whole too
+        "Tic-tac-toe. You are O. Opponent took cell 5.\n1 2 3\n4 X 6\n7 8 9\n"
+        "Reply with the number of an empty cell (1-9).")
+    assert env.observe(X)["text"] == "1 2 3\n4 X 6\n7 8 9\nWaiting for the opponent."
+    env.step("1")
+    assert env.observe(X)["text"] == "Opponent took cell 1.\nO 2 3\n4 X 6\n7 8 9"
+    assert env.infos[X]["legal_moves"] == ["2", "3", "4", "6", "7", "8", "9"]  # infos as before
+    for cell in ("2", "4", "3", "7"):
+        env.step(cell)
+    assert env.observe(X)["text"] == "O X X\nO X 6\nO 8 9\nYou lose: three in a row."
+    assert env.observe(O)["text"] == "O X X\nO X 6\nO 8 9\nYou win: three in a row."
+    assert env.rewards == {X: -1, O: 1}
+    with pytest.raises(ValueError, match="brief must be true or false, got 'yes'"):
+        games.make("tictactoe_v0", brief="yes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Text spaces are not Box/Discrete
+        api_test(games.make("tictactoe_v0", brief=True), num_cycles=300)
+
+
 @pytest.mark.parametrize(
     ("replies", "rx", "reason"),
     [
