@@ -216,6 +216,12 @@ class TrainConfig(_Config):
     """Groups of episodes per policy per step; a group shares deal, seats and opponent."""
     group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)] = 4
     """Episodes per group (differing only in sampling seeds): advantages are group-relative."""
+    opponent_draws: Literal["episode", "group"] = "episode"
+    """Where a scripted opponent's random draws come from in training: ``episode``, each
+    episode its own stream; ``group``, one stream per group (common random numbers): given
+    the same moves the opponent answers the same, so a group's outcomes differ by the
+    policy's choices and not by the opponent's luck (against ``random`` most of a group's
+    spread is luck otherwise). Evaluations always draw per episode."""
     advantage: str = "dr_grpo"
     """Advantage estimator, a name in ``learners.ADVANTAGES``: ``dr_grpo``, ``grpo``, ``rloo``
     (group-relative), ``reinforce_ema`` (moving-average baseline), ``role_ema`` (one baseline
@@ -381,7 +387,8 @@ def opponent_pool(cfg: JobConfig, policy: str, step: int) -> list[str]:
     return pool
 
 
-SCHEDULE_FIELDS = ("steps", "checkpoint_every", "groups_per_step", "group_size", "record_trajectories")
+SCHEDULE_FIELDS = ("steps", "checkpoint_every", "groups_per_step", "group_size", "opponent_draws",
+                   "record_trajectories")
 """``[train]`` fields that every policy shares (the others a policy may override)."""
 
 

@@ -565,6 +565,10 @@ class RunEpisodes(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Probability that a training decision of a learner's seat replies with one of the
     observation's legal moves, drawn uniformly, instead of a sample (scored by the policy:
     its ``sampler_logprobs`` are the policy's teacher-forced log-probs of that reply)."""
+    group_draws: bool = False
+    """Scripted seats of the episodes of one group draw from one random stream (seeded by the
+    group, not the episode): given the same moves they answer the same (common random
+    numbers). False: each episode its own stream."""
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):

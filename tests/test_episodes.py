@@ -120,3 +120,39 @@ def test_an_invalid_reply_is_counted_and_a_bad_episode_is_refused(chat_tok):
     exploring = msgspec.structs.replace(msg, explore=0.5)
     with pytest.raises(ValueError, match="needs a score function"):
         run(play_episode(spec, exploring, chat_tok, sample))
+
+
+def test_group_draws_give_a_groups_episodes_one_opponent(chat_tok):
+    """With ``group_draws`` the random opponent of a training group's episodes draws from the
+    group's stream: the learner playing the same moves meets the same replies (common random
+    numbers), so every episode ends alike; per-episode streams differ, and an evaluation
+    always draws per episode."""
+    main = PolicyRef(kind=PolicyKind.ADAPTER, name="main")
+    rand = PolicyRef(kind=PolicyKind.SCRIPTED, name="random")
+
+    calls: list[int] = []
+
+    async def sample(ref, prompt, params):  # check first (player_0 acts first), then call
+        word = "call" if calls else "check"
+        calls.append(1)
+        toks = np.asarray([*chat_tok.encode(word), chat_tok.eos_id], np.int32)
+        return SampleResult(tokens=[toks], logprobs=[np.zeros(len(toks), np.float32)],
+                            stop_reasons=[StopReason.STOP], adapter_version=0, batch_id=0)
+
+    def outcomes(group_draws: bool, train: bool) -> list[tuple[str, ...]]:
+        specs = [EpisodeSpec(episode_id=100 + i, group_id=7, game="kuhn_poker_v0", seed=11, train=train,
+                             game_kwargs={"deal": DEALS.index((2, 1))}, seats={"player_0": main, "player_1": rand})
+                 for i in range(12)]
+        msg = RunEpisodes(episodes=specs, sampling=SamplingParams(max_tokens=4), system_prompt="You play poker.",
+                          learners={"main": "tcp://127.0.0.1:1"}, group_draws=group_draws)
+        out = []
+        for spec in specs:
+            calls.clear()
+            summary, _ = run(play_episode(spec, msg, chat_tok, sample))
+            assert summary.invalid == {"player_0": 0, "player_1": 0}
+            out.append(tuple(line for line in summary.transcript if line.startswith("player_1 [scripted")))
+        return out
+
+    assert len(set(outcomes(group_draws=True, train=True))) == 1
+    assert len(set(outcomes(group_draws=False, train=True))) == 2  # the opponent checks or bets
+    assert len(set(outcomes(group_draws=True, train=False))) == 2

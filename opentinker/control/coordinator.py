@@ -197,7 +197,8 @@ class Coordinator:
                     lambda m, r=r: r.request(m, timeout),
                     RunEpisodes(episodes=part, sampling=self.sampling, system_prompt=self.cfg.system_prompt,
                                 learners=learners, step=step, progress=progress,
-                                explore=self.cfg.sampling.explore if train else 0.0),
+                                explore=self.cfg.sampling.explore if train else 0.0,
+                                group_draws=train and self.cfg.train.opponent_draws == "group"),
                     concurrent=True,
                 )
                 for r, part in zip(self.runners, parts)

@@ -292,7 +292,10 @@ def _start_episode(spec: EpisodeSpec, msg: RunEpisodes, tok: ChatTokenizer, scor
         if agent not in agents:
             raise ValueError(f"episode {spec.episode_id}: {spec.game} has no seat {agent!r}")
     scripted = {a: scripted_seat(ref) for a, ref in spec.seats.items() if ref.kind is PolicyKind.SCRIPTED}
-    rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, spec.episode_id, 7])
+    # Scripted seats' stream: the episode's, or the group's shared by its episodes (common
+    # random numbers, training only).
+    stream = spec.group_id if msg.group_draws and spec.train else spec.episode_id
+    rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, stream, 7])
     tool_use = find_tool_use(env)
     shown = {a for a, ref in spec.seats.items() if a in scripted and ref.name in msg.learners}
     renderers = {a: SeatRenderer(tok, msg.system_prompt, tool_use.schemas(a) if tool_use else ())
