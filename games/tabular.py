@@ -251,10 +251,17 @@ class TabularGame:
 
 def poker_evaluation(game: TabularGame, decisions: Callable[[], list[Decision]], starts: tuple[dict[str, Any], ...],
                      scripted: tuple[str, ...]) -> GameEval:
-    """The evaluation hook of a poker game on ``game``: chips per hand over ``starts``, and the
-    exact exploitability (NashConv / 2) at ``decisions()``, with the payoff and the best
-    response the all-actions updates and the ``best_response`` opponent use."""
-    uniform = game.exploitability(game.uniform())
+    """The evaluation hook of a poker game on ``game``: chips per hand over ``starts``; at
+    ``decisions()`` the exact exploitability (NashConv / 2), with the payoff and the best
+    response the all-actions updates and the ``best_response`` opponent use, and the exact
+    chips per hand against the random opponent (uniform over the legal moves, each seat
+    equally often) of the policy's legal moves, renormalised: the number a sampled
+    evaluation against random estimates, without its noise, for a policy that replies
+    validly."""
+    uniform_play = game.uniform()
+    uniform = game.exploitability(uniform_play)
+    best_vs_random = game.payoff({s: {m: float(m == move) for m in moves} for s, moves in uniform_play.items()
+                                  for move in [game.best_responses(uniform_play)[s]]}, uniform_play)
     return GameEval(
         unit="chips",
         per="hand",
@@ -272,6 +279,14 @@ def poker_evaluation(game: TabularGame, decisions: Callable[[], list[Decision]],
                 description="exploitability (NashConv/2)",
                 payoff=game.payoff,
                 best_response=game.best_responses,
+            ),
+            ExactMeasure(
+                name="value_vs_random",
+                decisions=decisions,
+                value=lambda dist: game.payoff(dist, uniform_play),
+                better="higher",
+                references={"best response to random": best_vs_random, "uniform play": 0.0},
+                description="chips/hand vs random, exact",
             ),
         ),
     )

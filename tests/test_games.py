@@ -236,6 +236,36 @@ def test_expected_value_matches_simulation() -> None:
     assert total / hands == pytest.approx(expected_value(eq, eq), abs=0.05)
 
 
+def test_exact_value_against_random_matches_play_against_the_random_seat() -> None:
+    """The hook's ``value_vs_random``: 0 for uniform play, 11/24 for the best response to
+    random, 3/8 for always bet / call, which the scripted random seat confirms over hands
+    in both seats."""
+    from games.kuhn_poker import GAME
+
+    measure = games.evaluation("kuhn_poker_v0").measure("value_vs_random")
+    uniform = GAME.uniform()
+    assert measure.value(uniform) == pytest.approx(0.0, abs=1e-12)
+    br = GAME.best_responses(uniform)
+    assert measure.value({s: {m: float(m == br[s]) for m in d} for s, d in uniform.items()}) == pytest.approx(11 / 24)
+    bet_call = {s: {m: float(m == ("bet" if "bet" in d else "call")) for m in d} for s, d in uniform.items()}
+    assert measure.value(bet_call) == pytest.approx(3 / 8)
+    env, rng, rand = games.make("kuhn_poker_v0"), np.random.default_rng(0), RandomPolicy()
+    total, hands = 0.0, 4000
+    for hand in range(hands):
+        env.reset(seed=hand)
+        me = env.possible_agents[hand % 2]
+        for agent in env.agent_iter(max_iter=10):
+            obs, reward, term, trunc, info = env.last()
+            total += reward if agent == me else 0.0
+            if term or trunc:
+                env.step(None)
+            elif agent == me:
+                env.step("bet" if "bet" in info["legal_moves"] else "call")
+            else:
+                env.step(rand.act(obs["text"], info, rng))
+    assert total / hands == pytest.approx(3 / 8, abs=0.06)  # 4000 hands: a standard error of 0.02
+
+
 def test_decision_dialogues() -> None:
     decisions = decision_dialogues()
     assert [d.infostate for d in decisions] == list(INFO_STATES)

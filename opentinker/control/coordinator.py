@@ -389,8 +389,11 @@ class Coordinator:
         scheduler's teacher-forced log-probs of every legal move's canonical reply, with the
         mass on those replies (``canonical_mass``) and the adapter version scored."""
         out: dict[str, float] = {}
+        scored: dict[Any, tuple[Distribution, float, int]] = {}
         for m in self.game_eval.exact:
-            dist, mass, version = await self._distribution(policy, m)
+            if m.decisions not in scored:  # measures at the same decisions share one scoring
+                scored[m.decisions] = await self._distribution(policy, m)
+            dist, mass, version = scored[m.decisions]
             out[f"eval/{policy}/{m.name}"] = float(m.value(dist))
             out[f"eval/{policy}/canonical_mass"] = mass
             out[f"eval/{policy}/version"] = version
