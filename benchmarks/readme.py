@@ -501,6 +501,8 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
     for key, value in checks.items():
         if key.endswith("/vs_random"):
             parts.append(f"{key.split('/')[0]} {value:+.3f} against random (target {target['vs_random']:+.2f})")
+        elif key.endswith("/vs_random_exact"):
+            parts.append(f"exactly {value:+.3f} (`{target['exact_vs_random']}`: decides)")
         elif "/drawn_vs_" in key:
             parts.append(f"{pct(value)} of games against `{target['drawn_vs']}` drawn (target {pct(target['drawn'])})")
         elif key == "minutes":

@@ -87,6 +87,10 @@ def test_targets_check_every_policy_and_the_time() -> None:
     assert not ls.meets({**row, "final": few_draws}, ttt)["met"]  # 45% drawn
     kuhn = {"unit": "chips", "wall_s": 600.0, "final": {"main": {"random": {"chips": 0.289, "ci95": 0.096}}}}
     assert ls.meets(kuhn, ls.TARGETS["default"]) == {"main/vs_random": 0.289, "met": False}
+    # The exact value of the same policy, where the row has it, decides (no sampling noise).
+    exact = {**kuhn, "exact": {"main": {"value_vs_random": 0.375, "exploitability": 1 / 3}}}
+    assert ls.meets(exact, ls.TARGETS["default"]) == {"main/vs_random": 0.289, "main/vs_random_exact": 0.375,
+                                                      "met": True}
 
 
 def test_every_suite_job_is_bundled() -> None:
