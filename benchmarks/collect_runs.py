@@ -18,23 +18,47 @@ from _machine import script_provenance
 import games
 
 
+def eval_curve(rows: list[dict], unit: str) -> list[dict]:
+    """Every evaluation of the run: step, and per policy and opponent the unit, its 95%
+    interval, the invalid rate and wins / draws / losses where the game counts them."""
+    keep = (unit, "ci95", "invalid_rate", "wins", "draws", "losses")
+    return [{"step": r["step"], **{k: v for k, v in r.items()
+                                   if k.startswith("eval/") and "/vs_" in k and k.rsplit("/", 1)[1] in keep}}
+            for r in rows if r.get("kind") == "eval"]
+
+
 def run_row(folder: Path) -> dict:
+    """A run's row. A run stopped before its end (no ``summary.json``) is kept as far as it
+    went: ``finished`` false, its last evaluation the latest one, no wall time."""
     cfg = tomllib.loads((folder / "config.toml").read_text())
-    summary = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [{k: v for k, v in r.items() if k not in ("step", "kind")} for r in rows if r.get("kind") == "eval"]
+    summary_file = folder / "summary.json"
+    summary = (json.loads(summary_file.read_text()) if summary_file.is_file()
+               else {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}, "wall_s": None})
     train = [r for r in rows if r.get("kind") == "train"]
     phases = {k: statistics.median(r[k] for r in train) for k in ("timing_s/rollout", "timing_s/learn")
               if train and all(k in r for r in train)}
+    unit = games.evaluation(cfg["game"]).unit
     return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
-            "game": cfg["game"], "unit": games.evaluation(cfg["game"]).unit,
+            "finished": summary_file.is_file(), "game": cfg["game"], "unit": unit,
             "machine": summary.get("machine"),  # the run's own record (runs before it had none)
             "commit": summary.get("commit"),
             "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
                        "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
+                       "explore": cfg["sampling"].get("explore", 0.0),
                        "steps": cfg["train"]["steps"], "lr_schedule": cfg["train"].get("lr_schedule", "constant"),
+                       "groups_per_step": cfg["train"]["groups_per_step"], "group_size": cfg["train"]["group_size"],
+                       "opponent_draws": cfg["train"].get("opponent_draws", "episode"),
+                       "game_kwargs": cfg.get("game_kwargs", {}),
                        "all_actions": cfg["train"].get("all_actions", 0.0),
                        "opponents": {p["name"]: p.get("opponents", {}) for p in cfg.get("policies", [])}},
-            "wall_s": summary["wall_s"], "median_s_per_step": phases,
+            "wall_s": summary["wall_s"],
+            # Training and evaluation time by the run's own timers (startup left out): a stopped
+            # run's time too.
+            "steps_and_evals_s": sum(r.get("timing_s/rollout", 0.0) + r.get("timing_s/learn", 0.0)
+                                     + r.get("timing_s/eval", 0.0) for r in rows),
+            "median_s_per_step": phases, "curve": eval_curve(rows, unit),
             "first_eval": summary["first_eval"], "last_eval": summary["last_eval"]}
 
 
@@ -53,7 +77,8 @@ def main() -> None:
         ev, p = r["last_eval"], "eval/main/vs_random/"
         print(f"{r['run']}: seed {r['seed']} engine {r['model'].get('engine', 'auto')} {r['config']}: "
               f"{ev[p + r['unit']]:+.3f} ± {ev[p + 'ci95']:.3f} {r['unit']} vs random, "
-              f"{100 * ev[p + 'invalid_rate']:.1f}% invalid, {r['wall_s']:.0f} s")
+              f"{100 * ev[p + 'invalid_rate']:.1f}% invalid, "
+              + (f"{r['wall_s']:.0f} s" if r["finished"] else f"stopped after step {r['steps']}"))
 
 
 if __name__ == "__main__":
