@@ -93,6 +93,17 @@ def test_targets_check_every_policy_and_the_time() -> None:
                                                       "met": True}
 
 
+def test_a_neutral_field_added_since_keeps_the_hash() -> None:
+    import hashlib
+
+    from opentinker.config import load_config, to_toml
+
+    text = to_toml(load_config("default", {})).decode()
+    assert '\nopponent_draws = "episode"\n' in text  # the field is written out ...
+    without = text.replace('\nopponent_draws = "episode"\n', "\n")
+    assert ls.config_sha256("default") == hashlib.sha256(without.encode()).hexdigest()  # ... and not hashed
+
+
 def test_every_suite_job_is_bundled() -> None:
     from opentinker.config import bundled_configs
 
