@@ -249,6 +249,35 @@ def gather(out: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (order.get(r["job"], len(order)), r["job"], r["seed"]))
 
 
+def scripted_reference(game: str, game_kwargs: dict[str, Any], n_games: int = 400) -> dict[str, dict[str, float]]:
+    """What the game's scripted seats score, the yardstick for a trained policy: each one
+    with itself and with random, ``n_games`` games with the seats alternating (the first
+    agent's seat the scripted one's in even games), its mean unit per game and a 95% normal
+    interval."""
+    import numpy as np
+
+    from games.scripted import make_scripted
+
+    out: dict[str, dict[str, float]] = {}
+    for name in games.evaluation(game).scripted:
+        for partner in (name, "random"):
+            env, rng, totals = games.make(game, **game_kwargs), np.random.default_rng(0), []
+            for g in range(n_games):
+                env.reset(seed=g)
+                mine = env.possible_agents[g % len(env.possible_agents)]
+                seats = {a: make_scripted(name if a == mine else partner) for a in env.possible_agents}
+                total = 0.0
+                for agent in env.agent_iter(max_iter=10_000):
+                    obs, reward, term, trunc, info = env.last()
+                    total += reward if agent == mine else 0.0
+                    env.step(None if term or trunc else seats[agent].act(obs["text"], info, rng))
+                totals.append(total)
+            x = np.asarray(totals)
+            out[f"{name} with {partner}"] = {"mean": float(x.mean()), "ci95": float(1.96 * x.std(ddof=1) / math.sqrt(len(x))),
+                                             "games": float(len(x))}
+    return out
+
+
 SCHEDULER_BUDGET_MB = 4096
 """The issue's bound on a bundled job's scheduler (resident memory, SmolLM2-135M)."""
 
@@ -346,7 +375,9 @@ def main() -> None:
     rows = gather(Path(args.out))
     out = {"provenance": script_provenance(args), "note": args.note, "suite": list(SUITE),
            "targets": {job: dataclasses.asdict(t) for job, t in TARGETS.items()},
-           "verdicts": verdicts(rows), "rows": rows}
+           "verdicts": verdicts(rows), "rows": rows,
+           "scripted": {job: scripted_reference(load_config(job, {}).game, dict(load_config(job, {}).game_kwargs))
+                        for job in dict.fromkeys(r["job"] for r in rows)}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if rows:

@@ -491,7 +491,13 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
         + ("under" if v.get("scheduler_under_budget") else "over") + " 4 GB)"
         for job, v in r["verdicts"].items())
     targets = "\n".join(_suite_target(row, r["targets"][row["job"]]) for row in r["rows"] if "target" in row)
-    return head + table(header, rows) + "\n" + verdict + "\n" + (f"\nTargets:\n\n{targets}\n" if targets else "")
+    scripted = "\n".join(
+        f"- `{job}`: " + ", ".join(f"`{pair.split(' with ')[0]}` with {pair.split(' with ')[1]} "
+                                   f"{m['mean']:+.3f} ± {m['ci95']:.3f}" for pair, m in refs.items())
+        for job, refs in r.get("scripted", {}).items() if refs)
+    return (head + table(header, rows) + "\n" + verdict + "\n" + (f"\nTargets:\n\n{targets}\n" if targets else "")
+            + (f"\nWhat the scripted seats score (with themselves and with random, 400 games each, seats "
+               f"alternating):\n\n{scripted}\n" if scripted else ""))
 
 
 def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:

@@ -104,6 +104,15 @@ def test_a_neutral_field_added_since_keeps_the_hash() -> None:
     assert ls.config_sha256("default") == hashlib.sha256(without.encode()).hexdigest()  # ... and not hashed
 
 
+def test_scripted_references_play_the_real_seats() -> None:
+    ttt = ls.scripted_reference("tictactoe_v0", {}, n_games=40)
+    assert ttt["tictactoe_minimax with tictactoe_minimax"] == {"mean": 0.0, "ci95": 0.0, "games": 40.0}  # draws
+    assert ttt["tictactoe_minimax with random"]["mean"] > 0.6  # never loses, mostly wins
+    ref = ls.scripted_reference("referential_v0", {}, n_games=40)
+    assert ref["referential_heuristic with referential_heuristic"]["mean"] == 1.0  # always understood
+    assert 0.0 < ref["referential_heuristic with random"]["mean"] < 0.6
+
+
 def test_every_suite_job_is_bundled() -> None:
     from opentinker.config import bundled_configs
 
