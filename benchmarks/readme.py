@@ -473,13 +473,12 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
             rows.append([f"`{row['job']}`" + (f" {policy}" if len(row["final"]) > 1 else ""), str(row["seed"]),
                          ci(rnd, unit), wdl, ci(final.get("base"), unit), scripted or "—",
                          pct(rnd["invalid_rate"]) if rnd else "—", gain,
-                         f"{row['wall_s'] / 60:.1f} min", f"{row['scheduler_peak_rss_mb']:.0f} MB"])
-    p = r["provenance"]
-    head = (f"{', '.join(sorted({row['model'] for row in r['rows']}))}; "
-            f"{_machine_label({**p, 'cpu_capability': p['capability']})}"
+                         f"{row['wall_s'] / 60:.1f} min", f"{row['scheduler_peak_rss_mb']:.0f} MB",
+                         _machine_label(row.get("machine"))])
+    head = (f"{', '.join(sorted({row['model'] for row in r['rows']}))}"
             + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
     header = ["job", "seed", "vs random (95% CI)", "W/D/L vs random", "vs base", "vs scripted seats",
-              "invalid", "gain over untrained", "wall time", "scheduler peak"]
+              "invalid", "gain over untrained", "wall time", "scheduler peak", "machine"]
     verdict = "\n".join(
         f"- `{job}` (seeds {', '.join(map(str, v['seeds']))}): "
         + ("learned on every seed" if v["every_seed"] else "did not learn on every seed")
@@ -515,6 +514,33 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
             parts.append(f"{value:.1f} min (target {target['minutes']:.0f})")
     return (f"- `{row['job']}` seed {row['seed']}: " + ", ".join(parts) + ": "
             + ("met" if checks["met"] else "not met") + f" ({target['anchor']})")
+
+
+def render_tictactoe_runs(results: Path) -> str:
+    """``tictactoe_runs.json`` (``collect_runs.py``): per run its settings, the score against
+    random at every evaluation, the last evaluation against random (95% CI, invalid rate)
+    and against minimax (games drawn), its steps and time."""
+    r = load(results, "tictactoe_runs")
+    rows = []
+    for run in r["runs"]:
+        c, last = run["config"], run["last_eval"]
+        k = "eval/main/vs_random/"
+        m = "eval/main/vs_tictactoe_minimax/"
+        settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}, explore {c['explore']:g}, "
+                    f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
+                    + (", opponent_draws group" if c["opponent_draws"] == "group" else ""))
+        curve = ", ".join(f"{e[k + 'score']:+.3f} ({e['step']})" for e in run["curve"])
+        games = sum(last[m + x] for x in ("wins", "draws", "losses"))
+        time = (f"{run['wall_s'] / 60:.1f} min" if run["finished"]
+                else f"stopped: {run['steps_and_evals_s'] / 60:.1f} min of steps and evaluations")
+        rows.append([settings, curve, f"{last[k + 'score']:+.3f} ± {last[k + 'ci95']:.3f}",
+                     pct(last[k + "invalid_rate"]), f"{int(last[m + 'draws'])} of {int(games)}",
+                     str(run["steps"]), time])
+    machines = sorted({_machine_label(run["machine"]) for run in r["runs"] if run.get("machine")})
+    head = (f"{'; '.join(machines)}; seed 0" + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
+    header = ["settings", "score vs random at each evaluation (step)", "last vs random (95% CI)", "invalid",
+              "drawn vs minimax", "steps", "time"]
+    return head + table(header, rows)
 
 
 TOOLS_FAILURES = {"invalid_call": "invalid call", "no_number": "no number", "wrong_after_call": "result miscopied",
@@ -566,6 +592,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "lora_vs_full_tools_warm": lambda results: render_lora_vs_full(results, "lora_vs_full_tools_warm"),
     "tools_job": render_tools_job,
     "learning_suite": render_learning_suite,
+    "tictactoe_runs": render_tictactoe_runs,
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "tools_warm_start": render_tools_warm_start,
     "default_job": render_default_job,
