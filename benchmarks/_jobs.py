@@ -75,7 +75,7 @@ def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str,
     """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
     wall time and peak memory. Raises ``RuntimeError`` naming the log when it fails."""
     t0 = time.perf_counter()
-    with log.open("w") as f:
+    with log.open("w", buffering=1) as f:  # line-buffered: a run in progress shows its lines
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         peak = PeakRss(proc.pid)
         assert proc.stdout is not None
