@@ -333,16 +333,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
     for ax, (job, kind) in zip(axes.flat, panels):
         first = next(r for r in rows if r["job"] == job)
         for r in (r for r in rows if r["job"] == job):
-            series = ({p: [(c["step"], c[r["unit"]], c["ci95"]) for c in curve] for p, curve in r["curve"].items()}
+            # (step, value, low, high) per policy: the score with its interval, or the rating
+            # with its bootstrap interval (not symmetric)
+            series = ({p: [(c["step"], c[r["unit"]], c[r["unit"]] - c["ci95"], c[r["unit"]] + c["ci95"]) for c in curve]
+                       for p, curve in r["curve"].items()}
                       if kind == "curve" else
-                      {p: [(h["step"], h["ratings"][p][0], (h["ratings"][p][2] - h["ratings"][p][1]) / 2)
-                           for h in r["ratings"] if p in h["ratings"]] for p in r["curve"]})
+                      {p: [(h["step"], *h["ratings"][p]) for h in r["ratings"] if p in h["ratings"]] for p in r["curve"]})
             for policy, points in series.items():
-                x, y, half = (list(v) for v in zip(*points)) if points else ([], [], [])
+                x, y, lo, hi = (list(v) for v in zip(*points)) if points else ([], [], [], [])
                 label = f"seed {r['seed']}" + (f" {policy}" if len(r["curve"]) > 1 else "")
                 (line,) = ax.plot(x, y, marker="o", ms=3, label=label)
-                ax.fill_between(x, [a - b for a, b in zip(y, half)], [a + b for a, b in zip(y, half)],
-                                color=line.get_color(), alpha=0.12)
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.12)
         if kind == "curve":
             ax.set(title=f"{job} ({first['game']})", xlabel="step", ylabel=f"{first['label']} vs random")
         else:
