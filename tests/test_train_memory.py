@@ -84,8 +84,10 @@ def test_a_step_holds_its_budget_whatever_its_episodes_and_trains_as_unbounded(t
     loss_b, grad_b, parts_b = _step(bounded, datums, body_only=True)
     loss_u, grad_u, parts_u = _step(unbounded, datums, body_only=True)
     assert len(parts_u) == 1 and len(parts_b) > 1
-    # The same loss and gradient however the step is cut.
-    assert loss_b == pytest.approx(loss_u, rel=1e-5)
+    # The same loss and gradient however the step is cut (to float32 rounding: the loss is a sum
+    # of terms that nearly cancel, so summed in another order it moved by 1.1e-5 of itself on
+    # an Intel Xeon; a wrong cut or normalisation moves it by far more).
+    assert loss_b == pytest.approx(loss_u, rel=1e-4)
     torch.testing.assert_close(grad_b, grad_u, rtol=1e-4, atol=1e-7)
     # The body's activations of every part within its share of the budget (with the formula's
     # margin); the unbounded step's grow with its episodes past it. (On tiny-random the
