@@ -377,8 +377,8 @@ def main() -> None:
     out = {"provenance": script_provenance(args), "note": args.note, "suite": list(SUITE),
            "targets": {job: dataclasses.asdict(t) for job, t in TARGETS.items()},
            "verdicts": verdicts(rows), "rows": rows,
-           "scripted": {job: scripted_reference(load_config(job, {}).game, dict(load_config(job, {}).game_kwargs))
-                        for job in dict.fromkeys(r["job"] for r in rows)}}
+           "scripted": {job: scripted_reference(cfg.game, dict(cfg.game_kwargs))
+                        for job in dict.fromkeys(r["job"] for r in rows) for cfg in [load_config(job, {})]}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if rows:
