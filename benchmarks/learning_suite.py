@@ -3,7 +3,7 @@
 For each job and seed the suite runs ``opentinker run JOB --set seed=S`` into
 ``OUT/JOB/seedS/``, then evaluates the trained adapters once more with ``opentinker eval`` against
 random, every scripted seat of the game and the untrained base model (``--games-per-stratum``
-games per start and seat: 95% stratified intervals, wins / draws / losses, invalid rate). A
+games per start and seat, fewer for the long dialogue games: 95% stratified intervals, wins / draws / losses, invalid rate). A
 seed's result goes to ``OUT/JOB/seedS/result.json``; a seed whose result exists (with the same
 job, model and overrides) is reused, and a finished run is evaluated without running it again,
 so the suite can be run a few jobs at a time and stopped at any point.
@@ -46,6 +46,19 @@ SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions
 """The bundled jobs the suite runs by default, in its table's order."""
 
 
+EVAL_GAMES = {"twenty_questions": 8, "negotiation": 8, "negotiation_three": 8}
+"""The suite's final evaluation games per start and seat for jobs whose games are long dialogues
+(twenty questions' untrained evaluation took 163 s for 48 games per opponent on 2 cores, so 34 per
+stratum would take about half an hour per opponent); every other job: :data:`DEFAULT_EVAL_GAMES`."""
+DEFAULT_EVAL_GAMES = 34
+
+
+def eval_games(args: "Args", job: str) -> int:
+    """Final evaluation games per start and seat for ``job``: ``--eval-games`` where given, else
+    the job's budget."""
+    return args.eval_games or EVAL_GAMES.get(job, DEFAULT_EVAL_GAMES)
+
+
 @dataclasses.dataclass
 class Args:
     jobs: str = ",".join(SUITE)
@@ -57,8 +70,9 @@ class Args:
     """Another base model for every job (e.g. ``tiny-random``); default: each job's own."""
     steps: int = 0
     """Training steps for every job; 0: each job's own."""
-    eval_games: int = 34
-    """Final evaluation games per start and seat, for each opponent."""
+    eval_games: int = 0
+    """Final evaluation games per start and seat, for each opponent; 0: each job's budget
+    (:data:`EVAL_GAMES`)."""
     threads: int = 0
     backend: str = ""
     """``local`` or ``ray`` for every job; default: each job's own."""
@@ -187,7 +201,7 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
     cfg = load_config(job, {})
     sha = config_sha256(job)
     folder = Path(args.out) / job / f"seed{seed}-{sha[:8]}"  # a changed job config runs afresh
-    key = {"job": job, "seed": seed, "sets": overrides(args, seed, folder), "eval_games": args.eval_games,
+    key = {"job": job, "seed": seed, "sets": overrides(args, seed, folder), "eval_games": eval_games(args, job),
            "config_sha256": sha}
     result = folder / "result.json"
     if result.is_file():
@@ -205,7 +219,7 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
     vs = ["random", "base", *ev.scripted]
     report_path = folder / "eval.json"
     if not report_path.is_file():
-        cmd = opentinker("eval", str(run), "--vs", ",".join(vs), "--games-per-stratum", str(args.eval_games),
+        cmd = opentinker("eval", str(run), "--vs", ",".join(vs), "--games-per-stratum", str(key["eval_games"]),
                          "--json", str(report_path), "--backend", "local")
         cmd += ["--threads", str(args.threads)] if args.threads else []
         run_logged(cmd, folder / "eval.log", f"{job} seed {seed} eval")

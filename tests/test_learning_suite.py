@@ -119,6 +119,13 @@ def test_every_suite_job_is_bundled() -> None:
     assert set(ls.SUITE) <= set(bundled_configs())
 
 
+def test_long_dialogue_jobs_get_a_smaller_evaluation_unless_one_is_asked_for() -> None:
+    assert set(ls.EVAL_GAMES) <= set(ls.SUITE)
+    assert ls.eval_games(ls.Args(), "twenty_questions") == 8
+    assert ls.eval_games(ls.Args(), "default") == ls.DEFAULT_EVAL_GAMES == 34
+    assert ls.eval_games(ls.Args(eval_games=5), "twenty_questions") == 5
+
+
 @pytest.mark.slow
 def test_a_quick_suite_runs_a_seed_and_reuses_it(tmp_path, tiny_path) -> None:
     out, js, png = tmp_path / "suite", tmp_path / "suite.json", tmp_path / "suite.png"
