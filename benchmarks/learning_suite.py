@@ -292,6 +292,25 @@ def scripted_reference(game: str, game_kwargs: dict[str, Any], n_games: int = 40
     return out
 
 
+def beside_scripted(rows: list[dict[str, Any]], scripted: dict[str, dict[str, dict[str, float]]]
+                    ) -> dict[str, list[dict[str, Any]]]:
+    """How close each job's trained policies come to its game's scripted seats: for each
+    scripted seat and partner (the seat itself, then random), the trained policies' final
+    scores with that partner (one per seed and policy, in the rows' order) beside the scripted
+    seat's own score with it (:func:`scripted_reference`). In a cooperative game "with" is
+    playing together; in a competitive one, against."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for job, refs in scripted.items():
+        mine = [r for r in rows if r["job"] == job]
+        for pair, ref in refs.items():
+            seat, partner = pair.split(" with ")
+            trained = [f[partner][r["unit"]] for r in mine for f in r["final"].values() if partner in f]
+            if trained:
+                out.setdefault(job, []).append({"seat": seat, "partner": partner, "trained": trained,
+                                                "trained_mean": sum(trained) / len(trained), "scripted": ref["mean"]})
+    return out
+
+
 SCHEDULER_BUDGET_MB = 4096
 """The issue's bound on a bundled job's scheduler (resident memory, SmolLM2-135M)."""
 
@@ -393,6 +412,7 @@ def main() -> None:
            "verdicts": verdicts(rows), "rows": rows,
            "scripted": {job: scripted_reference(cfg.game, dict(cfg.game_kwargs))
                         for job in dict.fromkeys(r["job"] for r in rows) for cfg in [load_config(job, {})]}}
+    out["beside_scripted"] = beside_scripted(rows, out["scripted"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if rows:

@@ -494,9 +494,16 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
         f"- `{job}`: " + ", ".join(f"`{pair.split(' with ')[0]}` with {pair.split(' with ')[1]} "
                                    f"{m['mean']:+.3f} ± {m['ci95']:.3f}" for pair, m in refs.items())
         for job, refs in r.get("scripted", {}).items() if refs)
+    beside = "\n".join(
+        f"- `{job}` with `{c['partner']}`: trained {c['trained_mean']:+.3f} ("
+        + ", ".join(f"{x:+.3f}" for x in c["trained"]) + f"), `{c['seat']}` in its place {c['scripted']:+.3f}"
+        for job, cs in r.get("beside_scripted", {}).items() for c in cs)
     return (head + table(header, rows) + "\n" + verdict + "\n" + (f"\nTargets:\n\n{targets}\n" if targets else "")
             + (f"\nWhat the scripted seats score (with themselves and with random, 400 games each, seats "
-               f"alternating):\n\n{scripted}\n" if scripted else ""))
+               f"alternating):\n\n{scripted}\n" if scripted else "")
+            + (f"\nHow close the trained policies come to the scripted seats: their final scores with a partner "
+               f"(the mean, then each seed's and policy's) beside the scripted seat's score with the same "
+               f"partner:\n\n{beside}\n" if beside else ""))
 
 
 def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:

@@ -113,6 +113,23 @@ def test_scripted_references_play_the_real_seats() -> None:
     assert 0.0 < ref["referential_heuristic with random"]["mean"] < 0.6
 
 
+def test_trained_scores_sit_beside_the_scripted_seat_with_the_same_partner() -> None:
+    def row(seed: int, finals: dict) -> dict:
+        return {"job": "referential", "seed": seed, "unit": "success", "final": finals}
+
+    rows = [row(0, {"main": {"random": {"success": 0.1}, "referential_heuristic": {"success": 0.4}}}),
+            row(1, {"main": {"random": {"success": 0.3}, "referential_heuristic": {"success": 0.6}}}),
+            {"job": "default", "seed": 0, "unit": "chips", "final": {"main": {"random": {"chips": 9.0}}}}]
+    refs = {"referential": {"referential_heuristic with referential_heuristic": {"mean": 1.0},
+                            "referential_heuristic with random": {"mean": 0.25}}}
+    got = ls.beside_scripted(rows, refs)
+    assert list(got) == ["referential"]
+    same, rnd = got["referential"]
+    assert same == {"seat": "referential_heuristic", "partner": "referential_heuristic", "trained": [0.4, 0.6],
+                    "trained_mean": pytest.approx(0.5), "scripted": 1.0}
+    assert rnd["partner"] == "random" and rnd["trained"] == [0.1, 0.3] and rnd["scripted"] == 0.25
+
+
 def test_every_suite_job_is_bundled() -> None:
     from opentinker.config import bundled_configs
 
