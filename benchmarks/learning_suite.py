@@ -16,7 +16,8 @@ beats its untrained self (final minus step-0 score against random, lower 95% bou
 and, in a competitive game, beats random (lower bound above 0), on every seed.
 
 The JSON gathers every ``result.json`` under ``OUT`` (not only this invocation's jobs), with
-the machine; the plot draws each job's curves, one line per seed and policy.
+the machine and each job's whole config (TOML, every default written out); the plot draws
+each job's curves, one line per seed and policy.
 
     python benchmarks/learning_suite.py --jobs default,tictactoe --seeds 0,1,2
     python benchmarks/learning_suite.py --quick          # tiny-random, 1 step: the plumbing only
@@ -413,6 +414,9 @@ def main() -> None:
            "scripted": {job: scripted_reference(cfg.game, dict(cfg.game_kwargs))
                         for job in dict.fromkeys(r["job"] for r in rows) for cfg in [load_config(job, {})]}}
     out["beside_scripted"] = beside_scripted(rows, out["scripted"])
+    # Each job's config as the rows were made with it (gather keeps only rows of the config's
+    # hash); a row's key adds its --set items. A row can be checked against a later config.
+    out["configs"] = {job: to_toml(load_config(job, {})).decode() for job in dict.fromkeys(r["job"] for r in rows)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if rows:
