@@ -159,7 +159,7 @@ def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
              state: _Started) -> RunResult:
     run = open_run(cfg, console, run_dir, resume, checkpoint, state, stop)
     if cfg.offline_job() is not None:
-        return _run_offline(cfg, console, run.run_dir, run.model_path, run.log)
+        return _run_offline(cfg, console, run.run_dir, run.model_path, run.log, stop)
     job = _start_job(run, restarts)
     ended = _train(run, job)
     if ended.interrupted:
@@ -367,7 +367,10 @@ def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDie
     return run_job(cfg, console, resume=run_dir, checkpoint=ckpt, restarts=restarts + 1, spent_s=spent_s)
 
 
-def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog) -> RunResult:
+def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog,
+                 stop: StopOnInterrupt) -> RunResult:
+    """An offline job (SFT, DPO, IPO) on a scheduler of its own; the first Ctrl-C ends its
+    steps after the one in progress, and the adapter so far is evaluated and saved."""
     from opentinker.training.offline import run_offline
 
     oc = cfg.offline_job()
@@ -376,13 +379,16 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
         with console.status(f"offline {oc.kind} on {oc.source()}: {oc.steps} steps"):
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
             try:
-                summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log)
+                summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log,
+                                      lambda: stop.asked)
             finally:
                 job.shutdown()
     finally:
         log.close()
     name = cfg.policies[0].name
     key = f"eval/{name}/{oc.kind}/loss"
+    if summary["stopped"]:
+        console.print(f"stopped after step {summary['steps']} of {oc.steps}: the adapter so far is saved")
     console.print(f"offline {oc.kind}: {summary['units']} {'pairs' if oc.kind != 'sft' else 'sequences'} from "
                   f"{summary['trajectories']} trajectories; loss on the data {summary['first_eval'][key]:.4f} -> "
                   f"{summary['last_eval'][key]:.4f}; adapter {summary['adapters'][name]}")

@@ -195,7 +195,7 @@ def _trajectories(n_groups: int, rng: np.random.Generator) -> list[Trajectory]:
 
 
 def _offline(tmp_path: Path, name: str, data: str, kind: str, batch: int, steps: int,
-             tiny_path: str) -> tuple[dict, list[dict], dict]:
+             tiny_path: str, stop=None) -> tuple[dict, list[dict], dict]:
     from opentinker.control.runtime import Job
     from opentinker.eval.report import MetricsLog
     from opentinker.training.offline import run_offline
@@ -213,11 +213,28 @@ def _offline(tmp_path: Path, name: str, data: str, kind: str, batch: int, steps:
     log = MetricsLog(run_dir / "metrics.jsonl", tensorboard=False)
     job = Job(cfg, tiny_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
     try:
-        summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log)
+        summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log, stop)
     finally:
         job.shutdown()
     weights = load_file(str(run_dir / "adapters" / "main" / "adapter_model.safetensors"))
     return summary, log.rows, weights
+
+
+def test_an_offline_job_asked_to_stop_ends_after_its_step_and_saves_the_adapter(tmp_path, tiny_path) -> None:
+    """Ctrl-C's first press on an offline job (``stop`` says yes after step 1 of 3): no step
+    after it, the adapter so far evaluated and saved, the summary saying so."""
+    from opentinker.training import trajectory_log
+
+    path = tmp_path / "main.jsonl"
+    trajectory_log.append(path, _trajectories(10, np.random.default_rng(1)), "kuhn_poker_v0")
+    asked = []
+    summary, rows, weights = _offline(tmp_path, "stopped", str(path), "sft", 16, 3, tiny_path,
+                                      stop=lambda: asked.append(1) or True)
+    assert summary["stopped"] is True and summary["steps"] == 1 and len(asked) == 1
+    assert [(r["step"], r["kind"]) for r in rows] == [(0, "eval"), (1, "train"), (1, "eval")]
+    assert summary["last_eval"] != summary["first_eval"] and weights
+    full, full_rows, _ = _offline(tmp_path, "whole", str(path), "sft", 16, 3, tiny_path, stop=lambda: False)
+    assert full["stopped"] is False and full["steps"] == 3 and len(full_rows) == 5
 
 
 WHOLE_BATCHES = Limits(max_body_bytes=16384, max_buffers=256)

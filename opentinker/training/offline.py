@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +125,16 @@ def dataset_loss(
 
 
 def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Credentials | None,
-                log: MetricsLog) -> dict[str, Any]:
+                log: MetricsLog, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Train ``cfg.policies[0]`` offline on the scheduler at ``endpoint`` (started for the job
     by its driver, :func:`opentinker.run.run_job`), presenting ``credentials``; write
     ``metrics.jsonl`` rows and the adapter under ``run_dir``. Returns the summary (also written
-    to ``summary.json``)."""
+    to ``summary.json``).
+
+    ``stop`` (Ctrl-C's first press, :class:`~opentinker.interrupt.StopOnInterrupt`) is asked
+    after every step: when it says yes the steps end there, and the adapter so far is
+    evaluated and saved as at the end; the summary's ``steps`` says how many ran and
+    ``stopped`` that it ended early."""
     oc = cfg.offline_job()
     assert oc is not None
     t0 = time.perf_counter()
@@ -164,6 +169,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Crede
             return row
 
         first = evaluate(0)
+        done, stopped = 0, False
         for step, index in enumerate(batches(len(units), oc.batch_size, oc.steps, cfg.seed), 1):
             batch = [d for i in index for d in units[i]]
             if oc.kind != "sft":  # a unit drawn twice (across an epoch) is two pairs, not one
@@ -180,12 +186,17 @@ def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Crede
                 f"train/{name}/version": opt.version, f"train/{name}/learn_s": time.perf_counter() - t_step,
                 **{f"train/{name}/loss/{k}": v for k, v in fb.metrics.items()},
             })
-        last = evaluate(oc.steps)
+            done = step
+            if stop is not None and stop() and step < oc.steps:
+                stopped = True
+                break
+        last = evaluate(done)
         path = str((run_dir / "adapters" / name).resolve())
         client.request(SaveAdapter(adapter=name, path=path), timeout)
     summary = {
         "kind": oc.kind, "data": oc.source(), "trajectories": n_trajectories,
         "units": len(units), "first_eval": first, "last_eval": last, "adapters": {name: path},
+        "steps": done, "stopped": stopped,
         "wall_s": time.perf_counter() - t0,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
