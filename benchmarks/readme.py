@@ -535,7 +535,8 @@ def render_tictactoe_runs(results: Path) -> str:
         m = "eval/main/vs_tictactoe_minimax/"
         settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}, explore {c['explore']:g}, "
                     f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
-                    + (", opponent_draws group" if c["opponent_draws"] == "group" else ""))
+                    + (", opponent_draws group" if c["opponent_draws"] == "group" else "")
+                    + (f", entropy_coef {c['entropy_coef']:g}" if c.get("entropy_coef") else ""))
         curve = ", ".join(f"{e[k + 'score']:+.3f} ({e['step']})" for e in run["curve"])
         games = sum(last[m + x] for x in ("wins", "draws", "losses"))
         time = (f"{run['wall_s'] / 60:.1f} min" if run["finished"]
