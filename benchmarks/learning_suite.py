@@ -3,10 +3,11 @@
 For each job and seed the suite runs ``opentinker run JOB --set seed=S`` into
 ``OUT/JOB/seedS/``, then evaluates the trained adapters once more with ``opentinker eval`` against
 random, every scripted seat of the game and the untrained base model (``--games-per-stratum``
-games per start and seat, fewer for the long dialogue games: 95% stratified intervals, wins / draws / losses, invalid rate). A
-seed's result goes to ``OUT/JOB/seedS/result.json``; a seed whose result exists (with the same
-job, model and overrides) is reused, and a finished run is evaluated without running it again,
-so the suite can be run a few jobs at a time and stopped at any point.
+games per start and seat, fewer for the long dialogue games: 95% stratified intervals, wins /
+draws / losses, invalid rate). A seed's result goes to ``OUT/JOB/seedS/result.json``; a seed
+whose result exists (with the same job, model and overrides) is reused, and a finished run is
+evaluated without running it again, so the suite can be run a few jobs at a time and stopped at
+any point.
 
 Per seed: the curve of every policy's evaluations against random over the run, the final
 evaluation by opponent, the run's wall time, the peak resident memory of all its processes
@@ -408,15 +409,15 @@ def main() -> None:
             except RuntimeError as e:  # a failed run is reported, and the others go on
                 print(f"  [{job} seed {seed}] failed: {e}")
     rows = gather(Path(args.out))
+    # Each job's config as the rows were made with it (gather keeps only rows of the config's
+    # hash; a row's key adds its --set items), so a row can be checked against a later config.
+    configs = {job: load_config(job, {}) for job in dict.fromkeys(r["job"] for r in rows)}
+    scripted = {job: scripted_reference(cfg.game, dict(cfg.game_kwargs)) for job, cfg in configs.items()}
     out = {"provenance": script_provenance(args), "note": args.note, "suite": list(SUITE),
            "targets": {job: dataclasses.asdict(t) for job, t in TARGETS.items()},
-           "verdicts": verdicts(rows), "rows": rows,
-           "scripted": {job: scripted_reference(cfg.game, dict(cfg.game_kwargs))
-                        for job in dict.fromkeys(r["job"] for r in rows) for cfg in [load_config(job, {})]}}
-    out["beside_scripted"] = beside_scripted(rows, out["scripted"])
-    # Each job's config as the rows were made with it (gather keeps only rows of the config's
-    # hash); a row's key adds its --set items. A row can be checked against a later config.
-    out["configs"] = {job: to_toml(load_config(job, {})).decode() for job in dict.fromkeys(r["job"] for r in rows)}
+           "verdicts": verdicts(rows), "rows": rows, "scripted": scripted,
+           "beside_scripted": beside_scripted(rows, scripted),
+           "configs": {job: to_toml(cfg).decode() for job, cfg in configs.items()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if rows:
