@@ -91,7 +91,9 @@ _BID_WORDS = re.compile(
     rf"(?<!\w){_QTY}\s+(?:dice\s+(?:showing\s+|of\s+)?)?{_FACE}(?!\w)", re.IGNORECASE
 )
 _BID_X = re.compile(r"(?<!\w)(\d{1,3})\s*[x×*]\s*([1-6])(?!\w)", re.IGNORECASE)
-_LIAR = re.compile(r"\b(liar|challenge)\b", re.IGNORECASE)
+_LIAR = re.compile(r"\b(liar|challenge)\b(?!['\u2019]s\b)", re.IGNORECASE)
+"""A call of liar; the possessive ("Liar's dice", the game's name, which an untrained policy echoes
+from its prompt) is no call."""
 
 
 def bid_text(bid: Bid) -> str:

@@ -233,6 +233,10 @@ def test_liars_dice_legal_playthroughs(dice: list[list[int]], replies: list[str]
         ("threes", None),
         ("3 5", None),  # a bare face digit is no bid ("your dice: 2 5 5" is no bid either)
         ("reliar", None),
+        ("Liar's dice, ", None),  # the game's name (echoed from the prompt) is no call
+        ("Liar\u2019s dice", None),
+        ("Liar's dice: liar!", LIAR),
+        ("liars", None),
         ("x" * 2048 + " liar", None),  # past the characters that are read
         ("", None),
         (None, None),
