@@ -195,8 +195,8 @@ def _run_checked(args: argparse.Namespace, cfg: Any, checkpoint: Any) -> int:
     from opentinker.run import run_job
 
     try:
-        run_job(cfg, run_dir=Path(args.run_dir) if args.run_dir else None,
-                resume=Path(args.resume) if args.resume else None, checkpoint=checkpoint)
+        result = run_job(cfg, run_dir=Path(args.run_dir) if args.run_dir else None,
+                         resume=Path(args.resume) if args.resume else None, checkpoint=checkpoint)
     except ConfigError as e:  # found on meeting the cluster or the shared scheduler (placement, attach)
         print(f"opentinker: bad config: {escape_controls(str(e))}", file=sys.stderr)
         return 2
@@ -224,6 +224,10 @@ def _run_checked(args: argparse.Namespace, cfg: Any, checkpoint: Any) -> int:
               f"{cfg.runtime.timeout_s:g} s; the run folder keeps every checkpoint written: "
               "continue with --resume RUN_DIR)", file=sys.stderr)
         return 3
+    if result.info.get("stopped"):  # an offline job's Ctrl-C: its adapter so far is saved, nothing to resume
+        print(f"opentinker: stopped after step {result.info['steps']} of {result.info['of']}: the adapter "
+              f"trained so far is saved in {escape_controls(str(result.info['adapter']))}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -375,6 +375,7 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
 
     oc = cfg.offline_job()
     assert oc is not None
+    stop.keeps = "then evaluating and saving the adapter trained so far"
     try:
         with console.status(f"offline {oc.kind} on {oc.source()}: {oc.steps} steps"):
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
@@ -387,13 +388,13 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
         log.close()
     name = cfg.policies[0].name
     key = f"eval/{name}/{oc.kind}/loss"
-    if summary["stopped"]:
-        console.print(f"stopped after step {summary['steps']} of {oc.steps}: the adapter so far is saved")
     console.print(f"offline {oc.kind}: {summary['units']} {'pairs' if oc.kind != 'sft' else 'sequences'} from "
                   f"{summary['trajectories']} trajectories; loss on the data {summary['first_eval'][key]:.4f} -> "
                   f"{summary['last_eval'][key]:.4f}; adapter {summary['adapters'][name]}")
     return RunResult(run_dir=run_dir, first_eval=summary["first_eval"], last_eval=summary["last_eval"],
-                     rows=log.rows, info={})
+                     rows=log.rows,
+                     info={"stopped": summary["stopped"], "steps": summary["steps"], "of": oc.steps,
+                           "adapter": summary["adapters"][name]})
 
 
 def _status(m: dict[str, float], policies: list[str], kind: str, game_eval: games.GameEval) -> str:

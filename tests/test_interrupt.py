@@ -107,3 +107,42 @@ def test_ctrl_c_before_a_checkpoint_leaves_no_folder(tmp_path, tiny_path, monkey
     assert e.value.removed and e.value.step is None and "removed" in e.value.line()
     assert not any((tmp_path / "runs").iterdir())
     assert signal.getsignal(signal.SIGINT) is before  # the handler put back
+
+
+def test_the_first_ctrl_c_says_what_the_stop_keeps():
+    """The first SIGINT (raised in this process, on the main thread) is caught and said, with what
+    the stop keeps; the second raises ``KeyboardInterrupt``; the handler before is put back."""
+    from opentinker.interrupt import StopOnInterrupt
+
+    said: list[str] = []
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopOnInterrupt(said.append, keeps="then saving the adapter")
+    with stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.asked and said == ["stopping after this step, then saving the adapter (Ctrl-C again to stop at once)"]
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_ctrl_c_on_an_offline_job_saves_its_adapter_and_exits_130(tmp_path):
+    """``opentinker run tools_sft`` (tiny-random, many steps): the first Ctrl-C after a step ends
+    the job after the step in progress; the adapter so far is evaluated and saved, one line says
+    where, and the exit code is the shell's for SIGINT, so ``&&`` stops."""
+    small = ["model.base=tiny-random", "model.threads=1", "runtime.backend=local", f"out_dir={tmp_path}",
+             "offline.episodes=4", "offline.steps=100000", "offline.batch_size=2"]
+    proc = _start(["tools_sft", *(x for s in small for x in ("--set", s))])
+    try:
+        _wait_for(lambda: _train_steps(tmp_path) >= 1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    (run,) = tmp_path.glob("calculator_v0__tools_sft__0__*")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped"] is True and 1 <= summary["steps"] < 100000
+    assert (run / "adapters" / "main" / "adapter_config.json").is_file()
+    assert f"opentinker: stopped after step {summary['steps']} of 100000: the adapter trained so far is saved in " \
+           f"{run / 'adapters' / 'main'}" in err, err
+    assert "Traceback" not in out + err
