@@ -48,10 +48,11 @@ SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions
 """The bundled jobs the suite runs by default, in its table's order."""
 
 
-EVAL_GAMES = {"twenty_questions": 8, "negotiation": 8, "negotiation_three": 8}
+EVAL_GAMES = {"twenty_questions": 8, "negotiation": 8, "negotiation_three": 8, "prisoners_dilemma": 8}
 """The suite's final evaluation games per start and seat for jobs whose games are long dialogues
 (twenty questions' untrained evaluation took 163 s for 48 games per opponent on 2 cores, so 34 per
-stratum would take about half an hour per opponent); every other job: :data:`DEFAULT_EVAL_GAMES`."""
+stratum would take about half an hour per opponent; the prisoner's dilemma's, 758 s for 120 games
+against each of 3 opponents); every other job: :data:`DEFAULT_EVAL_GAMES`."""
 DEFAULT_EVAL_GAMES = 34
 
 
