@@ -61,15 +61,22 @@ def _train_steps(runs: Path) -> int:
     return sum(1 for line in logs[0].read_text().splitlines() if json.loads(line).get("kind") == "train")
 
 
-def test_ctrl_c_checkpoints_the_step_says_how_to_resume_and_resume_goes_on(tmp_path):
-    runs = tmp_path / "runs"
-    proc = _start([str(_config(tmp_path, 200))])
+def _ctrl_c_after_a_step(args: list[str], runs: Path) -> tuple[subprocess.Popen, str, str]:
+    """Start ``opentinker run ARGS``, send SIGINT once a training step is logged under ``runs``,
+    and wait for it to end: (the process, its stdout, its stderr)."""
+    proc = _start(args)
     try:
         _wait_for(lambda: _train_steps(runs) >= 1)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
+    return proc, out, err
+
+
+def test_ctrl_c_checkpoints_the_step_says_how_to_resume_and_resume_goes_on(tmp_path):
+    runs = tmp_path / "runs"
+    proc, out, err = _ctrl_c_after_a_step([str(_config(tmp_path, 200))], runs)
     assert proc.returncode == 130, err
     (run,) = runs.iterdir()
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -131,13 +138,7 @@ def test_ctrl_c_on_an_offline_job_saves_its_adapter_and_exits_130(tmp_path):
     where, and the exit code is the shell's for SIGINT, so ``&&`` stops."""
     small = ["model.base=tiny-random", "model.threads=1", "runtime.backend=local", f"out_dir={tmp_path}",
              "offline.episodes=4", "offline.steps=100000", "offline.batch_size=2"]
-    proc = _start(["tools_sft", *(x for s in small for x in ("--set", s))])
-    try:
-        _wait_for(lambda: _train_steps(tmp_path) >= 1)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
+    proc, out, err = _ctrl_c_after_a_step(["tools_sft", *(x for s in small for x in ("--set", s))], tmp_path)
     assert proc.returncode == 130, err
     (run,) = tmp_path.glob("calculator_v0__tools_sft__0__*")
     summary = json.loads((run / "summary.json").read_text())
