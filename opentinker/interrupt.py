@@ -32,18 +32,18 @@ class Interrupted(Exception):
 class StopOnInterrupt:
     """Inside (on the main thread), the first SIGINT sets :attr:`asked` and calls ``said`` with
     a message; the next one raises ``KeyboardInterrupt`` as usual. Elsewhere it does nothing.
-    :attr:`keeps` says what the stop keeps (an offline job keeps its adapter, not a checkpoint)."""
+    ``keeps`` says what the stop keeps (an offline job keeps its adapter, not a checkpoint)."""
 
     def __init__(self, said: Callable[[str], None], keeps: str = "with a checkpoint") -> None:
         self.asked = False
-        self.keeps = keeps
+        self._keeps = keeps
         self._said = said
         self._before: Any = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.asked = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
-        self._said(f"stopping after this step, {self.keeps} (Ctrl-C again to stop at once)")
+        self._said(f"stopping after this step, {self._keeps} (Ctrl-C again to stop at once)")
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():

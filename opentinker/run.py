@@ -107,12 +107,14 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
     before the run folder is made, so a job that cannot start leaves no folder behind.
 
-    Ctrl-C: the first finishes the step in progress and checkpoints it; the second stops at
-    once; either way :class:`~opentinker.interrupt.Interrupted` says what there is to resume
+    Ctrl-C: the first finishes the step in progress and checkpoints it (an offline job: then
+    evaluates and saves its adapter, and the result's ``info["stopped"]`` says so); the second
+    stops at once; either way :class:`~opentinker.interrupt.Interrupted` says what there is to resume
     from (a new run with no checkpoint yet is removed)."""
     console = console or Console()
     state = _Started()
-    stop = StopOnInterrupt(lambda text: console.print(f"[yellow]{escape(text)}[/]"))
+    keeps = "then evaluating and saving the adapter trained so far" if cfg.offline_job() else "with a checkpoint"
+    stop = StopOnInterrupt(lambda text: console.print(f"[yellow]{escape(text)}[/]"), keeps)
     try:
         with stop:
             return _run_job(cfg, console, run_dir, resume, checkpoint, restarts, spent_s, stop, state)
@@ -375,7 +377,6 @@ def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: st
 
     oc = cfg.offline_job()
     assert oc is not None
-    stop.keeps = "then evaluating and saving the adapter trained so far"
     try:
         with console.status(f"offline {oc.kind} on {oc.source()}: {oc.steps} steps"):
             job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)

@@ -146,4 +146,6 @@ def test_ctrl_c_on_an_offline_job_saves_its_adapter_and_exits_130(tmp_path):
     assert (run / "adapters" / "main" / "adapter_config.json").is_file()
     assert f"opentinker: stopped after step {summary['steps']} of 100000: the adapter trained so far is saved in " \
            f"{run / 'adapters' / 'main'}" in err, err
+    said = " ".join(out.split())  # the console wraps long lines when it is not a terminal
+    assert "stopping after this step, then evaluating and saving the adapter trained so far" in said, out
     assert "Traceback" not in out + err
