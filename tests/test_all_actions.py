@@ -15,7 +15,7 @@ from games.kuhn_poker import _MOVES, EVALUATION, INFO_STATES, exploitability
 from learners.all_actions import all_actions_datums, all_actions_weights
 from opentinker.config import JobConfig
 from opentinker.control.config_checks import ConfigError, check_config
-from opentinker.control.all_actions import pure, uniform
+from opentinker.control.all_actions import pure, trained_rows, uniform
 
 M = EVALUATION.measure("exploitability")
 DECISIONS = M.decisions()
@@ -140,24 +140,64 @@ def test_a_config_asking_for_what_cannot_be_computed_is_refused(tmp_path):
         _job(tmp_path, train={"advantage": "gae"})
     with pytest.raises(msgspec.ValidationError, match="need all_actions > 0"):
         _job(tmp_path, train={"all_actions": 0.0})
+    with pytest.raises(msgspec.ValidationError, match="all_actions_decisions and canonical_coef need all_actions"):
+        _job(tmp_path, train={"all_actions": 0.0, "all_actions_only": False, "canonical_coef": 0.0,
+                              "all_actions_decisions": 4})
+    with pytest.raises(msgspec.ValidationError, match="all_actions_decisions"):
+        _job(tmp_path, train={"all_actions_decisions": -1})
+
+
+def test_a_step_trains_the_replies_of_its_drawn_decisions_only():
+    """``train.all_actions_decisions = k``: the rows of k whole decisions (every legal move's
+    reply of each, in the scored order), drawn afresh each step and the same on a rerun of
+    that step; 0 or k >= the decisions: every row."""
+    sizes = [2, 3, 2, 4, 2, 3]  # legal moves per decision
+    decisions = [type("D", (), {"legal_moves": tuple("m" * i for i in range(1, n + 1))})() for n in sizes]
+    starts = np.cumsum([0] + sizes)
+    every = list(range(int(starts[-1])))
+    assert trained_rows(decisions, 0, (0, 1)) == every and trained_rows(decisions, 9, (0, 1)) == every
+    drawn = [trained_rows(decisions, 3, (0, step)) for step in range(1, 6)]
+    for rows in drawn:
+        whole = [j for j in range(len(sizes)) if starts[j] in rows]
+        assert len(whole) == 3  # three decisions, each with every one of its replies, in order
+        assert rows == [i for j in whole for i in range(starts[j], starts[j + 1])]
+    assert len({tuple(r) for r in drawn}) > 1  # a fresh draw each step
+    assert trained_rows(decisions, 3, (0, 2)) == drawn[1]  # a resumed step draws the same
+    assert trained_rows(decisions, 3, (1, 2)) != drawn[1] or trained_rows(decisions, 3, (2, 2)) != drawn[1]
 
 
 @pytest.mark.slow
-def test_a_job_trains_on_the_all_actions_datums_alone(tmp_path, tiny_path):
-    """Two steps on the tiny model: each step the learner gets one datum per decision and
+def test_a_job_trains_on_the_all_actions_datums_alone(tmp_path, tiny_path, monkeypatch):
+    """Three steps on the tiny model: each step the learner gets one datum per decision and
     legal move (24) and trains on them alone; the payoff against the mix and the canonical
-    mass are logged, and the policy's exploitability is measured at every step."""
+    mass are logged, and the policy's exploitability is measured at every step. The policy is
+    scored afresh at every step, a league snapshot (frozen) once while it is in the league."""
+    from collections import Counter
+
+    from opentinker.control.coordinator import BARE, SPELLINGS, Coordinator
     from opentinker.run import run_job
 
-    res = run_job(_job(tmp_path), run_dir=tmp_path / "run")
+    scored: Counter[str] = Counter()
+    real = Coordinator._score_replies
+
+    async def counting(self, policy, m, spellings=SPELLINGS):
+        if spellings == BARE:  # the training step's scoring (evaluations score other spellings)
+            scored[policy] += 1
+        return await real(self, policy, m, spellings)
+
+    monkeypatch.setattr(Coordinator, "_score_replies", counting)
+    res = run_job(_job(tmp_path, train={"steps": 3}), run_dir=tmp_path / "run")
     rows = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     trains = [r for r in rows if r["kind"] == "train"]
-    assert len(trains) == 2
+    assert len(trains) == 3
     for r in trains:
-        assert r["train/main/all_actions_datums"] == 24.0
+        assert r["train/main/all_actions_datums"] == 24.0 and r["train/main/all_actions/decisions"] == 12.0
         assert math.isfinite(r["train/main/all_actions/payoff"]) and 0 < r["train/main/all_actions/canonical_mass"] < 1
         assert 0 <= r["train/main/exploitability"] <= 1.5 and r["train/main/grad_norm"] > 0
-    assert trains[0]["train/main/version"] < trains[1]["train/main/version"]
+    assert trains[0]["train/main/version"] < trains[1]["train/main/version"] < trains[2]["train/main/version"]
+    # main at each step; main__s1 is in the past pool of steps 2 and 3, scored at the first.
+    assert scored["main"] == 3 and scored["main__s1"] == 1, scored
+    assert set(scored) <= {"main", "main__s1", "main__s2"} and scored["main__s2"] <= 1, scored
 
 
 def test_a_linear_schedule_lowers_the_learning_rate_to_the_last_step(tmp_path):

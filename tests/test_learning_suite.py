@@ -99,9 +99,15 @@ def test_a_neutral_field_added_since_keeps_the_hash() -> None:
     from opentinker.config import load_config, to_toml
 
     text = to_toml(load_config("default", {})).decode()
-    assert '\nopponent_draws = "episode"\n' in text  # the field is written out ...
-    without = text.replace('\nopponent_draws = "episode"\n', "\n")
+    assert ("[train]", 'opponent_draws = "episode"') in ls.NEUTRAL_FIELDS
+    without = text
+    for _, line in ls.NEUTRAL_FIELDS:
+        assert f"\n{line}\n" in text  # each field is written out ...
+        without = without.replace(f"\n{line}\n", "\n")
     assert ls.config_sha256("default") == hashlib.sha256(without.encode()).hexdigest()  # ... and not hashed
+    # The committed rows were made before these fields: their jobs' hashes are unchanged.
+    rows = json.loads((ROOT / "benchmarks/results/learning_suite.json").read_text())["rows"]
+    assert rows and all(r["key"]["config_sha256"] == ls.config_sha256(r["job"]) for r in rows)
 
 
 def test_scripted_references_play_the_real_seats() -> None:

@@ -191,8 +191,8 @@ def test_the_hook_reads_an_llm_policy_and_its_exploiter_is_a_table(chat_tok) -> 
 @pytest.mark.slow
 def test_the_bundled_leduc_league_runs_on_the_tiny_model(tmp_path, tiny_path) -> None:
     """One step of ``leduc_league`` (its own keys; the tiny model, one process, the smallest
-    evaluation): one all-actions datum per decision and legal move, and the exploitability of
-    the policy logged at the step."""
+    evaluation): one all-actions datum per legal move of each decision the step drew, and the
+    exploitability of the policy logged at the step."""
     import json
 
     from opentinker.config import load_config
@@ -206,5 +206,12 @@ def test_the_bundled_leduc_league_runs_on_the_tiny_model(tmp_path, tiny_path) ->
     res = run_job(cfg, run_dir=tmp_path / "run")
     rows = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     (train,) = [r for r in rows if r["kind"] == "train"]
-    assert train["train/main/all_actions_datums"] == sum(len(m) for _, m in L.GAME.states.values())
+    # Every decision is scored; the step trains the replies of its drawn decisions only.
+    from opentinker.control.all_actions import trained_rows
+
+    decisions = L.EVALUATION.with_payoff().decisions()
+    assert len(decisions) == 288 and 0 < cfg.train.all_actions_decisions < 288
+    assert train["train/main/all_actions/decisions"] == cfg.train.all_actions_decisions
+    assert train["train/main/all_actions_datums"] == len(trained_rows(decisions, cfg.train.all_actions_decisions,
+                                                                     (cfg.seed, 1)))
     assert 0 < train["train/main/exploitability"] < 13

@@ -52,6 +52,18 @@ def pure(table: dict[str, str], decisions: Sequence[DecisionPoint]) -> dict[str,
     return {d.infostate: {m: float(m == table[d.infostate]) for m in d.legal_moves} for d in decisions}
 
 
+def trained_rows(decisions: Sequence[DecisionPoint], k: int, seed: tuple[int, int]) -> list[int]:
+    """The indices (into the scored sequences, one per decision and legal move, in order) of
+    the replies a step trains on: those of ``k`` decisions drawn without replacement by a
+    generator seeded with ``seed`` (the job's seed and the step, so a resumed run draws the
+    same), in their original order; every row when ``k`` is 0 or at least the decisions."""
+    starts = np.cumsum([0] + [len(d.legal_moves) for d in decisions])
+    if k == 0 or k >= len(decisions):
+        return list(range(int(starts[-1])))
+    chosen = np.sort(np.random.default_rng(list(seed)).choice(len(decisions), size=k, replace=False))
+    return [i for j in chosen for i in range(int(starts[j]), int(starts[j + 1]))]
+
+
 async def opponents_of(cfg: JobConfig, policy: str, step: int, m: ExactMeasure, me: Scored, score: Score,
                        win_rates: WinRates) -> list[tuple[float, Distribution]]:
     """``[(weight, distribution)]`` of ``policy``'s opponent mix at ``step``."""
@@ -84,8 +96,9 @@ async def opponents_of(cfg: JobConfig, policy: str, step: int, m: ExactMeasure, 
 async def all_actions_terms(cfg: JobConfig, step: int, m: ExactMeasure, score: Score, win_rates: WinRates,
                             ) -> tuple[dict[str, list[Datum]], dict[str, float]]:
     """For every policy with ``train.all_actions`` > 0: its datums (one per decision and legal
-    move) and metrics ``train/<policy>/all_actions/payoff`` (the payoff against its mix) and
-    ``/canonical_mass``."""
+    move; only those of ``train.all_actions_decisions`` drawn decisions when that is set) and
+    metrics ``train/<policy>/all_actions/payoff`` (the payoff against its mix),
+    ``/canonical_mass`` and ``/decisions`` (how many decisions it trains on)."""
     from learners.all_actions import all_actions_datums, all_actions_weights  # (the learners package imports torch)
 
     assert m.payoff is not None, "the config check requires an exact payoff"
@@ -99,7 +112,11 @@ async def all_actions_terms(cfg: JobConfig, step: int, m: ExactMeasure, score: S
         opps = await opponents_of(cfg, p.name, step, m, me, score, win_rates)
         weights, value = all_actions_weights(m.payoff, me.dist, opps, tc.canonical_coef, tc.all_actions_rule)
         per_seq = [tc.all_actions * weights[d.infostate][move] for d in me.decisions for move in d.legal_moves]
-        datums[p.name] = all_actions_datums(me.sequences, me.n_reply, me.logprobs, per_seq)
+        k = min(tc.all_actions_decisions or len(me.decisions), len(me.decisions))
+        rows = trained_rows(me.decisions, k, (cfg.seed, step))
+        datums[p.name] = all_actions_datums([me.sequences[i] for i in rows], [me.n_reply[i] for i in rows],
+                                            [me.logprobs[i] for i in rows], [per_seq[i] for i in rows])
+        metrics[f"train/{p.name}/all_actions/decisions"] = float(k)
         metrics[f"train/{p.name}/all_actions/payoff"] = value
         metrics[f"train/{p.name}/all_actions/canonical_mass"] = me.mass
     return datums, metrics

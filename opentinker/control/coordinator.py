@@ -107,9 +107,10 @@ class Coordinator:
         """Policy -> its league snapshots on the scheduler, oldest first."""
         self._fresh_league()
         self._scored: dict[tuple[str, tuple[str, ...]], tuple[Any, list[np.ndarray], list[int]]] = {}
-        self._step_scores: dict[tuple[str, str], Scored] = {}
-        """(policy, measure) -> its bare canonical replies scored at this training step's start."""
         """(measure, spellings) -> the measure's decisions, their token sequences, reply lengths."""
+        self._step_scores: dict[tuple[str, str], Scored] = {}
+        """(policy, measure) -> its bare canonical replies scored at this training step's start
+        (a league snapshot's are kept while it is in the league: its weights never change)."""
         self.untrained = not any(p.init for p in cfg.policies)
         """Every policy is still a fresh adapter (LoRA B = 0): each one *is* the base model, so
         a game between two of them, or against the base model, is a mirror match."""
@@ -219,7 +220,8 @@ class Coordinator:
         t0 = time.perf_counter()
         self.untrained = False
         before = (await self._stats(reset_peak=True)).counters  # the step's own memory peak from here
-        self._step_scores = {}
+        live = {name for names in self.league.values() for name in names}  # frozen: scored once
+        self._step_scores = {k: v for k, v in self._step_scores.items() if k[0] in live}
         tables, exploit = await self._best_responses()
         if tables:
             exploit["timing_s/best_response"] = time.perf_counter() - t0
@@ -501,6 +503,7 @@ class Coordinator:
             raise ValueError(f"{path} is corrupt: {e}") from None
 
         self.untrained = False
+        self._step_scores = {}  # the adapters are replaced: nothing scored before stands
 
         async def _load() -> dict[str, int]:
             out = {}
