@@ -27,6 +27,22 @@ def eval_curve(rows: list[dict], unit: str) -> list[dict]:
             for r in rows if r.get("kind") == "eval"]
 
 
+def exact_curve(rows: list[dict], measures: list[str]) -> list[dict]:
+    """Per training step, each policy's exact measures at the step's start
+    (``train/<policy>/<measure>``, e.g. the exploitability the exact exploiter is computed
+    from) and its all-actions payoff and canonical mass where it trains on them; empty for a
+    game without exact measures."""
+    out = []
+    for r in rows:
+        if r.get("kind") != "train":
+            continue
+        kept = {k: v for k, v in r.items() if k.startswith("train/")
+                and (k.rsplit("/", 1)[1] in measures or "/all_actions/" in k)}
+        if kept:
+            out.append({"step": r["step"], **kept})
+    return out
+
+
 def run_row(folder: Path) -> dict:
     """A run's row. A run stopped before its end (no ``summary.json``) is kept as far as it
     went: ``finished`` false, its last evaluation the latest one, no wall time."""
@@ -39,7 +55,9 @@ def run_row(folder: Path) -> dict:
     train = [r for r in rows if r.get("kind") == "train"]
     phases = {k: statistics.median(r[k] for r in train) for k in ("timing_s/rollout", "timing_s/learn")
               if train and all(k in r for r in train)}
-    unit = games.evaluation(cfg["game"]).unit
+    game_eval = games.evaluation(cfg["game"])
+    unit = game_eval.unit
+    peaks = [r["perf/scheduler_peak_rss_mb"] for r in train if "perf/scheduler_peak_rss_mb" in r]
     return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
             "finished": summary_file.is_file(), "game": cfg["game"], "unit": unit,
             "machine": summary.get("machine"),  # the run's own record (runs before it had none)
@@ -52,6 +70,7 @@ def run_row(folder: Path) -> dict:
                        "opponent_draws": cfg["train"].get("opponent_draws", "episode"),
                        "game_kwargs": cfg.get("game_kwargs", {}),
                        "all_actions": cfg["train"].get("all_actions", 0.0),
+                       "all_actions_decisions": cfg["train"].get("all_actions_decisions", 0),
                        "opponents": {p["name"]: p.get("opponents", {}) for p in cfg.get("policies", [])}},
             "wall_s": summary["wall_s"],
             # Training and evaluation time by the run's own timers (startup left out): a stopped
@@ -59,7 +78,46 @@ def run_row(folder: Path) -> dict:
             "steps_and_evals_s": sum(r.get("timing_s/rollout", 0.0) + r.get("timing_s/learn", 0.0)
                                      + r.get("timing_s/eval", 0.0) for r in rows),
             "median_s_per_step": phases, "curve": eval_curve(rows, unit),
+            "exact_curve": exact_curve(rows, [m.name for m in game_eval.exact]),
+            "scheduler_peak_rss_mb": max(peaks) if peaks else None,
             "first_eval": summary["first_eval"], "last_eval": summary["last_eval"]}
+
+
+def plot_exact(runs: list[dict], path: Path) -> bool:
+    """One panel per exact measure (e.g. the exploitability): each run's policies over the
+    training steps, on a log scale, with the game's reference levels dashed. False (nothing
+    written) when no run has an exact curve."""
+    measures = sorted({k.rsplit("/", 1)[1] for r in runs for row in r["exact_curve"] for k in row
+                       if k != "step" and "/all_actions/" not in k})
+    if not measures:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(measures), figsize=(6 * len(measures), 4), squeeze=False)
+    for ax, name in zip(axes[0], measures):
+        refs: dict[str, float] = {}
+        for r in runs:
+            keys = sorted({k for row in r["exact_curve"] for k in row if k.endswith(f"/{name}")})
+            for k in keys:
+                pts = [(row["step"], row[k]) for row in r["exact_curve"] if k in row]
+                ax.plot(*zip(*pts), label=f"{r['run']} {k.split('/')[1]}")
+            if keys:
+                m = next(m for m in games.evaluation(r["game"]).exact if m.name == name)
+                refs.update(m.references)
+        for label, level in refs.items():
+            if level > 0:  # (a log axis has no 0: the equilibrium's level is the axis' floor)
+                ax.axhline(level, ls="--", c="grey", lw=0.8)
+                ax.annotate(label, (0, level), textcoords="offset points", xytext=(2, 2), fontsize=8, c="grey")
+        ax.set(xlabel="training step", ylabel=f"{name} (at the step's start)", yscale="log", title=name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main() -> None:
@@ -67,12 +125,16 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--note", default="", help="what these runs are (stored with them)")
+    ap.add_argument("--plot", type=Path, help="a PNG of the runs' exact measures over their steps (e.g. the "
+                    "exploitability of a league job)")
     args = ap.parse_args()
     # The collecting process's provenance; each run keeps its own machine (and, since it was
     # recorded, its commit) from its summary.json.
     out = {"provenance": script_provenance(args), "note": args.note, "runs": [run_row(f) for f in args.runs]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
+    if args.plot is not None and not plot_exact(out["runs"], args.plot):
+        print(f"no run has an exact measure: {args.plot} not written")
     for r in out["runs"]:
         ev, p = r["last_eval"], "eval/main/vs_random/"
         print(f"{r['run']}: seed {r['seed']} engine {r['model'].get('engine', 'auto')} {r['config']}: "

@@ -47,3 +47,26 @@ def test_a_finished_run_takes_its_summary(tmp_path) -> None:
                                                      "commit": "abc", "machine": {"cores": 2}}))
     row = cr.run_row(folder)
     assert (row["finished"], row["wall_s"], row["commit"], row["last_eval"]) == (True, 99.0, "abc", {"b": 2})
+
+
+def test_a_league_runs_exact_measures_are_kept_per_step_and_plotted(tmp_path) -> None:
+    folder = tmp_path / "kuhn_poker_v0__league__0__20261205-000000"
+    folder.mkdir()
+    (folder / "config.toml").write_bytes(to_toml(load_config("kuhn_league", {})))
+    train = lambda step, x, peak: {"step": step, "kind": "train", "timing_s/rollout": 1.0, "timing_s/learn": 2.0,
+                                   "train/main/exploitability": x, "train/main/all_actions/payoff": -x,
+                                   "train/main/reward": 0.5, "perf/scheduler_peak_rss_mb": peak}
+    rows = [{"step": 0, "kind": "eval", "eval/main/vs_random/chips": 0.0, "eval/main/exploitability": 0.4},
+            train(1, 0.33, 900.0), train(2, 0.1, 1200.0), {"step": 3, "kind": "train", "timing_s/rollout": 1.0,
+                                                          "timing_s/learn": 2.0}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = cr.run_row(folder)
+    assert row["exact_curve"] == [
+        {"step": 1, "train/main/exploitability": 0.33, "train/main/all_actions/payoff": -0.33},
+        {"step": 2, "train/main/exploitability": 0.1, "train/main/all_actions/payoff": -0.1}]
+    assert row["scheduler_peak_rss_mb"] == 1200.0 and row["config"]["all_actions_decisions"] == 0
+    png = tmp_path / "exact.png"
+    assert cr.plot_exact([row], png) and png.read_bytes()[:4] == b"\x89PNG"
+    plain = cr.run_row(_run(tmp_path))  # tic-tac-toe: no exact measure, nothing to plot
+    assert plain["exact_curve"] == [] and plain["scheduler_peak_rss_mb"] is None
+    assert not cr.plot_exact([plain], tmp_path / "none.png") and not (tmp_path / "none.png").exists()
