@@ -110,7 +110,7 @@ def plot_exact(runs: list[dict], path: Path) -> bool:
         for label, level in refs.items():
             if level > 0:  # (a log axis has no 0: the equilibrium's level is the axis' floor)
                 ax.axhline(level, ls="--", c="grey", lw=0.8)
-                ax.annotate(label, (0, level), textcoords="offset points", xytext=(2, 2), fontsize=8, c="grey")
+                ax.text(0.01, level, label, transform=ax.get_yaxis_transform(), va="bottom", fontsize=8, c="grey")
         ax.set(xlabel="training step", ylabel=f"{name} (at the step's start)", yscale="log", title=name)
         ax.legend(fontsize=7)
     fig.tight_layout()

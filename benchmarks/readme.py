@@ -551,6 +551,33 @@ def render_tictactoe_runs(results: Path) -> str:
     return head + table(header, rows)
 
 
+def render_league_runs(results: Path, name: str) -> str:
+    """A league job's runs (``collect_runs.py``, e.g. ``leduc_league.json``): per run and
+    policy the exact measure (the exploitability) before training, every tenth training step
+    and at the final evaluation, the mass on the canonical replies, the final score against
+    random, the steps, time, scheduler peak and machine."""
+    r = load(results, name)
+    rows = []
+    for run in r["runs"]:
+        first, last = run["first_eval"], run["last_eval"]
+        for key in sorted(k for k in last if k.startswith("eval/") and k.endswith("/exploitability")):
+            policy = key.split("/")[1]
+            steps = [row for row in run["exact_curve"] if row["step"] % 10 == 0 and f"train/{policy}/exploitability" in row]
+            curve = ", ".join([f"{first[key]:.3f} (0)"] + [f"{row[f'train/{policy}/exploitability']:.3f} ({row['step']})"
+                                                           for row in steps])
+            score = f"eval/{policy}/vs_random/{run['unit']}"
+            time = f"{run['wall_s'] / 60:.1f} min" if run["finished"] else "stopped"
+            peak = f"{run['scheduler_peak_rss_mb']:.0f} MB" if run.get("scheduler_peak_rss_mb") else "—"
+            rows.append([f"`{run['game']}` {policy}", curve, f"{last[key]:.3f}",
+                         f"{last[f'eval/{policy}/canonical_mass']:.3f}",
+                         f"{last[score]:+.3f} ± {last[f'eval/{policy}/vs_random/ci95']:.3f}",
+                         str(run["steps"]), time, peak, _machine_label(run.get("machine"))])
+    head = f"{r['note']}\n\n" if r.get("note") else ""
+    header = ["run", "exploitability at the start of a step (step)", "final exploitability", "canonical mass",
+              "final vs random (95% CI)", "steps", "time", "scheduler peak", "machine"]
+    return head + table(header, rows)
+
+
 TOOLS_FAILURES = {"invalid_call": "invalid call", "no_number": "no number", "wrong_after_call": "result miscopied",
                   "wrong_without_call": "wrong without a call"}
 """``tools_warm_start.json``'s kinds of unsolved training problem, as the table names them."""
@@ -603,6 +630,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "tictactoe_runs": render_tictactoe_runs,
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "tools_warm_start": render_tools_warm_start,
+    "leduc_league": lambda results: render_league_runs(results, "leduc_league"),
     "default_job": render_default_job,
     "default_job_sweep": render_default_job_sweep,
     "pipeline_pace": render_pipeline_pace,

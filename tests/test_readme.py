@@ -47,6 +47,8 @@ def test_readme_blocks_match_their_json() -> None:
     ("lora_vs_full", ("ratios", "s_per_step", "mean")),
     ("tools_warm_start", ("rows", 1, "rl", "final", "success")),
     ("tools_warm_start", ("rows", 0, "sft", "wall_s")),
+    ("leduc_league", ("runs", 0, "last_eval", "eval/main/exploitability")),
+    ("leduc_league", ("runs", 0, "exact_curve", 9, "train/main/exploitability")),
 ])
 def test_a_changed_json_fails_the_check(tmp_path: Path, name: str, path: tuple) -> None:
     results = tmp_path / "results"
