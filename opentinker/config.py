@@ -297,7 +297,7 @@ class TrainConfig(_Config):
     0: all. The weights stay exact (every decision is still scored, since a move's value
     depends on the policy everywhere else); only the backward pass is cut, so a game with
     hundreds of decisions (Leduc hold'em's 288) trains in a fraction of the time. The subset's
-    per-token mean is an unbiased estimate of the whole step's."""
+    per-token mean estimates the whole step's (a fresh draw each step)."""
     all_actions_only: bool = False
     """Train on the all-actions term alone: the step's episodes are still played (they feed
     the win rates, the league's matchmaking, metrics and transcripts) but not trained on."""
