@@ -105,8 +105,7 @@ def plot_exact(runs: list[dict], path: Path) -> bool:
                 pts = [(row["step"], row[k]) for row in r["exact_curve"] if k in row]
                 ax.plot(*zip(*pts), label=f"{r['run']} {k.split('/')[1]}")
             if keys:
-                m = next(m for m in games.evaluation(r["game"]).exact if m.name == name)
-                refs.update(m.references)
+                refs.update(games.evaluation(r["game"]).measure(name).references)
         for label, level in refs.items():
             if level > 0:  # (a log axis has no 0: the equilibrium's level is the axis' floor)
                 ax.axhline(level, ls="--", c="grey", lw=0.8)

@@ -35,7 +35,7 @@ actually says without moving the mix between moves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -61,6 +61,7 @@ def all_actions_weights(
     canonical: float = 0.0,
     rule: str = "neurd",
     floor: float = 0.01,
+    at: Collection[str] | None = None,
 ) -> tuple[dict[str, dict[str, float]], float]:
     """Per decision and move, ``Q(s, a) - mean_b Q(s, b)`` (``rule="neurd"``) or
     ``pi(a|s) (Q(s, a) - V(s))`` (``"gradient"``), plus ``canonical * pi(a|s)``; and the
@@ -76,6 +77,8 @@ def all_actions_weights(
         rule: ``"neurd"`` or ``"gradient"``.
         floor: NeuRD's threshold (Hennes et al. stop a logit at a bound), on probabilities: a
             move below ``floor`` is pushed no further down, one above ``1 - floor`` no further up.
+        at: the decisions to weigh (each costs a payoff per legal move); None: every one. A
+            decision's weights do not depend on which others are weighed.
 
     Raises:
         ValueError: no opponent, a negative or non-finite weight, all weights zero, or an
@@ -97,6 +100,8 @@ def all_actions_weights(
     v = value(dist)
     weights: dict[str, dict[str, float]] = {}
     for s, probs in dist.items():
+        if at is not None and s not in at:
+            continue
         q = {a: value(_pure(dist, s, a)) for a in probs}
         if rule == "neurd":
             mean = sum(q.values()) / len(q)

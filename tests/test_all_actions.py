@@ -59,6 +59,11 @@ def test_the_weights_are_the_payoffs_gradient_in_each_decisions_logits():
             all_actions_weights(M.payoff, dist, bad)
     with pytest.raises(ValueError, match="rule"):
         all_actions_weights(M.payoff, dist, fixed, rule="adam")
+    some = set(INFO_STATES[::3])  # weighing only some decisions gives theirs, unchanged, and the same value
+    for rule in ("gradient", "neurd"):
+        whole, v_whole = all_actions_weights(M.payoff, dist, fixed, canonical=0.5, rule=rule)
+        part, v_part = all_actions_weights(M.payoff, dist, fixed, canonical=0.5, rule=rule, at=some)
+        assert part == {s: whole[s] for s in some} and v_part == v_whole
 
 
 def _descend(logits: dict[str, float], rule: str, steps: int, lr: float) -> float:

@@ -110,13 +110,15 @@ async def all_actions_terms(cfg: JobConfig, step: int, m: ExactMeasure, score: S
             continue
         me = await score(p.name)
         opps = await opponents_of(cfg, p.name, step, m, me, score, win_rates)
-        weights, value = all_actions_weights(m.payoff, me.dist, opps, tc.canonical_coef, tc.all_actions_rule)
-        per_seq = [tc.all_actions * weights[d.infostate][move] for d in me.decisions for move in d.legal_moves]
-        k = min(tc.all_actions_decisions or len(me.decisions), len(me.decisions))
-        rows = trained_rows(me.decisions, k, (cfg.seed, step))
+        rows = trained_rows(me.decisions, tc.all_actions_decisions, (cfg.seed, step))
+        flat = [(d.infostate, move) for d in me.decisions for move in d.legal_moves]
+        at = {flat[i][0] for i in rows}
+        # Only the drawn decisions are weighed (a payoff per legal move each); all are scored.
+        weights, value = all_actions_weights(m.payoff, me.dist, opps, tc.canonical_coef, tc.all_actions_rule, at=at)
         datums[p.name] = all_actions_datums([me.sequences[i] for i in rows], [me.n_reply[i] for i in rows],
-                                            [me.logprobs[i] for i in rows], [per_seq[i] for i in rows])
-        metrics[f"train/{p.name}/all_actions/decisions"] = float(k)
+                                            [me.logprobs[i] for i in rows],
+                                            [tc.all_actions * weights[flat[i][0]][flat[i][1]] for i in rows])
+        metrics[f"train/{p.name}/all_actions/decisions"] = float(len(at))
         metrics[f"train/{p.name}/all_actions/payoff"] = value
         metrics[f"train/{p.name}/all_actions/canonical_mass"] = me.mass
     return datums, metrics
