@@ -8,8 +8,10 @@ A config is refused with a :class:`ConfigError` whose text is ``<field>: <reason
 run`` prints ``opentinker: bad config: <field>: <reason>`` and exits 2):
 
 * when it is decoded (:func:`load_config`): unknown fields (``train.lrr: unknown field``),
-  types, and ranges, every number with an upper bound (the ``MAX_*`` constants, each with
-  its reason) so infinities and absurd sizes never reach the runtime; the job ``name`` is a safe path component;
+  types, and ranges, every number with an upper bound (the ``MAX_*`` constants of
+  :mod:`opentinker.config_limits`, each with its reason) so infinities and absurd sizes never
+  reach the runtime; the job ``name`` is a safe path component (messages:
+  :mod:`opentinker.config_errors`);
 * by :func:`opentinker.control.config_checks.check_config`, before a run folder or an actor exists: the game is registered and
   takes ``game_kwargs``, the model spec resolves on this machine (a known spec, or a folder
   with a ``config.json``; a path that does not exist is refused, never looked up on the hub),
@@ -19,7 +21,6 @@ run`` prints ``opentinker: bad config: <field>: <reason>`` and exits 2):
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -32,96 +33,19 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
+from opentinker.config_errors import ConfigError, config_error
+from opentinker.config_limits import (
+    MAX_GROUPS_PER_STEP, MAX_GROUP_SIZE, MAX_EPISODES_PER_STEP, MAX_POLICIES, MAX_LR,
+    MAX_CLIP_HIGH, MAX_DUAL_CLIP, MIN_TEMPERATURE, MAX_TEMPERATURE, MAX_TOKENS, MAX_TOP_K,
+    MAX_THREADS, MAX_KV_MB, MAX_BATCH_TOKENS, MAX_BLOCK_SIZE, MAX_ENV_RUNNERS, MAX_DEVICES,
+    DEVICE_PATTERN, MAX_SEED, MAX_TEXT, MAX_ITEMS, MAX_KWARG_CHARS, MAX_DECISIONS, MAX_REWARD,
+    Steps, PosSteps, Hands, PosHands, Coef, PosCoef, UnitFloat, Prob, Timeout, PathStr,
+)
 from opentinker.engine.spec_checks import MAX_LORA_RANK
 from opentinker.files import name_problem
 from opentinker.logs import escape_controls
 from protocols.messages import LoraSpec
 
-
-class ConfigError(ValueError):
-    """A config field that cannot work; ``str(e)`` is ``"<field>: <reason>"``."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.field = field
-        self.reason = reason
-
-
-# Upper bounds. Each lies far above what a real job uses (the bundled jobs and the README's
-# sweeps stay 100-1000x below) and low enough that the work, memory or arithmetic it leads to
-# stays finite and startable: they stop typos and hostile configs (``steps = 10**30``, ``lr =
-# inf``, ``lora_rank = 10**7``), not experiments. Floats are bounded on both sides, so inf and
-# nan are refused everywhere.
-MAX_STEPS = 10**6
-"""Training steps (and every "each N steps" period): 10^6 steps at 1 s each is 11 days; the
-default job runs 50."""
-MAX_GROUPS_PER_STEP = 10**5
-MAX_GROUP_SIZE = 10**4
-MAX_EPISODES_PER_STEP = 2**14
-"""``groups_per_step * group_size`` (the default job plays 64): the coordinator hands a step's
-episodes to the runners in one message each, and 160,000 episodes made a 17 MB message, past
-the bus's 4 MiB limit on a body."""
-MAX_HANDS_PER_STRATUM = 1000
-"""Evaluation games per (start, seat) (the game's evaluation hook has the starts); in the default
-job 34 give 408 games, a 95% interval of about +-0.1 per game, and 1000 give 12,000 (+-0.02)."""
-MAX_POLICIES = 256
-"""Each policy is a learner actor (a process) and an adapter on the scheduler."""
-MAX_COEF = 1e6
-"""Loss coefficients, LoRA alpha, truncations, opponent weights, DPO/IPO settings."""
-MAX_LR = 10.0
-"""AdamW fine-tuning rates are 1e-7 to 1e-2."""
-MAX_CLIP_HIGH = 10.0
-"""PPO's ``1 + clip_high`` (DAPO uses 0.28); keeps every clip bound far inside the losses'
-log-ratio clamp (``learners.losses.LOG_RATIO_CLAMP``)."""
-MAX_DUAL_CLIP = 1e3
-MIN_TEMPERATURE = 1e-4
-"""Below it sampling is greedy in all but name, and a temperature that rounds to 0 in float32
-divides the logits by zero."""
-MAX_TEMPERATURE = 100.0
-MAX_TOKENS = 2**17
-"""Tokens per reply: 131,072 is the longest context of current open models (a model whose
-``config.json`` is at hand is held to its own ``max_position_embeddings``)."""
-MAX_TOP_K = 2**20
-"""Larger than any vocabulary."""
-MAX_THREADS = 4096
-MAX_KV_MB = 2**20
-"""1 TiB of KV blocks."""
-MAX_BATCH_TOKENS = 2**20
-MAX_BLOCK_SIZE = 4096
-MAX_ENV_RUNNERS = 1024
-MAX_DEVICES = 64
-DEVICE_PATTERN = r"^(cpu|cuda(:\d{1,2})?)$"
-"""A scheduler's torch device: ``cpu``, ``cuda`` or ``cuda:N``."""
-"""Each is an actor (a process)."""
-MAX_TIMEOUT_S = 7 * 86400.0
-"""A week: a request that takes longer is a hung job."""
-MAX_SEED = 2**32 - 1
-"""The runtime seeds its numpy streams with the seed's low 32 bits (``rollout/episodes.py``),
-so larger seeds would silently alias smaller ones; ``torch.manual_seed`` stops at 2^64."""
-MAX_TEXT = 100_000
-"""Characters of ``system_prompt`` (it is in every prompt)."""
-MAX_PATH_CHARS = 4096
-"""``PATH_MAX`` on Linux: ``out_dir``, ``model.base``, ``offline.data``."""
-MAX_ITEMS = 64
-"""Entries of ``game_kwargs``, ``target_modules`` and a policy's ``train`` overrides."""
-MAX_KWARG_CHARS = 256
-"""A string in ``game_kwargs`` (it travels with every episode of a step)."""
-MAX_DECISIONS = 10**6
-"""Most decisions a step of ``train.all_actions_decisions`` draws."""
-MAX_REWARD = 1e12
-
-PosInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-Steps = Annotated[int, Meta(ge=0, le=MAX_STEPS)]
-PosSteps = Annotated[int, Meta(ge=1, le=MAX_STEPS)]
-Hands = Annotated[int, Meta(ge=0, le=MAX_HANDS_PER_STRATUM)]
-PosHands = Annotated[int, Meta(ge=1, le=MAX_HANDS_PER_STRATUM)]
-Coef = Annotated[float, Meta(ge=0, le=MAX_COEF)]
-PosCoef = Annotated[float, Meta(gt=0, le=MAX_COEF)]
-UnitFloat = Annotated[float, Meta(ge=0, le=1)]
-Prob = Annotated[float, Meta(gt=0, le=1)]
-Timeout = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S)]
-PathStr = Annotated[str, Meta(max_length=MAX_PATH_CHARS)]
 
 SPECIAL_OPPONENTS = ("self", "base", "past", "best_response")
 """Opponent names besides the scripted policies and the job's policies: the policy itself,
@@ -310,7 +234,7 @@ class TrainConfig(_Config):
     seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
 
     def __post_init__(self) -> None:
-        # Fields relative to this table: the caller's path is put in front (_config_error).
+        # Fields relative to this table: the caller's path is put in front (config_error).
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
         if (self.all_actions_only or self.canonical_coef or self.all_actions_decisions) and not self.all_actions:
@@ -583,7 +507,7 @@ class JobConfig(_Config):
     is left out of the resolved TOML, which has no null)."""
 
     def __post_init__(self) -> None:
-        # Messages are "<field>: <reason>" (ConfigError's form, kept by _config_error).
+        # Messages are "<field>: <reason>" (ConfigError's form, kept by config_error).
         check_name(self.name)
         if not self.out_dir or _has_controls(self.out_dir) or "\0" in self.out_dir:
             raise ValueError(f"out_dir: must be a non-empty path without control characters, got {self.out_dir!r}")
@@ -688,7 +612,7 @@ class JobConfig(_Config):
         try:
             return msgspec.convert(raw, TrainConfig)
         except msgspec.ValidationError as e:
-            raise _config_error(e, raw, where) from None
+            raise config_error(e, raw, TrainConfig, where) from None
 
     def lora_spec(self, policy: str) -> LoraSpec:
         """The ``LoraSpec`` of ``policy``'s adapter: its LoRA settings, seeded from the job's
@@ -782,7 +706,7 @@ def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     try:
         return msgspec.convert(raw, JobConfig)
     except msgspec.ValidationError as e:
-        raise _config_error(e, raw) from None
+        raise config_error(e, raw, JobConfig) from None
 
 
 RENAMED = {("eval", "exploitability"): "exact"}
@@ -819,122 +743,6 @@ def _merge(into: dict, new: dict, where: str = "") -> None:
             _merge(into[k], v, f"{where}{k}.")
         else:
             into[k] = v
-
-
-# --------------------------------------------------------------------------- error messages
-
-_AT = re.compile(r"(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.DOTALL)
-_STEP = re.compile(r"\.(?P<key>[^.\[]+)|\[(?P<index>\d+)\]|\[\.\.\.\]")
-_RELATIVE = re.compile(r"[A-Za-z_][^\s:]*")
-"""The ``<field>`` of a ``"<field>: <reason>"`` message raised in a ``__post_init__``."""
-_MISSING = object()
-
-
-def _config_error(e: msgspec.ValidationError, raw: Any, where: str = "") -> ConfigError:
-    """``e`` (msgspec's ``<message> - at `$.path```) as ``<field>: <reason>``: the path becomes
-    the field (``policies[0]`` becomes ``policies[<its name>]``), an unknown field is named with
-    the closest known one, and the offending value is quoted. ``where`` goes in front (the
-    table ``raw`` was decoded at)."""
-    m = _AT.fullmatch(str(e))
-    assert m is not None
-    msg, path = m["msg"], m["path"] or ""
-    field = _join(where, _field_name(path, raw))
-    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.DOTALL)
-    if unknown:
-        known = _known_fields(path, where)
-        close = difflib.get_close_matches(unknown[1], known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
-        return ConfigError(_join(field, unknown[1]), f"unknown field{hint}")
-    if m["key"]:  # a table's key (msgspec: "- at `key` in `$.path`")
-        keys = _lookup(raw, path)
-        shown = repr(list(keys) if isinstance(keys, dict) else keys)
-        return ConfigError(field, f"each key: {msg[:1].lower() + msg[1:]}, got keys "
-                                  f"{shown if len(shown) <= 80 else shown[:77] + '...'}")
-    missing = re.fullmatch(r"Object missing required field `(.*)`", msg, re.DOTALL)
-    if missing:
-        return ConfigError(_join(field, missing[1]), "required field missing")
-    head, sep, rest = msg.partition(": ")
-    # "<field>: <reason>" from a __post_init__: JobConfig's come without a path (msgspec adds
-    # none at the root), the nested tables' name a field of the table.
-    if sep and (m["path"] is None or _RELATIVE.fullmatch(head)):
-        return ConfigError(_join(field, head), rest)
-    reason = msg[:1].lower() + msg[1:]
-    literal = _type_at(path, where)
-    if isinstance(literal, msgspec.inspect.LiteralType):
-        reason += f" (one of: {', '.join(map(str, literal.values))})"
-    value = _lookup(raw, path)
-    if value is not _MISSING and ", got " not in reason and f"value {value!r}" not in reason:
-        shown = repr(value)
-        reason += f", got {shown if len(shown) <= 80 else shown[:77] + '...'}"
-    return ConfigError(field or "config", reason)
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}.{b}" if a and b and not b.startswith("[") else (a + b)
-
-
-def _steps(path: str) -> list[re.Match[str]]:
-    return list(_STEP.finditer(path))
-
-
-def _field_name(path: str, raw: Any) -> str:
-    """``.policies[0].lora_rank`` -> ``policies[main].lora_rank`` (the policy's name where it
-    has one that is an identifier)."""
-    out, node = "", raw
-    for step in _steps(path):
-        if step["key"] is not None:
-            out = _join(out, step["key"])
-            node = node.get(step["key"], _MISSING) if isinstance(node, dict) else _MISSING
-        elif step["index"] is not None:
-            i = int(step["index"])
-            node = node[i] if isinstance(node, list) and i < len(node) else _MISSING
-            name = node.get("name", "main") if isinstance(node, dict) and out == "policies" else None
-            out += f"[{name}]" if isinstance(name, str) and name.isidentifier() else f"[{i}]"
-        else:
-            out += "[...]"
-            node = _MISSING
-    return out
-
-
-def _lookup(raw: Any, path: str) -> Any:
-    node = raw
-    for step in _steps(path):
-        if step["key"] is not None and isinstance(node, dict) and step["key"] in node:
-            node = node[step["key"]]
-        elif step["index"] is not None and isinstance(node, list) and int(step["index"]) < len(node):
-            node = node[int(step["index"])]
-        else:
-            return _MISSING
-    return node
-
-
-def _type_at(path: str, where: str) -> Any:
-    """msgspec's description of the type at ``path`` of :class:`JobConfig` (of
-    :class:`TrainConfig` for a policy's ``train`` table, ``where`` set), a struct for a
-    ``struct | UNSET`` field; ``None`` where the path leaves the schema."""
-
-    def struct_of(info: Any) -> Any:
-        if isinstance(info, msgspec.inspect.UnionType):
-            structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
-            return structs[0] if structs else info
-        return info
-
-    info: Any = msgspec.inspect.type_info(TrainConfig if where else JobConfig)
-    for step in _steps(path):
-        info = struct_of(info)
-        if step["key"] is not None and isinstance(info, msgspec.inspect.StructType):
-            info = {f.name: f.type for f in info.fields}.get(step["key"])
-        elif step["index"] is not None and isinstance(info, msgspec.inspect.ListType):
-            info = info.item_type
-        else:
-            return None
-    return struct_of(info)
-
-
-def _known_fields(path: str, where: str) -> list[str]:
-    """The field names of the struct at ``path`` (see :func:`_type_at`)."""
-    info = _type_at(path, where)
-    return [f.name for f in info.fields] if isinstance(info, msgspec.inspect.StructType) else []
 
 
 def to_toml(cfg: JobConfig) -> bytes:
