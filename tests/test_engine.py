@@ -5,6 +5,7 @@ PEFT path, streaming, cancellation, fairness between sampling and training, and 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import numpy as np
@@ -592,3 +593,91 @@ def test_waiting_rows_are_admitted_fairly_over_peers(tiny_path):
         eng.step()
         steps += 1
     assert steps > done_at + 40
+
+
+def _play_conversations(tiny_path, n: int = 8, turns: int = 6, fit: int = 3, patience: int | None = None,
+                        monkeypatch=None):
+    """``n`` seats' conversations of ``turns`` turns on an engine whose KV pool holds about
+    ``fit`` finished conversations: each seat's next prompt (its conversation so far, its
+    reply, a 12-token observation) is queued the moment its reply is drawn, as a rollout
+    against a scripted opponent does. Returns the engine's stats and the finished rows."""
+    from opentinker.engine import scheduler as scheduler_mod
+    from opentinker.engine.host import ModelHost
+
+    if patience is not None:
+        monkeypatch.setattr(scheduler_mod, "WARM_FIRST_PATIENCE", patience)
+    probe = ModelHost(tiny_path, threads=1, engine="own", engine_options={"kv_budget_bytes": 1 << 20, "block_size": 4})
+    per_block = probe.engine.pool.bytes_per_block
+    first_len, obs_len, reply_len = 30, 12, 4
+    blocks = fit * -(-(first_len + turns * (obs_len + reply_len)) // 4)
+    host = ModelHost(tiny_path, threads=1, engine="own",
+                     engine_options={"kv_budget_bytes": blocks * per_block, "block_size": 4})
+    eng = host.engine
+    rng = np.random.default_rng(5)
+    params = SamplingParams(max_tokens=reply_len)
+    left = {i: turns for i in range(n)}
+    rows = {eng.add(None, rng.integers(10, 4000, size=first_len).astype(np.int32), params, i): i for i in range(n)}
+    done, steps = [], 0
+    while rows and steps < 3000:
+        _, finished = eng.step()
+        steps += 1
+        for seq in finished:
+            i = rows.pop(seq)
+            done.append(seq)
+            left[i] -= 1
+            if left[i]:
+                nxt = np.concatenate([seq.prompt, np.asarray(seq.out_tokens, np.int32),
+                                      rng.integers(10, 4000, size=obs_len).astype(np.int32)])
+                rows[eng.add(None, nxt, params, 100 * i + left[i])] = i
+    assert not rows, f"{len(rows)} conversations unfinished after {steps} steps"
+    return eng.stats, done
+
+
+def test_warm_rows_go_first_while_the_kv_pool_is_short(tiny_path, monkeypatch):
+    """Eight seats' conversations on a pool that holds about three: admitted warm first (the
+    longest cached prefix), a seat's next turn finds its conversation still cached; in arrival
+    order (patience 0: every row overdue) it queues behind the others, which evict it. Every
+    conversation finishes either way, with the same number of prompt tokens."""
+    warm, done_warm = _play_conversations(tiny_path)
+    fifo, done_fifo = _play_conversations(tiny_path, patience=0, monkeypatch=monkeypatch)
+    assert len(done_warm) == len(done_fifo) == 8 * 6
+    assert warm.prompt_tokens == fifo.prompt_tokens
+    hit_warm, hit_fifo = warm.cached_tokens / warm.prompt_tokens, fifo.cached_tokens / fifo.prompt_tokens
+    assert hit_warm > hit_fifo + 0.2, (hit_warm, hit_fifo)
+    assert warm.prefill_tokens < 0.7 * fifo.prefill_tokens
+
+
+def test_warm_first_order_keeps_each_peers_places_and_gives_way_to_overdue_rows(tiny_path):
+    """The order itself, on a real prefix index: a row whose prompt extends a finished one's
+    (cached) goes before a cold row that came first; with peers, each peer keeps the places the
+    fair order gave it and only its own rows trade them; a row passed over
+    ``WARM_FIRST_PATIENCE`` times goes first again; a pool that is not short keeps arrival order."""
+    from opentinker.engine.host import ModelHost
+    from opentinker.engine.scheduler import WARM_FIRST_PATIENCE
+
+    eng = ModelHost(tiny_path, threads=1, engine="own",
+                    engine_options={"kv_budget_bytes": 4 << 20, "block_size": 4}).engine
+    sch = eng.scheduler
+    a, b, c = _prompts(3, seed=7, lo=30, hi=31)
+    params = SamplingParams(max_tokens=2)
+    first = eng.add(None, a, params, 0)
+    eng.run_until_done([first])
+    warm_prompt = np.concatenate([a, np.asarray(first.out_tokens, np.int32), b[:5]])
+    cold = eng.add(None, b, params, 1, owner="x")
+    other = eng.add(None, c, params, 2, owner="y")
+    warm = eng.add(None, warm_prompt, params, 3, owner="x")
+    assert sch._cached_prefix(warm) >= 28 and sch._cached_prefix(cold) == 0
+    queued = [cold, other, warm]
+
+    def order(fair_key=None, kv_full=True):
+        sch.waiting, sch.kv_full, sch.fair_key = collections.deque(queued), kv_full, fair_key
+        sch._warm_first()
+        return list(sch.waiting)
+
+    assert order(kv_full=False) == queued
+    assert order() == [warm, cold, other]
+    assert order(lambda s: s.owner) == [warm, other, cold]  # x keeps places 0 and 2, y place 1
+    cold.waited = WARM_FIRST_PATIENCE
+    assert order() == [cold, warm, other] and order(lambda s: s.owner) == [cold, other, warm]
+    sch.waiting, sch.kv_full, sch.fair_key = collections.deque(), False, None
+    eng.cancel(queued)

@@ -72,6 +72,9 @@ class Sequence:
     prompt: they take its prompt's keys, values and last logits instead of computing them."""
     leader: Sequence | None = None
     """The row whose prompt this twin waits on (``None`` once it runs on its own)."""
+    waited: int = 0
+    """Admissions it stayed waiting through while the KV pool was short (the scheduler's
+    warm-first order gives way to arrival order past :data:`~opentinker.engine.scheduler.WARM_FIRST_PATIENCE`)."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
