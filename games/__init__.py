@@ -7,7 +7,9 @@ imports only PettingZoo, Gymnasium, NumPy, jsonschema (tool arguments) and the s
 A name that is not registered but is a dotted module path, ``"pettingzoo.classic.connect_four_v3"``
 (its ``env`` function) or ``"package.module:factory"``, is imported and its AEC env (a Parallel
 env is converted) goes through :func:`from_pettingzoo`, unless it is a text game already (text
-actions), so any PettingZoo env trains from a job config with no code. Naming a module imports
+actions), so any PettingZoo env trains from a job config with no code; its ``game_kwargs`` go to
+the env's constructor, except ``bridge_brief`` (true: the bridge's brief messages, see
+:mod:`games.bridge`), which the bridge takes. Naming a module imports
 it: a config is code you trust, like any Python module. ``evaluation(name)`` gives the game's
 evaluation hook (:class:`games.evaluation.GameEval`): the one it registered, a module's
 ``EVALUATION`` attribute, or the default.
@@ -56,6 +58,9 @@ for a single-file module on ``sys.path`` (the working folder), ``module:factory`
 
 _EXTRAS = {"rlcard": "poker"}
 """Modules some PettingZoo envs import -> the extra that installs them."""
+
+BRIDGE_BRIEF = "bridge_brief"
+"""The ``game_kwargs`` key of an imported env that the bridge takes (its brief messages), not the env."""
 
 
 def register(
@@ -112,6 +117,8 @@ def _imported(name: str) -> tuple[Callable[..., AECEnv], GameEval]:
     label = name.rsplit(".", 1)[-1].replace(":", ".")
 
     def factory(**kwargs: Any) -> AECEnv:
+        brief = kwargs.pop(BRIDGE_BRIEF, False)
+
         def inner() -> AECEnv:
             env = fn(**kwargs)
             if isinstance(env, ParallelEnv):
@@ -124,9 +131,11 @@ def _imported(name: str) -> tuple[Callable[..., AECEnv], GameEval]:
 
         env = inner()
         if all(isinstance(env.action_space(a), spaces.Text) for a in env.possible_agents):
+            if brief is not False:
+                raise ValueError(f"{name!r}: {BRIDGE_BRIEF} is for an env the bridge converts; this one is a text game")
             return env  # a text game already
         env.close()
-        return from_pettingzoo(inner, name=label)
+        return from_pettingzoo(inner, name=label, brief=brief)
 
     ev = getattr(module, "EVALUATION", None)
     if ev is not None and not isinstance(ev, GameEval):

@@ -51,6 +51,14 @@ planes (`games.bridge_render.grid_text`), as nested lists otherwise; its moves a
 `render_observation` or `render_moves` overrides the view's state or moves (a custom
 `render_moves` also drops the view's names and instruction).
 
+**Brief messages.** `from_pettingzoo(..., brief=True)` (a job: `game_kwargs.bridge_brief = true`):
+once a seat has moved, its conversation holds the header and the instruction, so its later
+messages leave them out: the state without the view's header lines (`View.header_lines`: a
+board game's title, marks and rule) and the legal moves without the instruction. Connect four's
+message to a seat that has moved is then the column numbers, the grid and "Legal moves: 0, 1,
+2, 3, 4, 5, 6." (86 tokens of SmolLM2's instead of 128). `infos["infostate"]` is the full state
+either way.
+
 **Length.** The legal moves and the instruction are never cut. The state is cut (ending in
 "...") to what `max_length` leaves after them, but to no fewer than `max_length // 4`
 characters, so that it is still seen: only a move list longer than about three quarters of
@@ -200,8 +208,12 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         parse_reply: ParseReply | None = None,
         max_length: int = 1024,
         render_mode: str | None = None,
+        brief: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(brief, bool):
+            raise ValueError(f"brief must be true or false, got {brief!r}")
+        self.brief = brief
         inner = env_fn_or_env if isinstance(env_fn_or_env, AECEnv) else env_fn_or_env()
         if not isinstance(inner, AECEnv):
             raise TypeError(f"expected a PettingZoo AECEnv or a factory of one, got {inner!r}")
@@ -242,6 +254,8 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         }
         self.invalid_counts: dict[str, int] = {a: 0 for a in self.possible_agents}
         self._forfeiter: str | None = None
+        self._moved: set[str] = set()
+        """Seats that have made a move this game (a brief bridge shortens their messages)."""
 
     def observation_space(self, agent: str) -> gymnasium.spaces.Space[Any]:
         return self.observation_spaces[agent]
@@ -253,6 +267,7 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         self.env.reset(seed=seed, options=options)
         self.invalid_counts = {a: 0 for a in self.possible_agents}
         self._forfeiter = None
+        self._moved = set()
         self._mirror()
 
     def step(self, action: str | None) -> None:
@@ -270,6 +285,7 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         else:
             move = self._parse_reply(action, legal)
         if move is not None and move in legal:
+            self._moved.add(agent)
             self.env.step(int(move))
             self._mirror()
             return
@@ -346,10 +362,13 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         return ", ".join(str(a) for a in legal)
 
     def _tail(self, agent: str, legal: Mapping[int, str | None], room: int) -> str:
-        """The move list and the instruction; the compact list when the full one exceeds
-        `room` characters and a shorter exact one exists."""
+        """The move list and the instruction (the list alone for a brief seat that has moved);
+        the compact list when the full one exceeds `room` characters and a shorter exact one
+        exists."""
         instruction = self._view.instruction if self._render_moves is None else INSTRUCTION
-        tail = printable(f"Legal moves: {self._listing(legal)}.\n{instruction}")
+        if self._is_brief(agent):
+            instruction = ""
+        tail = printable(f"Legal moves: {self._listing(legal)}.\n{instruction}".rstrip("\n"))
         if len(tail) <= room:
             return tail
         if self._view.compact_moves is not None:
@@ -358,7 +377,7 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
             short = _ranges(list(legal))
         else:
             short = None
-        compact = printable(f"Legal moves: {short}.\n{instruction}") if short else tail
+        compact = printable(f"Legal moves: {short}.\n{instruction}".rstrip("\n")) if short else tail
         return compact if len(compact) < len(tail) else tail
 
     def _longest_tail(self, agent: str) -> int:
@@ -380,8 +399,14 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
     def _body(self, agent: str) -> str:
         return printable(self._render_observation(agent, self.env.observe(agent)), self.max_length)
 
+    def _is_brief(self, agent: str) -> bool:
+        """Whether ``agent``'s messages are shortened now: a brief bridge, a seat that has moved."""
+        return self.brief and agent in self._moved
+
     def _text(self, agent: str) -> str:
         body = self._body(agent)
+        if self._is_brief(agent) and self._view.header_lines and self._render_observation is self._view.render_observation:
+            body = "\n".join(body.split("\n")[self._view.header_lines:])
         room = self.max_length - len(body) - 1
         if self._to_act(agent):
             tail = self._tail(agent, self._legal(agent), room)
@@ -410,6 +435,7 @@ def from_pettingzoo(
     parse_reply: ParseReply | None = None,
     max_length: int = 1024,
     render_mode: str | None = None,
+    brief: bool = False,
 ) -> AECEnv[str, dict[str, str], str]:
     """Turn a discrete, action-masked PettingZoo AEC env into an order-enforced text game.
 
@@ -419,7 +445,8 @@ def from_pettingzoo(
     keyword functions override rendering and parsing (see the module docstring); replies are
     read up to `max_length` characters, and observations are at most `max_length` characters
     unless the legal moves alone take more than about three quarters of that ("Length" in the
-    module docstring).
+    module docstring). `brief`: a seat that has moved is no longer shown the header and the
+    instruction ("Brief messages" in the module docstring).
     """
     return wrappers.OrderEnforcingWrapper(
         TextBridge(
@@ -430,5 +457,6 @@ def from_pettingzoo(
             parse_reply=parse_reply,
             max_length=max_length,
             render_mode=render_mode,
+            brief=brief,
         )
     )

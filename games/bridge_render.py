@@ -56,6 +56,9 @@ class View:
     compact_moves: Callable[[str, Sequence[int]], str | None] | None = None
     """(agent, legal ids) -> an exact shorter statement of the legal moves, used when the list
     and the state do not fit the length limit together (go: "any empty point except ...")."""
+    header_lines: int = 0
+    """Leading lines of the state that never change in a game (a board game's title, the seat's
+    mark and the rule): a brief bridge leaves them out once the seat has moved."""
 
 
 def grid_text(array: np.ndarray) -> str:
@@ -199,7 +202,7 @@ def _board_view(title: str, rule: str, cell: Callable[[np.ndarray, int, int], st
             return "\n".join([f"{title}. You are {mine}, the opponent {theirs}; {rule}",
                               *([header] if header else []), *grid])
 
-        return View(render_observation=render)
+        return View(render_observation=render, header_lines=1)
 
     return build
 

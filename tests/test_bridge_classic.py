@@ -386,3 +386,57 @@ def test_generic_env_grid_and_id_ranges() -> None:
         "Observation:\n1 0\n0 1"
     )
     assert default_render_observation("a", np.array([0, 1])) == "Observation: [0, 1]"
+
+
+@pytest.mark.parametrize("key", ["connect_four_v3", "tictactoe_v3", "chess_v6"])
+def test_brief_messages_drop_the_header_and_instruction_once_the_seat_has_moved(key: str) -> None:
+    """``brief``: a seat's first message is the full one; once it has moved, the state without
+    the view's header line (board games) and the move list without the instruction; the game
+    and ``infostate`` are the same as without it, and the env still conforms."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full, brief = games.from_pettingzoo(CLASSIC[key]), games.from_pettingzoo(CLASSIC[key], brief=True)
+    full.reset(seed=3)
+    brief.reset(seed=3)
+    rng = np.random.default_rng(3)
+    seen: dict[str, int] = {}
+    for _ in range(40):
+        if not full.agents:
+            break
+        agent = full.agent_selection
+        f_obs, f_rew, f_term, _, f_info = full.last()
+        b_obs, b_rew, b_term, _, b_info = brief.last()
+        assert (b_rew, b_term, b_info["infostate"], b_info["legal_moves"]) == (f_rew, f_term, f_info["infostate"],
+                                                                               f_info["legal_moves"])
+        if f_term:
+            full.step(None)
+            brief.step(None)
+            continue
+        f_lines, b_lines = f_obs["text"].split("\n"), b_obs["text"].split("\n")
+        if seen.get(agent):
+            header = 1 if key != "chess_v6" else 0
+            assert b_lines == f_lines[header:-1], (f_lines, b_lines)  # no header, no instruction
+            assert b_lines[-1].startswith("Legal moves: ")
+        else:
+            assert b_lines == f_lines and f_lines[-1] == INSTRUCTIONS[key]
+        seen[agent] = seen.get(agent, 0) + 1
+        move = f_info["legal_moves"][int(rng.integers(len(f_info["legal_moves"])))]
+        name = _moves_line(f_obs["text"])[13:-1].split(", ")[f_info["legal_moves"].index(move)] \
+            if key == "chess_v6" else move
+        full.step(name)
+        brief.step(name)
+    assert max(seen.values()) >= 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        api_test(games.from_pettingzoo(CLASSIC[key], brief=True), num_cycles=50)
+
+
+def test_brief_is_a_game_kwarg_of_an_imported_env_and_checked() -> None:
+    """A job turns it on with ``game_kwargs.bridge_brief`` (the env's constructor never sees it);
+    a value that is not a bool, or a text game given it, is refused by name."""
+    env = games.make("pettingzoo.classic.connect_four_v3", bridge_brief=True)
+    assert env.unwrapped.brief is True and games.make("pettingzoo.classic.connect_four_v3").unwrapped.brief is False
+    with pytest.raises(ValueError, match=r"brief must be true or false, got 'yes'"):
+        games.make("pettingzoo.classic.connect_four_v3", bridge_brief="yes")
+    with pytest.raises(ValueError, match=r"bridge_brief is for an env the bridge converts"):
+        games.make("games.tictactoe", bridge_brief=True)
