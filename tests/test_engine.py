@@ -647,11 +647,13 @@ def test_warm_rows_go_first_while_the_kv_pool_is_short(tiny_path, monkeypatch):
     assert warm.prefill_tokens < 0.7 * fifo.prefill_tokens
 
 
-def test_warm_first_order_keeps_each_peers_places_and_gives_way_to_overdue_rows(tiny_path):
+def test_warm_first_order_keeps_each_peers_places_and_gives_way_to_overdue_rows(tiny_path, monkeypatch):
     """The order itself, on a real prefix index: a row whose prompt extends a finished one's
     (cached) goes before a cold row that came first; with peers, each peer keeps the places the
     fair order gave it and only its own rows trade them; a row passed over
-    ``WARM_FIRST_PATIENCE`` times goes first again; a pool that is not short keeps arrival order."""
+    ``WARM_FIRST_PATIENCE`` times goes first again; a pool that is not short keeps arrival order;
+    only the first ``WARM_FIRST_WINDOW`` waiting rows are ranked."""
+    from opentinker.engine import scheduler as scheduler_mod
     from opentinker.engine.host import ModelHost
     from opentinker.engine.scheduler import WARM_FIRST_PATIENCE
 
@@ -677,6 +679,9 @@ def test_warm_first_order_keeps_each_peers_places_and_gives_way_to_overdue_rows(
     assert order(kv_full=False) == queued
     assert order() == [warm, cold, other]
     assert order(lambda s: s.owner) == [warm, other, cold]  # x keeps places 0 and 2, y place 1
+    monkeypatch.setattr(scheduler_mod, "WARM_FIRST_WINDOW", 2)
+    assert order() == queued  # the warm row is third: outside the window
+    monkeypatch.setattr(scheduler_mod, "WARM_FIRST_WINDOW", 3)
     cold.waited = WARM_FIRST_PATIENCE
     assert order() == [cold, warm, other] and order(lambda s: s.owner) == [cold, other, warm]
     sch.waiting, sch.kv_full, sch.fair_key = collections.deque(), False, None

@@ -44,12 +44,17 @@ from opentinker.engine.registry import UnknownAdapterError
 from opentinker.engine.sequence import SeqStatus, Sequence
 from protocols.messages import SamplingParams, StopReason
 
-__all__ = ["EngineStats", "RequestTooLarge", "ScheduledBatch", "Scheduler", "WARM_FIRST_PATIENCE"]
+__all__ = ["EngineStats", "RequestTooLarge", "ScheduledBatch", "Scheduler", "WARM_FIRST_PATIENCE",
+           "WARM_FIRST_WINDOW"]
 
 WARM_FIRST_PATIENCE = 256
 """Admissions a waiting row may be passed over by warmer rows while the KV pool is short;
 then it goes first, in arrival order (no row waits forever behind a stream of warm ones).
 256 steps are ~1-2 minutes of a CPU rollout and a few seconds on a GPU."""
+WARM_FIRST_WINDOW = 64
+"""Waiting rows the warm-first order ranks, from the front of the queue (the rest keep their
+places behind them): finding a row's cached prefix walks its prompt block by block, so a long
+queue of long prompts would cost a step milliseconds of Python."""
 
 
 class RequestTooLarge(ValueError):
@@ -276,7 +281,8 @@ class Scheduler:
         """While the KV pool is short (:attr:`kv_full`), admit the waiting rows whose prompt has
         the longest cached prefix first (SGLang's longest-prefix-match order), each key of
         :attr:`fair_key` keeping the places :meth:`_fair_order` gave it; rows passed over
-        :data:`WARM_FIRST_PATIENCE` times go first, in arrival order.
+        :data:`WARM_FIRST_PATIENCE` times go first, in arrival order. Only the first
+        :data:`WARM_FIRST_WINDOW` waiting rows are ranked.
 
         Why: a multi-turn rollout whose conversations do not all fit the pool runs as many as
         fit, and each seat's next turn comes back while its conversation is still cached. In
@@ -288,14 +294,15 @@ class Scheduler:
         are cached, and a warm row also needs fewer fresh blocks, so more rows fit."""
         if not self.kv_full or len(self.waiting) < 2:
             return
-        rows = list(self.waiting)
+        rows = list(itertools.islice(self.waiting, WARM_FIRST_WINDOW))
+        rest = list(itertools.islice(self.waiting, WARM_FIRST_WINDOW, None))
         keys = [self.fair_key(s) for s in rows] if self.fair_key is not None else [None] * len(rows)
         ranked: dict[Hashable, list[tuple[int, int, int, Sequence]]] = collections.defaultdict(list)
         for i, (k, seq) in enumerate(zip(keys, rows)):
             overdue = seq.waited >= WARM_FIRST_PATIENCE
             ranked[k].append((0 if overdue else 1, 0 if overdue else -self._cached_prefix(seq), i, seq))
         order = {k: iter(sorted(r, key=lambda x: x[:3])) for k, r in ranked.items()}
-        self.waiting = collections.deque(next(order[k])[3] for k in keys)
+        self.waiting = collections.deque([next(order[k])[3] for k in keys] + rest)
 
     def _cached_prefix(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s prompt whose KV the prefix index holds now (0 for a row whose
