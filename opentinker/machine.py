@@ -65,6 +65,19 @@ def git_commit(root: Path | None = None) -> tuple[str, bool]:
     return commit.stdout.strip(), bool(dirty.stdout.strip())
 
 
+def commit_record(at_start: tuple[str, bool]) -> dict[str, Any]:
+    """A run's code for its ``summary.json``: ``commit`` and ``dirty`` as they were when it
+    started (``at_start``, from :func:`git_commit`), and ``commit_at_end`` when the checkout
+    has moved since (a commit made while a long run trained: the run still ran the code it
+    started with, a subprocess it started later, such as an evaluation, the newer)."""
+    commit, dirty = at_start
+    out: dict[str, Any] = {"commit": commit, "dirty": dirty}
+    end = git_commit()[0]
+    if end != commit:
+        out["commit_at_end"] = end
+    return out
+
+
 def provenance(command: str | list[str], config: Any = None, threads: int | None = None,
                device: str = "cpu") -> dict[str, Any]:
     """Where a benchmark's figures come from, recorded in every result JSON: ``commit`` (and

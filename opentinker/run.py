@@ -50,7 +50,7 @@ from opentinker.eval.report import (
 )
 from opentinker.files import write_atomic
 from opentinker.interrupt import Interrupted, StopOnInterrupt
-from opentinker.machine import git_commit, machine
+from opentinker.machine import commit_record, machine
 from opentinker.progress import EpisodeFeed
 from opentinker.run_folder import OpenRun, open_run
 
@@ -343,7 +343,7 @@ def _finish(run: OpenRun, job: Job, ended: _Ended, spent_s: float) -> RunResult:
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters,
                                                       "wall_s": total, "restarts": job.restarts,
                                                       "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
-                                                      "commit": git_commit()[0]},
+                                                      **commit_record(run.commit)},
                                                      indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")
     return RunResult(run_dir=run_dir, first_eval=first, last_eval=last, rows=run.log.rows, info=ended.info)

@@ -25,6 +25,7 @@ from opentinker.control.config_checks import check_config
 from opentinker.engine.model_specs import resolve_model
 from opentinker.eval.report import MetricsLog
 from opentinker.interrupt import StopOnInterrupt
+from opentinker.machine import git_commit
 from opentinker.training import trajectory_log
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class OpenRun:
     stop: StopOnInterrupt
     now: str = "the first evaluation"
     """What the job is doing, for the message of a component that dies."""
+    commit: tuple[str, bool] = ("unknown", False)
+    """The checkout's commit and whether it was dirty when the run opened: the code this
+    process imported (a commit made while it runs is not what it trains with)."""
     first: dict[str, float] = field(default_factory=dict)
     """The evaluation before training."""
     last: dict[str, float] = field(default_factory=dict)
@@ -101,4 +105,4 @@ def open_run(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
                                          f"{e.strerror or type(e).__name__}") from None
         state.run_dir, state.fresh = run_dir, True
         log = MetricsLog(run_dir / "metrics.jsonl")
-    return OpenRun(cfg, console, run_dir, ckpt, model_path, log, t_start, state, stop)
+    return OpenRun(cfg, console, run_dir, ckpt, model_path, log, t_start, state, stop, commit=git_commit())

@@ -89,9 +89,14 @@ def test_bad_config_exits_2_with_the_field(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_run_writes_the_run_folder(tmp_path, tiny_path, capsys):
+def test_run_writes_the_run_folder(tmp_path, tiny_path, capsys, monkeypatch):
     from peft import PeftConfig
 
+    from opentinker import run_folder
+    from opentinker.machine import git_commit
+
+    # The checkout as the run opened it (a commit made while a run trains is not its code).
+    monkeypatch.setattr(run_folder, "git_commit", lambda: ("0" * 40, True))
     code = main([
         "run", "--set", "model.base=tiny-random", "--set", "runtime.backend=local",
         "--set", "train.steps=2", "--set", "train.groups_per_step=2", "--set", "train.group_size=2",
@@ -108,6 +113,8 @@ def test_run_writes_the_run_folder(tmp_path, tiny_path, capsys):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["eval", "train", "eval", "train", "eval"]
     assert load_config(run_dir / "config.toml").train.steps == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["commit"], summary["dirty"], summary["commit_at_end"]) == ("0" * 40, True, git_commit()[0])
     assert PeftConfig.from_pretrained(str(run_dir / "adapters" / "main")).r == 8
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     assert (run_dir / "cross_play.png").stat().st_size > 10_000
