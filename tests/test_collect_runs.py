@@ -47,6 +47,11 @@ def test_a_finished_run_takes_its_summary(tmp_path) -> None:
                                                      "commit": "abc", "machine": {"cores": 2}}))
     row = cr.run_row(folder)
     assert (row["finished"], row["wall_s"], row["commit"], row["last_eval"]) == (True, 99.0, "abc", {"b": 2})
+    assert "commit_at_end" not in row
+    # A run during which the checkout moved: where it started, and where the checkout was at its end.
+    (folder / "summary.json").write_text(json.dumps({"first_eval": {}, "last_eval": {}, "wall_s": 1.0,
+                                                     "commit": "abc", "commit_at_end": "def"}))
+    assert (cr.run_row(folder)["commit"], cr.run_row(folder)["commit_at_end"]) == ("abc", "def")
 
 
 def test_a_league_runs_exact_measures_are_kept_per_step_and_plotted(tmp_path) -> None:
