@@ -10,7 +10,6 @@ from typing import Any
 
 from _readme_common import ROOT, load, machine_label, pct, table, x
 
-
 # --- the default job ---------------------------------------------------------------------
 
 EVAL = "eval/main/"

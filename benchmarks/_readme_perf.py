@@ -8,7 +8,6 @@ from pathlib import Path
 
 from _readme_common import load, table, x
 
-
 PACE_BACKENDS = {
     "single": "single-process loop (baseline: host called directly, no bus, no actors)",
     "local": 'the components over the bus in one process (`backend = "local"`)',

@@ -211,8 +211,8 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
         brief: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(brief, bool):
-            raise ValueError(f"brief must be true or false, got {brief!r}")
+        if not isinstance(brief, bool):  # a game kwarg's bad value: ValueError, as every game's
+            raise ValueError(f"brief must be true or false, got {brief!r}")  # noqa: TRY004
         self.brief = brief
         inner = env_fn_or_env if isinstance(env_fn_or_env, AECEnv) else env_fn_or_env()
         if not isinstance(inner, AECEnv):
@@ -405,7 +405,8 @@ class TextBridge(AECEnv[str, dict[str, str], str]):
 
     def _text(self, agent: str) -> str:
         body = self._body(agent)
-        if self._is_brief(agent) and self._view.header_lines and self._render_observation is self._view.render_observation:
+        own_view = self._render_observation is self._view.render_observation  # not a caller's renderer
+        if self._is_brief(agent) and own_view and self._view.header_lines:
             body = "\n".join(body.split("\n")[self._view.header_lines:])
         room = self.max_length - len(body) - 1
         if self._to_act(agent):

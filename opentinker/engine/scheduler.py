@@ -44,8 +44,14 @@ from opentinker.engine.registry import UnknownAdapterError
 from opentinker.engine.sequence import SeqStatus, Sequence
 from protocols.messages import SamplingParams, StopReason
 
-__all__ = ["EngineStats", "RequestTooLarge", "ScheduledBatch", "Scheduler", "WARM_FIRST_PATIENCE",
-           "WARM_FIRST_WINDOW"]
+__all__ = [
+    "WARM_FIRST_PATIENCE",
+    "WARM_FIRST_WINDOW",
+    "EngineStats",
+    "RequestTooLarge",
+    "ScheduledBatch",
+    "Scheduler",
+]
 
 WARM_FIRST_PATIENCE = 256
 """Admissions a waiting row may be passed over by warmer rows while the KV pool is short;
@@ -288,7 +294,7 @@ class Scheduler:
         fit, and each seat's next turn comes back while its conversation is still cached. In
         arrival order it queues behind the rows that arrived first, and by the time it is
         admitted they have evicted its blocks (a least-recently-used cache under a cyclic
-        access larger than itself misses every time), so every turn prefilled the whole
+        access larger than itself misses every time), so most turns prefilled their whole
         conversation again: connect four's rollout hit 0.33 of its prompt tokens in the prefix
         cache where 0.73 were earlier turns. Warm first, a seat's turns run while its blocks
         are cached, and a warm row also needs fewer fresh blocks, so more rows fit."""
