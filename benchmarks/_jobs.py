@@ -133,6 +133,13 @@ def run_config(config: JobConfig, out: Path, label: str) -> tuple[Path, dict[str
                         stem.with_suffix(".log"), label, toml)
 
 
+def run_commit(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's code from its ``summary.json``: ``commit`` (the one it started from), and
+    ``commit_at_end`` where the checkout moved while it ran."""
+    return {"commit": summary.get("commit"),
+            **({"commit_at_end": summary["commit_at_end"]} if "commit_at_end" in summary else {})}
+
+
 def read_rows(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

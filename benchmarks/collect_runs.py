@@ -13,6 +13,7 @@ import statistics
 import tomllib
 from pathlib import Path
 
+from _jobs import run_commit
 from _machine import script_provenance
 
 import games
@@ -61,8 +62,7 @@ def run_row(folder: Path) -> dict:
     return {"run": folder.name, "seed": cfg["seed"], "model": cfg.get("model", {}), "steps": len(train),
             "finished": summary_file.is_file(), "game": cfg["game"], "unit": unit,
             "machine": summary.get("machine"),  # the run's own record (runs before it had none)
-            "commit": summary.get("commit"),  # where it started (commit_at_end: where the checkout was at its end)
-            **({"commit_at_end": summary["commit_at_end"]} if "commit_at_end" in summary else {}),
+            **run_commit(summary),
             "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
                        "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
                        "explore": cfg["sampling"].get("explore", 0.0),

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from _args import parse_args
-from _jobs import PEAK_KEYS, opentinker, read_rows, run_logged, run_or_reuse
+from _jobs import PEAK_KEYS, opentinker, read_rows, run_commit, run_logged, run_or_reuse
 from _machine import script_provenance
 
 import games
@@ -238,8 +238,7 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
         "key": key, "job": job, "seed": seed, "game": game, "unit": ev.unit, "label": ev.label,
         "competitive": ev.competitive, "run": run.name, "steps": run_cfg["train"]["steps"],
         "model": run_cfg["model"]["base"], "wall_s": summary["wall_s"], "machine": summary.get("machine"),
-        "commit": summary.get("commit"), **({"commit_at_end": summary["commit_at_end"]} if "commit_at_end" in summary else {}),
-        **mem,
+        **run_commit(summary), **mem,
         "scheduler_peak_rss_mb": max((r["perf/scheduler_peak_rss_mb"] for r in rows
                                       if "perf/scheduler_peak_rss_mb" in r), default=None),
         "curve": curve, "final": final, "exact": exact, "eval_wall_s": report["wall_s"],
