@@ -50,19 +50,20 @@ VERSIONED = ("torch", "transformers", "peft", "ray", "pyzmq", "msgspec", "numpy"
 """Distributions whose versions a result records."""
 
 
-def git_commit(root: Path | None = None) -> tuple[str, bool]:
+def git_commit(root: Path | None = None, dirty: bool = True) -> tuple[str, bool]:
     """The checkout's commit (``"unknown"`` outside a git checkout) and whether tracked files
-    differ from it (a result from uncommitted code says so)."""
+    differ from it (a result from uncommitted code says so); ``dirty=False`` skips that
+    question (``git status``) and answers False."""
     root = root or Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=root, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, cwd=root,
+                                capture_output=True, text=True, timeout=10) if dirty else None
     except (OSError, subprocess.TimeoutExpired):
         return "unknown", False
     if commit.returncode != 0:
         return "unknown", False
-    return commit.stdout.strip(), bool(dirty.stdout.strip())
+    return commit.stdout.strip(), status is not None and bool(status.stdout.strip())
 
 
 def commit_record(at_start: tuple[str, bool]) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def commit_record(at_start: tuple[str, bool]) -> dict[str, Any]:
     started with, a subprocess it started later, such as an evaluation, the newer)."""
     commit, dirty = at_start
     out: dict[str, Any] = {"commit": commit, "dirty": dirty}
-    end = git_commit()[0]
+    end = git_commit(dirty=False)[0]
     if end != commit:
         out["commit_at_end"] = end
     return out

@@ -41,7 +41,6 @@ from opentinker.control.checkpoints import (
 from opentinker.control.runtime import ComponentDied, Job
 from opentinker.eval.ratings import plot_ratings
 from opentinker.eval.report import (
-    MetricsLog,
     plot_cross_play,
     plot_learning_curves,
     rating_history,
@@ -161,7 +160,7 @@ def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
              state: _Started) -> RunResult:
     run = open_run(cfg, console, run_dir, resume, checkpoint, state, stop)
     if cfg.offline_job() is not None:
-        return _run_offline(cfg, console, run.run_dir, run.model_path, run.log, stop)
+        return _run_offline(cfg, console, run, stop)
     job = _start_job(run, restarts)
     ended = _train(run, job)
     if ended.interrupted:
@@ -369,20 +368,20 @@ def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDie
     return run_job(cfg, console, resume=run_dir, checkpoint=ckpt, restarts=restarts + 1, spent_s=spent_s)
 
 
-def _run_offline(cfg: JobConfig, console: Console, run_dir: Path, model_path: str, log: MetricsLog,
-                 stop: StopOnInterrupt) -> RunResult:
+def _run_offline(cfg: JobConfig, console: Console, run: OpenRun, stop: StopOnInterrupt) -> RunResult:
     """An offline job (SFT, DPO, IPO) on a scheduler of its own; the first Ctrl-C ends its
     steps after the one in progress, and the adapter so far is evaluated and saved."""
     from opentinker.training.offline import run_offline
 
     oc = cfg.offline_job()
     assert oc is not None
+    run_dir, log = run.run_dir, run.log
     try:
         with console.status(f"offline {oc.kind} on {oc.source()}: {oc.steps} steps"):
-            job = Job(cfg, model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
+            job = Job(cfg, run.model_path, run_dir=str(run_dir.resolve()), scheduler_only=True)
             try:
                 summary = run_offline(cfg, run_dir, job.scheduler_endpoint, job.scheduler_credentials, log,
-                                      lambda: stop.asked)
+                                      lambda: stop.asked, run.commit)
             finally:
                 job.shutdown()
     finally:

@@ -14,9 +14,9 @@ from conftest import DEVICE
 from rich.console import Console
 
 from learners import pair_datums, preference_pairs, sft_datums
-from opentinker.training import trajectory_log
 from opentinker.config import JobConfig
 from opentinker.run import read_learner_states, run_job
+from opentinker.training import trajectory_log
 from protocols.messages import (
     ParseOutcome,
     PolicyKind,
@@ -105,7 +105,10 @@ def _job(tmp_path, **over) -> JobConfig:
     return msgspec.convert(raw, JobConfig)
 
 
-def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
+def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path, monkeypatch) -> None:
+    from opentinker import run_folder
+    from opentinker.machine import git_commit
+
     quiet = Console(file=io.StringIO())
     result = run_job(_job(tmp_path), console=quiet)
     run = result.run_dir
@@ -127,6 +130,8 @@ def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
 
     data = str(run / "trajectories")
     saved = {}
+    # The checkout as the offline job opened it, as a run's summary records it.
+    monkeypatch.setattr(run_folder, "git_commit", lambda: ("0" * 40, True))
     for kind, extra in (("sft", {"min_reward": -0.5}), ("dpo", {"beta": 0.5})):
         off = _job(tmp_path, name=f"off_{kind}", offline={"kind": kind, "data": data, "steps": 6,
                                                          "batch_size": 64, **extra})
@@ -138,6 +143,8 @@ def test_a_run_records_then_offline_sft_and_dpo_learn_from_it(tmp_path) -> None:
             assert before == pytest.approx(np.log(2.0), abs=1e-4)  # adapter == base: margin 0
         summary = json.loads((res.run_dir / "summary.json").read_text())
         assert summary["kind"] == kind and summary["units"] > 0
+        assert (summary["commit"], summary["dirty"], summary["commit_at_end"]) == ("0" * 40, True, git_commit()[0])
+        assert summary["machine"]["device"] == "cpu" and summary["machine"]["cores"] >= 1
         trains = [r for r in res.rows if r["kind"] == "train"]
         assert [r["train/main/version"] for r in trains] == list(range(1, 7))
         assert (res.run_dir / "adapters" / "main" / "adapter_model.safetensors").is_file()

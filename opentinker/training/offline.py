@@ -22,6 +22,7 @@ slice, every slice of a batch with the batch's normalizer: the results are those
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split
 from opentinker.config import JobConfig
 from opentinker.eval.report import MetricsLog
+from opentinker.machine import commit_record, git_commit, machine
 from opentinker.training import trajectory_log
 from opentinker.training.scripted_data import scripted_trajectories
 from protocols.messages import (
@@ -125,7 +127,8 @@ def dataset_loss(
 
 
 def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Credentials | None,
-                log: MetricsLog, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+                log: MetricsLog, stop: Callable[[], bool] | None = None,
+                commit: tuple[str, bool] | None = None) -> dict[str, Any]:
     """Train ``cfg.policies[0]`` offline on the scheduler at ``endpoint`` (started for the job
     by its driver, :func:`opentinker.run.run_job`), presenting ``credentials``; write
     ``metrics.jsonl`` rows and the adapter under ``run_dir``. Returns the summary (also written
@@ -134,7 +137,12 @@ def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Crede
     ``stop`` (Ctrl-C's first press, :class:`~opentinker.interrupt.StopOnInterrupt`) is asked
     after every step: when it says yes the steps end there, and the adapter so far is
     evaluated and saved as at the end; the summary's ``steps`` says how many ran and
-    ``stopped`` that it ended early."""
+    ``stopped`` that it ended early.
+
+    The summary records the ``machine`` and the code as a run's does: ``commit`` (the
+    checkout's when the job opened, ``commit``, from :func:`~opentinker.machine.git_commit`;
+    now when not given), ``dirty``, and ``commit_at_end`` when the checkout moved meanwhile."""
+    commit = commit or git_commit()
     oc = cfg.offline_job()
     assert oc is not None
     t0 = time.perf_counter()
@@ -198,6 +206,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Crede
         "units": len(units), "first_eval": first, "last_eval": last, "adapters": {name: path},
         "steps": done, "stopped": stopped,
         "wall_s": time.perf_counter() - t0,
+        "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device), **commit_record(commit),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
