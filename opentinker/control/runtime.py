@@ -30,7 +30,7 @@ from opentinker.bus.auth import (
 from opentinker.bus.common import CurveKeys, is_loopback
 from opentinker.config import ConfigError, JobConfig
 from opentinker.control.placement import place, scheduler_devices
-from opentinker.engine.service import DEFAULT_MAX_NEW_TOKENS
+from opentinker.engine.request_checks import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
 
 if TYPE_CHECKING:
