@@ -11,9 +11,12 @@ import platform
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from opentinker.config import ModelConfig
 
 ENV_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
              "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -44,6 +47,12 @@ def machine(threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def job_machine(model: ModelConfig) -> dict[str, Any]:
+    """:func:`machine` for a job on ``model`` (its ``threads``, all the cores when 0, and its
+    ``device``): what a run's, an offline job's, an evaluation's and ``infer``'s records hold."""
+    return machine(model.threads or os.cpu_count(), model.device)
 
 
 VERSIONED = ("torch", "transformers", "peft", "ray", "pyzmq", "msgspec", "numpy", "pettingzoo", "opentinker")

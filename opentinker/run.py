@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -49,7 +48,7 @@ from opentinker.eval.report import (
 )
 from opentinker.files import write_atomic
 from opentinker.interrupt import Interrupted, StopOnInterrupt
-from opentinker.machine import commit_record, machine
+from opentinker.machine import commit_record, job_machine
 from opentinker.progress import EpisodeFeed
 from opentinker.run_folder import OpenRun, open_run
 
@@ -341,7 +340,7 @@ def _finish(run: OpenRun, job: Job, ended: _Ended, spent_s: float) -> RunResult:
     total = spent_s + time.perf_counter() - run.t_start  # the attempts a restore replaced included
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters,
                                                       "wall_s": total, "restarts": job.restarts,
-                                                      "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
+                                                      "machine": job_machine(cfg.model),
                                                       **commit_record(run.commit)},
                                                      indent=1))
     console.print(f"adapters: {adapters}\nwrote {run_dir} in {total:.0f} s")

@@ -66,12 +66,11 @@ def parse_opponents(spec: str | None, game: str, ev: games.GameEval, taken: set[
 def evaluate(args: argparse.Namespace, on_episodes: OnEpisodes | None = None) -> dict[str, Any]:
     """Run the evaluation ``args`` describe; returns the report (metrics and provenance).
     ``on_episodes(done, total)`` is called as the env runners finish games."""
-    import os
 
     from opentinker.bus.common import RemoteError
     from opentinker.control.runtime import Job
     from opentinker.engine.model_specs import resolve_model
-    from opentinker.machine import machine
+    from opentinker.machine import job_machine
     from opentinker.progress import EpisodeFeed
 
     t0 = time.perf_counter()
@@ -125,7 +124,7 @@ def evaluate(args: argparse.Namespace, on_episodes: OnEpisodes | None = None) ->
         "versions": {p: versions[p] for p in source.adapters},
         "opponents": {o: str(opp_adapters[o]) if o in opp_adapters else o for o in opponents},
         "metrics": kept, "wall_s": time.perf_counter() - t0,
-        "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device),
+        "machine": job_machine(cfg.model),
     }
 
 

@@ -116,7 +116,7 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     tokens drawn, wall time, tokens per second and the machine. ``progress(done, total)``
     after each batch."""
     from opentinker.bus.sync import SyncClient
-    from opentinker.machine import machine
+    from opentinker.machine import job_machine
     from opentinker.rollout.render import ChatTokenizer
     from opentinker.serve.detokenize import reply_params
     from opentinker.serve.queue import read_model_config
@@ -151,7 +151,7 @@ def infer(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     return {"prompts": args.prompts, "out": str(out), "rows": len(prompts), "tokens_drawn": drawn,
             "model": model, "adapter": args.adapter or "", "wall_s": wall, "tokens_per_s": drawn / max(wall, 1e-9),
-            "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device)}
+            "machine": job_machine(cfg.model)}
 
 
 def _check_args(args: argparse.Namespace) -> Path:

@@ -22,7 +22,6 @@ slice, every slice of a batch with the batch's normalizer: the results are those
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,7 +42,7 @@ from opentinker.bus.auth import Credentials
 from opentinker.bus.chunking import request_split
 from opentinker.config import JobConfig
 from opentinker.eval.report import MetricsLog
-from opentinker.machine import commit_record, git_commit, machine
+from opentinker.machine import commit_record, git_commit, job_machine
 from opentinker.training import trajectory_log
 from opentinker.training.scripted_data import scripted_trajectories
 from protocols.messages import (
@@ -206,7 +205,7 @@ def run_offline(cfg: JobConfig, run_dir: Path, endpoint: str, credentials: Crede
         "units": len(units), "first_eval": first, "last_eval": last, "adapters": {name: path},
         "steps": done, "stopped": stopped,
         "wall_s": time.perf_counter() - t0,
-        "machine": machine(cfg.model.threads or os.cpu_count(), cfg.model.device), **commit_record(commit),
+        "machine": job_machine(cfg.model), **commit_record(commit),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
