@@ -162,8 +162,15 @@ def test_bad_requests_get_typed_errors_and_the_engine_keeps_serving(hosts):
         own.sample([None], [np.full(2040, 5, np.int32)], [SamplingParams(max_tokens=16)], [0])
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         own.sample([None], [ok], [SamplingParams(max_tokens=0)], [0])
-    with pytest.raises(ValueError, match="1-D integer array"):
+    with pytest.raises(ValueError, match=r"SampleRequest.prompts\[0\] must be a 1-D integer array"):
         own.sample([None], [ok.astype(np.float32)], [SamplingParams()], [0])
+    # Training and scoring take the same check as sampling: float ids are refused, not truncated.
+    with pytest.raises(ValueError, match=r"ForwardBackward.datums.tokens\[0\] must be a 1-D integer array"):
+        own.forward_backward("pol", [Datum(tokens=ok.astype(np.float32), loss_inputs={
+            "mask": np.ones(len(ok), np.float32), "advantages": np.ones(len(ok), np.float32),
+            "sampler_logprobs": np.zeros(len(ok), np.float32)})], "ppo", {}, 1.0)
+    with pytest.raises(ValueError, match=r"LogprobsRequest.sequences\[1\]: token id 50000 out of range"):
+        own.logprobs(None, [ok, np.array([1, 50000])])
     bad = Datum(tokens=ok, loss_inputs={"mask": np.ones(len(ok), np.float32),
                                         "advantages": np.full(len(ok), np.nan, np.float32),
                                         "sampler_logprobs": np.zeros(len(ok), np.float32)})

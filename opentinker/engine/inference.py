@@ -106,11 +106,6 @@ class Inference:
         for a in set(adapters):
             if a is not None:
                 self.registry.get(a)
-        for i, p in enumerate(prompts):
-            arr = np.asarray(p)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"SampleRequest.prompts[{i}] must be a 1-D integer array, got "
-                                 f"{arr.ndim}-D {arr.dtype}")
         self.registry.check_tokens(prompts, "SampleRequest.prompts")
         if self.engine is not None:
             for p, q in zip(prompts, params):

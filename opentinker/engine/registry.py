@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from opentinker.engine import adapter_io, value_head
+from opentinker.engine.request_checks import check_tokens
 from protocols.messages import LoraSpec
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -125,12 +126,12 @@ class AdapterTable:
         return -1 if name is None else self.get(name).version
 
     def check_tokens(self, seqs: Sequence[np.ndarray], where: str) -> None:
-        """Raise ``ValueError`` naming ``where`` for an empty sequence or an id outside the vocabulary."""
+        """Raise ``ValueError`` naming ``where[i]`` unless every sequence is a non-empty 1-D
+        integer array (a list of ints is taken as one) of ids in the vocabulary: the service's
+        own check (:func:`~opentinker.engine.request_checks.check_tokens`), for requests that
+        reach the engine without the bus."""
         for i, s in enumerate(seqs):
-            if len(s) == 0:
-                raise ValueError(f"{where}[{i}] is empty")
-            if int(np.min(s)) < 0 or int(np.max(s)) >= self.vocab_size:
-                raise ValueError(f"{where}[{i}]: token id out of range [0, {self.vocab_size})")
+            check_tokens(np.asarray(s), f"{where}[{i}]", self.vocab_size)
 
 
 class AdapterRegistry(AdapterTable):
