@@ -189,7 +189,7 @@ def _run_checked(args: argparse.Namespace, cfg: Any, checkpoint: Any) -> int:
     from pathlib import Path
 
     from opentinker.config import ConfigError
-    from opentinker.control.runtime import ComponentDied
+    from opentinker.control.component import ComponentDied
     from opentinker.interrupt import Interrupted
     from opentinker.logs import escape_controls
     from opentinker.run import run_job

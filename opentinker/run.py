@@ -37,7 +37,8 @@ from opentinker.control.checkpoints import (
     latest_checkpoint,
     write_checkpoint,
 )
-from opentinker.control.runtime import ComponentDied, Job
+from opentinker.control.component import ComponentDied
+from opentinker.control.runtime import Job
 from opentinker.eval.ratings import plot_ratings
 from opentinker.eval.report import (
     plot_cross_play,
@@ -352,7 +353,7 @@ def _recover(cfg: JobConfig, console: Console, run_dir: Path, died: ComponentDie
     """After ``died`` stopped the job during ``now`` (its components shut down): restore the
     newest checkpoint and go on, as ``--resume`` would, when ``runtime.max_restarts`` allows one
     more restart (``restarts`` used so far) and a checkpoint exists; else raise ``died``, which
-    names the component (:class:`~opentinker.control.runtime.ComponentDied`)."""
+    names the component (:class:`~opentinker.control.component.ComponentDied`)."""
     if restarts + 1 > cfg.runtime.max_restarts:
         raise died
     try:

@@ -10,8 +10,9 @@ from conftest import with_overrides
 
 from opentinker.bus.sync import SyncClient
 from opentinker.config import ConfigError, JobConfig, config_from_dict
-from opentinker.control.placement import place, scheduler_devices
-from opentinker.control.runtime import Job, describe, scheduler_resources
+from opentinker.control.component import describe
+from opentinker.control.placement import place, scheduler_devices, scheduler_resources
+from opentinker.control.runtime import Job
 from opentinker.rollout.routes import Routes
 from protocols.messages import AdapterList, ListAdapters
 

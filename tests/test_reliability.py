@@ -368,7 +368,8 @@ def test_a_dead_component_is_named(tiny_path, tmp_path, ray_session) -> None:
     """SIGKILL one component of a Ray job: the next step fails with ComponentDied naming it
     (role, pid, node), not a bus endpoint; and the command line says so in one line, with the
     resume command."""
-    from opentinker.control.runtime import ComponentDied, Job
+    from opentinker.control.component import ComponentDied
+    from opentinker.control.runtime import Job
 
     cfg = msgspec.convert({**msgspec.to_builtins(_cfg(tmp_path, 2)),
                            "runtime": {"backend": "ray", "env_runners": 2, "timeout_s": 60}}, JobConfig)
@@ -387,7 +388,7 @@ def test_a_dead_component_is_named(tiny_path, tmp_path, ray_session) -> None:
 
 def test_the_command_line_names_a_dead_component_in_one_line(monkeypatch, capsys, tmp_path) -> None:
     import opentinker.run
-    from opentinker.control.runtime import ComponentDied, describe
+    from opentinker.control.component import ComponentDied, describe
 
     def dies(cfg, **kwargs):
         e = ComponentDied(["learner_main"], describe("learner_main", {"pid": 7, "node": "127.0.0.1"}), EOFError())
@@ -673,7 +674,7 @@ def _killed_and_restored(component: str, tmp_path: Path, said: str, undisturbed)
 
     from rich.console import Console
 
-    from opentinker.control.runtime import describe
+    from opentinker.control.component import describe
 
     cfg = _ray_cfg(tmp_path)
     out = io.StringIO()
@@ -720,7 +721,7 @@ def test_the_scheduler_is_placed_by_its_resources(tmp_path) -> None:
     refused with what each live node has when none has them (instead of an actor that waits
     forever). ``test_cluster_curve`` places one on a real cluster."""
     from opentinker.config import ConfigError
-    from opentinker.control.runtime import placed_on_resources, scheduler_resources
+    from opentinker.control.placement import placed_on_resources, scheduler_resources
 
     def cfg(**model_and_runtime) -> JobConfig:
         base = msgspec.to_builtins(_cfg(tmp_path, 1))

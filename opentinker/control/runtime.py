@@ -9,10 +9,8 @@ number of episodes; every actor counts the Ray calls it serves (:meth:`Job.ray_c
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +23,19 @@ from opentinker.bus.auth import (
     run_curve,
     run_secret,
     set_run_curve,
-    set_run_secret,
 )
-from opentinker.bus.common import CurveKeys, is_loopback
-from opentinker.config import ConfigError, JobConfig
-from opentinker.control.placement import place, scheduler_devices
+from opentinker.bus.common import CurveKeys
+from opentinker.config import JobConfig
+from opentinker.control.component import Component, ComponentDied, describe, node
+from opentinker.control.placement import (
+    dealer,
+    init_ray,
+    place,
+    placed_on_resources,
+    scheduler_devices,
+    scheduler_name,
+    scheduler_resources,
+)
 from opentinker.engine.request_checks import DEFAULT_MAX_NEW_TOKENS
 from protocols.messages import AdamParams
 
@@ -37,172 +43,6 @@ if TYPE_CHECKING:
     from opentinker.control.attach import Attachment
 
 log = logging.getLogger(__name__)
-
-_KINDS = {
-    "scheduler": "opentinker.engine.service:SchedulerService",
-    "env_runner": "opentinker.rollout.env_runner:EnvRunner",
-    "learner": "opentinker.training.learner:Learner",
-    "coordinator": "opentinker.control.coordinator:Coordinator",
-    "service": "opentinker.serve.service:ServiceCore",
-}
-
-
-class ComponentDied(RuntimeError):
-    """A component of the job stopped answering (its process died): the run cannot go on.
-    ``names`` are the dead components' names in the job (``env_runner0``, ``learner_main``)."""
-
-    def __init__(self, names: list[str], what: str, cause: BaseException) -> None:
-        super().__init__(f"{what} stopped ({type(cause).__name__})")
-        self.names = names
-        self.run_dir = ""
-        """The run's folder (set by :func:`opentinker.run.run_job`)."""
-
-
-def _node() -> tuple[str, str]:
-    """The node a component runs on: its Ray node's IP address and id, else this host's name
-    and ``""``."""
-    try:
-        import ray
-
-        if ray.is_initialized():  # the address the node was started with (127.0.0.1 locally)
-            node_id = ray.get_runtime_context().get_node_id()
-            return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), node_id), node_id
-    except Exception as e:  # noqa: BLE001  (no Ray, or one shutting down: the host name will do)
-        log.debug("no Ray node address (%s): using the host name", e)
-    return socket.gethostname(), ""
-
-
-def describe(name: str, where: dict[str, Any] | None = None) -> str:
-    """A component's name in words, with its process and node: ``env runner 0 (pid 41, node
-    127.0.0.1)``, ``the learner of policy main (...)``."""
-    if name.startswith("env_runner"):
-        text = f"env runner {name.removeprefix('env_runner')}"
-    elif name.startswith("learner_"):
-        text = f"the learner of policy {name.removeprefix('learner_')}"
-    elif name.startswith("scheduler") and name != "scheduler":
-        text = f"scheduler {name.removeprefix('scheduler')}"
-    else:
-        text = f"the {name}"
-    if where:
-        text += f" (pid {where.get('pid')}, node {where.get('node')})"
-    return text
-
-
-def _build(kind: str, kwargs: dict[str, Any]) -> Any:
-    module, cls = _KINDS[kind].split(":")
-    if kind == "coordinator":
-        kwargs = dict(kwargs, cfg=msgspec.convert(kwargs["cfg"], JobConfig))
-    if kind == "learner":
-        kwargs = dict(kwargs, adam=msgspec.convert(kwargs["adam"], AdamParams))
-    return getattr(importlib.import_module(module), cls)(**kwargs)
-
-
-class Component:
-    """Holds one component; the Ray actor class and the local backend both use it.
-
-    ``bus_secret``: the driver's bus secret (:mod:`opentinker.bus.auth`), which an actor's
-    sockets then present and accept; ``""`` in the driver's own process. ``bus_curve``: on a
-    job with ``runtime.curve`` or a cluster, the run's CURVE pair and the host its servers
-    bind, ``(public, secret, host)``: the actor's sockets use the pair (``host`` ``""``: its
-    node's address)."""
-
-    def __init__(self, kind: str, kwargs: dict[str, Any], bus_secret: str = "",
-                 bus_curve: tuple[str, str, str] | None = None) -> None:
-        if bus_secret:
-            set_run_secret(bus_secret)
-        self.pid = os.getpid()
-        self.node, self.node_id = _node()
-        if bus_curve:
-            public, secret, host = bus_curve
-            set_run_curve((public, secret), host=host or (self.node if self.node_id else "127.0.0.1"))
-        self.kind = kind
-        self.obj = _build(kind, kwargs)
-        self.calls = 0
-
-    def start(self) -> Any:
-        self.calls += 1
-        return self.obj.start()
-
-    def call(self, method: str, *args: Any) -> Any:
-        self.calls += 1
-        return getattr(self.obj, method)(*args)
-
-    def info(self) -> dict[str, Any]:
-        """Ray calls served so far (this one not counted), process id, node (address and Ray
-        id), the bus's mechanism (``curve`` or ``plain``), bus counters."""
-        counters = self.obj.counters() if hasattr(self.obj, "counters") and callable(self.obj.counters) else {}
-        return {"calls": self.calls, "pid": self.pid, "node": self.node, "node_id": self.node_id,
-                "bus": "curve" if run_curve() is not None else "plain", "counters": counters}
-
-    def stop(self) -> None:
-        self.obj.stop()
-
-
-def init_ray(address: str = "") -> bool:
-    """Start Ray here on 127.0.0.1 (no dashboard, a small object store: data goes over the
-    bus), or join the cluster at ``address``, unless this process already did; True when this
-    call did."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address:  # a cluster on this machine (a test's) is joined on 127.0.0.1, not a guessed interface
-        loopback = address != "auto" and is_loopback("tcp://" + address.removeprefix("ray://"))
-        ray.init(address=address, log_to_driver=False, configure_logging=False,
-                 **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count(),
-                 object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False)
-    return True
-
-
-def _dealt(actor_cls: Any) -> Any:
-    """A function ``i -> actor class`` that deals the ``i``-th CPU component (env runners, then
-    learners) to the cluster's live nodes in turn, asked at each call (a restarted component goes
-    to a node alive then). The affinity is hard: a soft one let Ray put every actor on one node
-    when the other did not yet look ready to it. On one node, ``actor_cls`` as it is."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    def placed(i: int) -> Any:
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        if len(nodes) < 2:
-            return actor_cls
-        return actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=False))
-
-    return placed
-
-
-def scheduler_resources(cfg: JobConfig, device: str | None = None) -> dict[str, float]:
-    """The Ray resources a scheduler of the job asks for: ``runtime.scheduler_resources``, else
-    one GPU when its device (``device``; by default ``model.device``) is ``cuda``, else none
-    (``cuda:N``, a device chosen by hand, is left alone)."""
-    if cfg.runtime.scheduler_resources:
-        return dict(cfg.runtime.scheduler_resources)
-    return {"GPU": 1.0} if (device or cfg.model.device) == "cuda" else {}
-
-
-def scheduler_name(i: int) -> str:
-    """The job's ``i``-th scheduler's component name: ``scheduler``, ``scheduler1``, ..."""
-    return f"scheduler{i}" if i else "scheduler"
-
-
-def placed_on_resources(actor_cls: Any, wanted: dict[str, float], nodes: list[dict[str, Any]]) -> Any:
-    """``actor_cls`` asking Ray for ``wanted`` (``CPU``, ``GPU`` and custom resources), which
-    places it on a node that has them; :class:`~opentinker.config.ConfigError` naming what each
-    live node has when none of ``nodes`` (``ray.nodes()``) does, rather than an actor that
-    waits forever."""
-    if not wanted:
-        return actor_cls
-    alive = [n for n in nodes if n.get("Alive")]
-    if not any(all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in wanted.items()) for n in alive):
-        have = "; ".join(f"{n.get('NodeManagerAddress')}: {dict(sorted(n.get('Resources', {}).items()))}"
-                         for n in alive if n.get("Resources"))
-        raise ConfigError("runtime.scheduler_resources", f"no live Ray node has {wanted} for the scheduler "
-                                                         f"(nodes: {have or 'none'})")
-    custom = {k: v for k, v in wanted.items() if k not in ("CPU", "GPU")}
-    return actor_cls.options(num_cpus=wanted.get("CPU", 0), num_gpus=wanted.get("GPU", 0),
-                             **({"resources": custom} if custom else {}))
 
 
 def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str,
@@ -309,7 +149,7 @@ class Job:
             if self.backend == "ray":
                 init_ray(cfg.runtime.address)
             if self._curve is not None:  # the driver's own clients (and a local job's components)
-                set_run_curve(self._curve[:2], host=self._curve[2] or _node()[0])
+                set_run_curve(self._curve[:2], host=self._curve[2] or node()[0])
             if self.backend == "ray":
                 self._start_ray(sched_kwargs)
             else:
@@ -391,7 +231,7 @@ class Job:
         secret = run_secret().decode()  # every actor's sockets present and accept the driver's
         timeout = cfg.runtime.startup_timeout_s
         # On a cluster, env runners and learners (CPU work) are dealt to the nodes in turn.
-        dealt = _dealt(actor_cls)
+        dealt = dealer(actor_cls)
         self._secret = secret
         self._placed = {**{f"env_runner{i}": i for i in range(cfg.runtime.env_runners)},
                         **{f"learner_{p.name}": cfg.runtime.env_runners + j for j, p in enumerate(cfg.policies)}}

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class ServiceCore:
     """What a service keeps where its model is: the scheduler with tenants, the saved adapters
     it serves, and the job queue. Made in the serve process, or in a Ray actor (``serve
-    --ray``: :class:`~opentinker.control.runtime.Component` kind ``service``), whose start
+    --ray``: :class:`~opentinker.control.component.Component` kind ``service``), whose start
     returns the scheduler's endpoint."""
 
     def __init__(self, model_path: str, device: str = "cpu", service_file: str = "", budget_mb: float = 0.0,
@@ -237,7 +237,8 @@ class Service:
     def _start_ray(self, model_path: str) -> str:
         import ray
 
-        from opentinker.control.runtime import Component, init_ray
+        from opentinker.control.component import Component
+        from opentinker.control.placement import init_ray
 
         self._started_ray = init_ray("" if self.ray == "local" else self.ray)
         gpus = 1 if self.device.startswith("cuda") else 0
