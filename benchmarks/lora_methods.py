@@ -26,7 +26,8 @@ from rich.table import Table
 from opentinker.engine.model.attention import DenseAttention
 from opentinker.engine.model.config import DecoderSpec, module_dims
 from opentinker.engine.model.decoder import Decoder
-from opentinker.engine.model.lora import LoraBatch, LoraStackCache, LoraWeights
+from opentinker.engine.model.lora import LoraBatch
+from opentinker.engine.model.lora_weights import LoraStackCache, LoraWeights
 from protocols.messages import LoraSpec
 
 

@@ -439,7 +439,7 @@ def test_clip_bounds_a_config_allows_stay_inside_the_clamp():
 def test_the_configs_mirrors_of_the_engine_are_current(tiny_path):
     from opentinker.control.config_checks import ENGINE_FAMILIES, ENGINE_MODULES, KNOWN_MODELS
     from opentinker.engine.model.config import SUPPORTED
-    from opentinker.engine.model.lora import MODULES
+    from opentinker.engine.model.lora_weights import MODULES
     from opentinker.engine.model_specs import cache_root
 
     assert ENGINE_MODULES == MODULES

@@ -31,7 +31,7 @@ ENGINE_FAMILIES = ("llama", "qwen2", "qwen3")
 no torch import)."""
 
 ENGINE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections the engine's LoRA adapts (``opentinker.engine.model.lora.MODULES``; a test
+"""The projections the engine's LoRA adapts (``opentinker.engine.model.lora_weights.MODULES``; a test
 keeps the two equal)."""
 
 PEFT_EXTRA_MODULES = ("lm_head", "embed_tokens")

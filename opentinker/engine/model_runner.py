@@ -35,7 +35,8 @@ import torch
 from opentinker.engine import sampling
 from opentinker.engine.kv_cache import KVPool
 from opentinker.engine.model import triton_ops
-from opentinker.engine.model.lora import METHODS, LoraBatch, LoraStackCache
+from opentinker.engine.model.lora import METHODS, LoraBatch
+from opentinker.engine.model.lora_weights import LoraStackCache
 from opentinker.engine.model.paged_step import StepAttention
 from opentinker.engine.model.slot_lora import SlotLora, chunk_plan
 from opentinker.engine.scheduler import Drawn, ScheduledBatch

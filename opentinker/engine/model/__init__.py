@@ -13,7 +13,8 @@ from .attention import Attention, DenseAttention, DenseCache
 from .paged_step import StepAttention
 from .config import DecoderSpec, RopeScaling, UnsupportedArchitecture, spec_from_hf_config
 from .decoder import Decoder, layer_checkpointing
-from .lora import DEFAULT_METHOD, LoraBatch, LoraStackCache, LoraWeights, peft_name
+from .lora import DEFAULT_METHOD, LoraBatch
+from .lora_weights import LoraStackCache, LoraWeights, peft_name
 
 __all__ = [
     "layer_checkpointing",
