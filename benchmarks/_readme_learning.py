@@ -216,6 +216,10 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
     def ci(m: dict[str, Any] | None, unit: str) -> str:
         return "—" if m is None else f"{m[unit]:+.3f} ± {m['ci95']:.3f}"
 
+    def vs_base(m: dict[str, Any] | None, unit: str) -> str:  # with the base's invalid rate, where recorded
+        theirs = (m or {}).get("opponent_invalid_rate")
+        return ci(m, unit) + (f" (its invalid {pct(theirs)})" if theirs else "")
+
     rows = []
     for row in r["rows"]:
         unit = row["unit"]
@@ -225,7 +229,7 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
             wdl = "/".join(f"{int(rnd[k])}" for k in ("wins", "draws", "losses")) if rnd and "wins" in rnd else "—"
             gain = f"{ok['gain_vs_untrained']:+.3f} ± {ok['gain_ci95']:.3f}" if ok else "—"
             rows.append([f"`{row['job']}`" + (f" {policy}" if len(row["final"]) > 1 else ""), str(row["seed"]),
-                         ci(rnd, unit), wdl, ci(final.get("base"), unit), scripted or "—",
+                         ci(rnd, unit), wdl, vs_base(final.get("base"), unit), scripted or "—",
                          pct(rnd["invalid_rate"]) if rnd else "—", gain,
                          f"{row['wall_s'] / 60:.1f} min", f"{row['scheduler_peak_rss_mb']:.0f} MB",
                          machine_label(row.get("machine"))])

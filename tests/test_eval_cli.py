@@ -78,6 +78,11 @@ def test_eval_a_run_folder_writes_the_table_and_json(kuhn_run, tmp_path, capsys)
         assert m[k + "hands"] == 2 * starts * 2
         assert m[k + "wins"] + m[k + "draws"] + m[k + "losses"] == m[k + "hands"]
         assert -2.0 <= m[k + "chips"] <= 2.0 and m[k + "ci95"] >= 0.0 and 0.0 <= m[k + "invalid_rate"] <= 1.0
+        assert 0.0 <= m[k + "opponent_invalid_rate"] <= 1.0
+    assert m["eval/main/vs_random/opponent_invalid_rate"] == 0.0  # random always plays a legal move
+    # The untrained tiny model replies invalidly (seeded: every time); the table's caption says so.
+    assert m["eval/main/vs_base/opponent_invalid_rate"] > 0.5
+    assert "the opponent's invalid replies" in printed and "the base model against main" in printed
     # the loaded adapter was evaluated (a fresh one would be at version 0), exactly too
     assert report["versions"] == {"main": SAVED_VERSION} and m["eval/main/version"] == SAVED_VERSION
     assert 0.0 <= m["eval/main/exploitability"] <= 1.0

@@ -53,7 +53,8 @@ def test_summary_table_has_a_row_per_opponent_in_order():
 
     def ev(x):
         return {f"eval/main/vs_{o}/{k}": v for o in ("base", "referential_heuristic", "random")
-                for k, v in (("chips", x), ("ci95", 0.1), ("invalid_rate", 0.5), ("hands", 12))}
+                for k, v in (("chips", x), ("ci95", 0.1), ("invalid_rate", 0.5), ("hands", 12),
+                             ("opponent_invalid_rate", 0.4 if o == "base" else 0.0))}
 
     console = Console(width=200, record=True)
     console.print(summary_table(ev(0.25), ev(0.75), ["main"], 3, GameEval(unit="chips", per="game")))
@@ -63,6 +64,31 @@ def test_summary_table_has_a_row_per_opponent_in_order():
     assert labels == [
         "chips/game vs random (95% CI)", "games vs random", "invalid replies vs random",
         "chips/game vs referential_heuristic (95% CI)", "invalid replies vs referential_heuristic",
-        "chips/game vs base model (95% CI)", "invalid replies vs base",
-    ]
+        "chips/game vs base model (95% CI)", "invalid replies vs base", "opponent's invalid replies vs base",
+    ]  # the opponent's invalid replies only where it made some (an LLM opponent)
     assert "+0.250 ± 0.100" in lines[3] and "+0.750 ± 0.100" in lines[3]
+
+
+def test_pairing_metrics_count_the_opponents_invalid_replies_beside_the_policys():
+    """A game the base model ends with an invalid reply is a "win" the policy did not play for:
+    the pairing reports the opponent's invalid rate beside the policy's own."""
+    from games import GameEval
+    from opentinker.eval.evaluation import pairing_metrics
+    from protocols.messages import EpisodeSpec, EpisodeSummary, PolicyKind, PolicyRef
+
+    mine, base = PolicyRef(kind=PolicyKind.ADAPTER, name="main"), PolicyRef(kind=PolicyKind.BASE)
+    specs, summaries = [], []
+    for i, (seat, rewards, invalid, turns) in enumerate([
+        ("player_0", {"player_0": 0.0, "player_1": -1.0}, {"player_1": 1}, {"player_0": 3, "player_1": 3}),
+        ("player_1", {"player_0": -1.0, "player_1": 0.0}, {"player_0": 1, "player_1": 1}, {"player_0": 2, "player_1": 2}),
+        ("player_0", {"player_0": 1.0, "player_1": -1.0}, {}, {"player_0": 4, "player_1": 3}),
+    ]):
+        other = "player_1" if seat == "player_0" else "player_0"
+        specs.append(EpisodeSpec(episode_id=i, group_id=i % 2, game="connect_four_v3", seed=i,
+                                 seats={seat: mine, other: base}))
+        summaries.append(EpisodeSummary(episode_id=i, group_id=i % 2, seed=i, rewards=rewards, invalid=invalid,
+                                        turns=turns))
+    m = pairing_metrics(GameEval(unit="points", per="game", competitive=True), "main", specs, summaries)
+    assert (m["wins"], m["draws"], m["losses"]) == (3.0, 0.0, 0.0)
+    assert m["invalid_rate"] == pytest.approx(1 / 9)  # the policy's seat: 1 invalid of 3 + 2 + 4 turns
+    assert m["opponent_invalid_rate"] == pytest.approx(2 / 8)  # the base's: 1 + 1 of 3 + 2 + 3

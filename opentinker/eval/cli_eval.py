@@ -139,6 +139,7 @@ def report_tables(report: dict[str, Any]) -> list[Any]:
                         f"(start x seat), seed {report['seed']}", caption=f"model {report['model']}")
     for col in ("policy", "opponent", f"{report['label']} (95% CI)", "games", "W / D / L", "invalid"):
         table.add_column(col, justify="left" if col in ("policy", "opponent") else "right")
+    theirs: list[str] = []
     for p in report["policies"]:
         for o in report["opponents"]:
             k = f"eval/{p}/vs_{o}/"
@@ -149,6 +150,12 @@ def report_tables(report: dict[str, Any]) -> list[Any]:
             wdl = "/".join(str(int(m[k + x])) for x in ("wins", "draws", "losses")) if k + "wins" in m else "-"
             table.add_row(p, "base model" if o == "base" else o, mean, str(int(m[k + "hands"])), wdl,
                           f"{100 * m[k + 'invalid_rate']:.1f}%")
+            if m.get(k + "opponent_invalid_rate"):  # an LLM opponent: its invalid reply may end a game
+                theirs.append(f"{'the base model' if o == 'base' else o} against {p} "
+                              f"{100 * m[k + 'opponent_invalid_rate']:.1f}%")
+    if theirs:
+        table.caption = (f"{table.caption}; the opponent's invalid replies (one may end a game, counted a win): "
+                         + ", ".join(theirs))
     if any(m.get(f"eval/{p}/vs_{o}/ci95", 0.0) is None for p in report["policies"] for o in report["opponents"]):
         table.caption = f"{table.caption}; ± n/a: one game per stratum gives no interval"
     out: list[Any] = [table]

@@ -55,9 +55,11 @@ def pairing_metrics(game_eval: GameEval, policy: str, specs: Sequence[EpisodeSpe
     prefix: the game's unit (stratified over ``EpisodeSpec.group_id``), ``ci95``,
     ``invalid_rate``, ``hands``, in a game with tools ``tool_calls`` and ``invalid_tool_calls``
     (per game, the policy's seat) and, in a competitive game, ``wins`` / ``draws`` / ``losses``
-    (:func:`game_result`)."""
+    (:func:`game_result`). ``opponent_invalid_rate``: the other seats' invalid replies per turn
+    (0 for random and scripted seats; an LLM opponent's invalid reply often ends the game, a
+    "win" the policy did not play for)."""
     strata: dict[int, list[float]] = {}
-    invalid = turns = calls = bad_calls = 0
+    invalid = turns = calls = bad_calls = their_invalid = their_turns = 0
     outcome = np.zeros(3, dtype=np.int64)  # wins, draws, losses
     for spec, s in zip(specs, summaries):
         seat = next(a for a, r in spec.seats.items() if r.kind is PolicyKind.ADAPTER and r.name == policy)
@@ -66,9 +68,12 @@ def pairing_metrics(game_eval: GameEval, policy: str, specs: Sequence[EpisodeSpe
         turns += s.turns.get(seat, 0)
         calls += s.tool_calls.get(seat, 0)
         bad_calls += s.invalid_tool_calls.get(seat, 0)
+        their_invalid += sum(n for a, n in s.invalid.items() if a != seat)
+        their_turns += sum(n for a, n in s.turns.items() if a != seat)
         outcome[game_result(s.rewards, seat)] += 1
     mean, ci = stratified_mean_ci(list(strata.values()))
-    out = {game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs))}
+    out = {game_eval.unit: mean, "ci95": ci, "invalid_rate": invalid / max(turns, 1), "hands": float(len(specs)),
+           "opponent_invalid_rate": their_invalid / max(their_turns, 1)}
     if any(s.tool_calls for s in summaries):
         out.update(tool_calls=calls / max(len(specs), 1), invalid_tool_calls=bad_calls / max(len(specs), 1))
     if game_eval.competitive:

@@ -252,6 +252,8 @@ def summary_table(
             if o == "random":
                 rows += [(f"{game_eval.per}s vs random", f"eval/{p}/vs_random/hands", None, False)]
             rows += [(f"invalid replies vs {o}", f"eval/{p}/vs_{o}/invalid_rate", None, True)]
+            if any(run.get(f"eval/{p}/vs_{o}/opponent_invalid_rate") for run in (first, last)):  # an LLM opponent's
+                rows += [(f"opponent's invalid replies vs {o}", f"eval/{p}/vs_{o}/opponent_invalid_rate", None, True)]
             rows += [(f"tool calls / {game_eval.per} vs {o}", f"eval/{p}/vs_{o}/tool_calls", None, False),
                      (f"invalid tool calls / {game_eval.per} vs {o}", f"eval/{p}/vs_{o}/invalid_tool_calls", None, False)]
         rows += [(m.description or m.name, f"eval/{p}/{m.name}", None, False) for m in game_eval.exact]
