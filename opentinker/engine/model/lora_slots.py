@@ -39,7 +39,7 @@ import torch
 from .config import DecoderSpec, module_dims
 
 if TYPE_CHECKING:
-    from .lora import LoraWeights
+    from .lora_weights import LoraWeights
 
 __all__ = ["INPUT_GROUPS", "LoraSlots"]
 

@@ -11,13 +11,16 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocols.messages import LoraSpec
 
 from .config import DecoderSpec, module_dims
-from .lora_slots import LoraSlots
+
+if TYPE_CHECKING:  # a type only: the store imports LoraWeights' type back
+    from .lora_slots import LoraSlots
 
 __all__ = ["MODULES", "LoraStackCache", "LoraWeights", "peft_name"]
 
