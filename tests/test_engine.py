@@ -164,7 +164,7 @@ def test_bad_requests_get_typed_errors_and_the_engine_keeps_serving(hosts):
         own.sample([None], [ok], [SamplingParams(max_tokens=0)], [0])
     with pytest.raises(ValueError, match=r"SampleRequest.prompts\[0\] must be a 1-D integer array"):
         own.sample([None], [ok.astype(np.float32)], [SamplingParams()], [0])
-    # Training and scoring take the same check as sampling: float ids are refused, not truncated.
+    # Training and scoring take the same check as sampling (and the bus): float ids are refused.
     with pytest.raises(ValueError, match=r"ForwardBackward.datums.tokens\[0\] must be a 1-D integer array"):
         own.forward_backward("pol", [Datum(tokens=ok.astype(np.float32), loss_inputs={
             "mask": np.ones(len(ok), np.float32), "advantages": np.ones(len(ok), np.float32),
