@@ -13,7 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` writes every thread's Python stack to this process's stderr (a queued
+    job's log) and the process goes on: where a job that seems stuck is, even inside a native
+    call such as a library's import (:mod:`faulthandler` needs no GIL)."""
+    import faulthandler
+    import signal
 
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (captured)
+            pass
 
 
 def _working_folder_importable() -> None:
@@ -85,6 +96,7 @@ COMMANDS = (
 def _main(argv: list[str] | None = None) -> int:
     import importlib
 
+    _stacks_on_sigusr1()  # first: the commands' modules below import libraries
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd in COMMANDS:

@@ -4,10 +4,12 @@ The OpenAI-compatible endpoint has its own tests (``tests/test_openai_api.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -534,6 +536,26 @@ def test_a_job_attaches_to_a_service_on_curve_with_a_copy_of_its_file(tiny_path,
         proc.communicate(timeout=120)
 
 
+def test_sigusr1_writes_every_threads_stack_and_the_process_goes_on(tiny_path, tmp_path):
+    """``kill -USR1`` on an opentinker process (here a service, waiting in its main thread)
+    writes each thread's Python stack to its stderr; it keeps serving and stops as usual."""
+    file = tmp_path / "service.json"
+    proc = start_serve(file, "--model", tiny_path, cwd=ROOT)
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        assert proc.poll() is None  # still serving
+        info = json.loads(file.read_text())
+        SyncClient(info["endpoint"], "plain", credentials=Credentials(info["user"], info["secret"]),
+                   connect_timeout=5).close()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "Current thread" in out and 'line' in out and "in wait" in out, out[-3000:]
+    assert "scheduler-compute" in out or out.count("Thread 0x") >= 3, out[-3000:]
+
+
 def _jobs(*args: str, service: Path) -> subprocess.CompletedProcess:
     return subprocess.run(_cli("jobs", *args, "--service", str(service)), capture_output=True, text=True, cwd=ROOT,
                           timeout=300, check=False)
@@ -603,7 +625,7 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
         while time.monotonic() < deadline and {e["state"] for e in _queue(file)["jobs"]} & {"queued", "running"}:
             time.sleep(0.5)
         q = {e["id"]: e for e in _queue(file)["jobs"]}
-        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done", "done", "done"], q
+        assert [q[i]["state"] for i in ids] == ["done", "failed", "cancelled", "done", "done", "done"], _jobs_report(q)
         report = json.loads(Path(q["q5"]["output"]).read_text())
         assert q["q5"]["kind"] == "eval" and report["path"] == q["q1"]["output"]
         assert report["metrics"]["eval/main/vs_random/hands"] > 0 and q["q5"]["started_at"] >= q["q4"]["ended_at"]
@@ -630,6 +652,25 @@ def _status(file: Path) -> dict:
     r = subprocess.run(_cli("status", str(file), "--json"), capture_output=True, text=True, cwd=ROOT, timeout=120,
                        check=True)
     return json.loads(r.stdout)
+
+
+def _jobs_report(q: dict) -> str:
+    """Each queued job's state, times (seconds after the first submission) and the end of its
+    log, where a job still running has first written its threads' stacks (SIGUSR1): what a
+    failed wait on the queue shows."""
+    t0 = min(e["submitted_at"] for e in q.values())
+    for e in q.values():
+        record = Path(e["log"]).parent / "proc.json" if e["log"] else None
+        if e["state"] == "running" and record is not None and record.is_file():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(json.loads(record.read_text())["pid"], signal.SIGUSR1)
+    time.sleep(1.0)
+    lines = []
+    for i, e in q.items():
+        times = " ".join(f"{k}={e[k] - t0:.1f}" for k in ("submitted_at", "started_at", "ended_at") if e[k])
+        tail = Path(e["log"]).read_text(errors="replace")[-1500:] if e["log"] and Path(e["log"]).is_file() else ""
+        lines.append(f"{i} {e['name']} {e['state']} rc={e['returncode']} {times}\n{tail}")
+    return "\n".join(lines)
 
 
 def _pid_of_job(log: str) -> int:
