@@ -659,18 +659,44 @@ def _jobs_report(q: dict) -> str:
     log, where a job still running has first written its threads' stacks (SIGUSR1): what a
     failed wait on the queue shows."""
     t0 = min(e["submitted_at"] for e in q.values())
+    lines = [_machine_now()]
     for e in q.values():
         record = Path(e["log"]).parent / "proc.json" if e["log"] else None
         if e["state"] == "running" and record is not None and record.is_file():
+            pid = json.loads(record.read_text())["pid"]
+            lines.append(f"{e['id']} pid {pid}: {_proc_now(pid)}; 2 s later: {_proc_now(pid, 2.0)}")
             with contextlib.suppress(ProcessLookupError):
-                os.kill(json.loads(record.read_text())["pid"], signal.SIGUSR1)
+                os.kill(pid, signal.SIGUSR1)
     time.sleep(1.0)
-    lines = []
     for i, e in q.items():
         times = " ".join(f"{k}={e[k] - t0:.1f}" for k in ("submitted_at", "started_at", "ended_at") if e[k])
-        tail = Path(e["log"]).read_text(errors="replace")[-1500:] if e["log"] and Path(e["log"]).is_file() else ""
+        tail = Path(e["log"]).read_text(errors="replace")[-6000:] if e["log"] and Path(e["log"]).is_file() else ""
         lines.append(f"{i} {e['name']} {e['state']} rc={e['returncode']} {times}\n{tail}")
     return "\n".join(lines)
+
+
+def _proc_now(pid: int, after_s: float = 0.0) -> str:
+    """A process's state, CPU seconds (user, system), nice, scheduling policy and resident
+    memory (from /proc), after ``after_s``: a job that computes, waits or is starved."""
+    time.sleep(after_s)
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        rss = next((x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS")), "")
+    except OSError as e:
+        return f"gone ({e})"
+    f = stat[stat.rindex(")") + 2:].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (f"state {f[0]}, cpu {int(f[11]) / tick:.2f}+{int(f[12]) / tick:.2f} s, nice {f[16]}, "
+            f"threads {f[17]}, policy {f[38]}, {' '.join(rss.split()[1:])}")
+
+
+def _machine_now() -> str:
+    """The machine's load, available memory and (where the kernel has them) pressure."""
+    meminfo = dict(x.split(":", 1) for x in Path("/proc/meminfo").read_text().splitlines() if ":" in x)
+    pressure = " ".join(f"{k}: {Path(f'/proc/pressure/{k}').read_text().splitlines()[0]}"
+                        for k in ("cpu", "memory", "io") if Path(f"/proc/pressure/{k}").is_file())
+    return (f"load {Path('/proc/loadavg').read_text().strip()}; MemAvailable {meminfo.get('MemAvailable', '?').strip()}"
+            f"; {pressure or 'no PSI'}")
 
 
 def _pid_of_job(log: str) -> int:
