@@ -658,10 +658,12 @@ def _jobs_report(q: dict) -> str:
     """Each queued job's state, times (seconds after the first submission) and the end of its
     log, where a job still running has first written its threads' stacks (SIGUSR1): what a
     failed wait on the queue shows."""
+    from opentinker.serve.job_procs import PROC_FILE
+
     t0 = min(e["submitted_at"] for e in q.values())
     lines = [_machine_now()]
     for e in q.values():
-        record = Path(e["log"]).parent / "proc.json" if e["log"] else None
+        record = Path(e["log"]).parent / PROC_FILE if e["log"] else None
         if e["state"] == "running" and record is not None and record.is_file():
             pid = json.loads(record.read_text())["pid"]
             lines.append(f"{e['id']} pid {pid}: {_proc_now(pid)}; 2 s later: {_proc_now(pid, 2.0)}")
