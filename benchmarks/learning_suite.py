@@ -7,7 +7,9 @@ games per start and seat, fewer for the long dialogue games: 95% stratified inte
 draws / losses, invalid rate). A seed's result goes to ``OUT/JOB/seedS/result.json``; a seed
 whose result exists (with the same job, model and overrides) is reused, and a finished run is
 evaluated without running it again, so the suite can be run a few jobs at a time and stopped at
-any point.
+any point. The rows of the JSON at ``--json`` (the committed one by default) that were made
+with their job's config as it stands are written back under ``OUT`` first, so a fresh checkout
+adds seeds to the committed results instead of running them all again.
 
 Per seed: the curve of every policy's evaluations against random over the run, the final
 evaluation by opponent, the run's wall time, the peak resident memory of all its processes
@@ -56,7 +58,7 @@ against each of 3 opponents); every other job: :data:`DEFAULT_EVAL_GAMES`."""
 DEFAULT_EVAL_GAMES = 34
 
 
-def eval_games(args: "Args", job: str) -> int:
+def eval_games(args: Args, job: str) -> int:
     """Final evaluation games per start and seat for ``job``: ``--eval-games`` where given, else
     the job's budget."""
     return args.eval_games or EVAL_GAMES.get(job, DEFAULT_EVAL_GAMES)
@@ -209,7 +211,7 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
     result = folder / "result.json"
     if result.is_file():
         row = json.loads(result.read_text())
-        if row.get("key") == key:
+        if portable(row.get("key", {})) == portable(key):
             print(f"  [{job} seed {seed}] reused {result}")
             return row
     folder.mkdir(parents=True, exist_ok=True)
@@ -248,6 +250,38 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
     }
     result.write_text(json.dumps(row, indent=1))
     return row
+
+
+def portable(key: dict[str, Any]) -> dict[str, Any]:
+    """A seed's key without the folder it ran in (``out_dir=``), so a result made under another
+    ``--out`` (another checkout's, restored by :func:`restore`) is reused as one made here."""
+    return {**key, "sets": [s for s in key.get("sets", []) if not s.startswith("out_dir=")]}
+
+
+def restore(out: Path, earlier: Path) -> list[Path]:
+    """Write each row of an earlier suite JSON (the committed one) that was made with its job's
+    config as it stands as its seed's ``result.json`` under ``out``, where none is there: a fresh
+    checkout then reuses and gathers the seeds already run instead of running them again. Rows
+    of another config are left out (they would be neither reused nor gathered). Returns the
+    files written."""
+    if not earlier.is_file():
+        return []
+    try:
+        rows = [(row, row["job"], row["seed"], row["key"]["config_sha256"])
+                for row in json.loads(earlier.read_text())["rows"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SystemExit(f"--json {earlier}: not a learning suite JSON to resume from ({e!r}); "
+                         "move it away to start afresh") from e
+    written = []
+    for row, job, seed, sha in rows:
+        if job not in SUITE or sha != config_sha256(job):
+            continue
+        result = out / job / f"seed{seed}-{sha[:8]}" / "result.json"
+        if not result.is_file():
+            result.parent.mkdir(parents=True, exist_ok=True)
+            result.write_text(json.dumps({k: v for k, v in row.items() if k != "target"}, indent=1))
+            written.append(result)
+    return written
 
 
 def gather(out: Path) -> list[dict[str, Any]]:
@@ -403,6 +437,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--jobs: not in the suite: {', '.join(unknown)} (the suite: {', '.join(SUITE)})")
     seeds = [int(s) for s in args.seeds.split(",")]
+    restored = restore(Path(args.out), Path(args.json))
+    if restored:
+        print(f"  restored {len(restored)} seeds' results from {args.json} into {args.out}")
     for job in jobs:
         for seed in seeds:
             try:

@@ -190,3 +190,31 @@ def test_results_of_another_config_are_not_gathered(tmp_path) -> None:
             "wall_s": 600.0, "final": {"main": {"random": {"chips": 0.35, "ci95": 0.1}}}}))
     (row,) = ls.gather(tmp_path)
     assert row["seed"] == 0 and row["target"] == {"main/vs_random": 0.35, "met": True}
+
+
+def test_a_fresh_checkout_reuses_the_seeds_of_the_committed_json(tmp_path, capsys, monkeypatch) -> None:
+    """The rows of an earlier JSON made with the job's config as it stands come back as results
+    under ``--out`` (another folder than they ran in), a seed asked for again is reused, not
+    run, and the gather keeps them; a row of another config is not restored."""
+    sha = ls.config_sha256("default")
+    row = {"job": "default", "seed": 0, "unit": "chips", "wall_s": 600.0, "run": "kuhn_poker_v0__default__0__x",
+           "key": {"job": "default", "seed": 0, "sets": ["seed=0", "out_dir=/elsewhere/default/seed0"],
+                   "eval_games": ls.DEFAULT_EVAL_GAMES, "config_sha256": sha},
+           "final": {"main": {"random": {"chips": 0.35, "ci95": 0.1}}}, "target": {"met": True}}
+    stale = {**row, "seed": 1, "key": {**row["key"], "seed": 1, "config_sha256": "0" * 64}}
+    earlier = tmp_path / "suite.json"
+    earlier.write_text(json.dumps({"rows": [row, stale]}))
+    out = tmp_path / "suite"
+    (written,) = ls.restore(out, earlier)
+    assert written == out / "default" / f"seed0-{sha[:8]}" / "result.json"
+    assert "target" not in json.loads(written.read_text())  # the gather recomputes it
+    assert ls.restore(out, earlier) == []  # a result already there is kept
+    args = ls.Args(out=str(out))
+    monkeypatch.setattr(ls, "run_or_reuse", lambda *a, **k: pytest.fail("ran a restored seed again"))
+    assert ls.run_seed(args, "default", 0)["run"] == row["run"]
+    assert "reused" in capsys.readouterr().out
+    (gathered,) = ls.gather(out)
+    assert (gathered["seed"], gathered["target"]["met"]) == (0, True)
+    earlier.write_text('{"rows": [{"job": "default"}]}')
+    with pytest.raises(SystemExit, match="not a learning suite JSON"):
+        ls.restore(tmp_path / "other", earlier)
