@@ -692,13 +692,44 @@ def _proc_now(pid: int, after_s: float = 0.0) -> str:
             f"threads {f[17]}, policy {f[38]}, {' '.join(rss.split()[1:])}")
 
 
-def _machine_now() -> str:
-    """The machine's load, available memory and (where the kernel has them) pressure."""
+def _machine_now(window_s: float = 2.0) -> str:
+    """The machine's load, available memory, (where the kernel has them) pressure, and over
+    ``window_s``: where its CPU time went (user, system, idle, iowait, steal: a stalled VM
+    shows steal) and the five processes that took the most of it (a hog beside the job)."""
     meminfo = dict(x.split(":", 1) for x in Path("/proc/meminfo").read_text().splitlines() if ":" in x)
     pressure = " ".join(f"{k}: {Path(f'/proc/pressure/{k}').read_text().splitlines()[0]}"
                         for k in ("cpu", "memory", "io") if Path(f"/proc/pressure/{k}").is_file())
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    before, procs_before = _cpu_ticks(), _proc_ticks()
+    time.sleep(window_s)
+    after, procs_after = _cpu_ticks(), _proc_ticks()
+    total = max(1, sum(after) - sum(before))
+    split = ", ".join(f"{n} {100 * (a - b) / total:.0f}%" for n, a, b in zip(names, after, before, strict=False))
+    used = sorted(((t - procs_before.get(pid, (t, ""))[0], pid, name) for pid, (t, name) in procs_after.items()),
+                  reverse=True)[:5]
+    tick = os.sysconf("SC_CLK_TCK")
+    hogs = ", ".join(f"{name} (pid {pid}) {d / tick:.2f} s" for d, pid, name in used if d > 0)
     return (f"load {Path('/proc/loadavg').read_text().strip()}; MemAvailable {meminfo.get('MemAvailable', '?').strip()}"
-            f"; {pressure or 'no PSI'}")
+            f"; {pressure or 'no PSI'}; CPU over {window_s:.0f} s: {split}; most CPU: {hogs or 'none'}")
+
+
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time by kind (``/proc/stat``'s first line), in clock ticks."""
+    return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+
+
+def _proc_ticks() -> dict[int, tuple[int, str]]:
+    """Every process's CPU time so far (user + system, clock ticks) and name, by pid."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2:].split()
+            out[int(proc.name)] = (int(f[11]) + int(f[12]), stat[stat.index("(") + 1:stat.rindex(")")])
+    return out
 
 
 def _pid_of_job(log: str) -> int:
