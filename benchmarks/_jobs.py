@@ -217,6 +217,15 @@ def job_phases(run: Path, mem: dict[str, float], wall_s: float) -> dict[str, flo
             "wall_s": wall_s, **mem}
 
 
+def write_result(result: dict[str, Any], *paths: str | Path) -> None:
+    """Write ``result`` as indented JSON to each of ``paths`` (its folder made; an empty path
+    skipped): a script's own copy in its output folder and the one ``--json`` names."""
+    text = json.dumps(result, indent=1)
+    for p in (Path(p) for p in paths if p):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
 def opentinker(*argv: str) -> list[str]:
     """The ``opentinker`` command line with this interpreter (its environment's package)."""
     return [sys.executable, "-m", "opentinker.cli", *argv]

@@ -65,6 +65,7 @@ from _jobs import (
     run_logged,
     to_target,
     train_clock,
+    write_result,
 )
 
 import games
@@ -377,11 +378,7 @@ def main() -> None:
         "args": asdict(args), "game": args.game, "unit": ev.unit, "wall_s": time.perf_counter() - t0,
         "rows": rows, "summary": summary, "jobs": jobs, "verdict": words, "table": table,
     }
-    text = json.dumps(result, indent=1)
-    (out / "compare_learners.json").write_text(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+    write_result(result, out / "compare_learners.json", args.json)
     print(f"\n{caption}\n\n{table}\n\n{words}\n")
     for j in jobs:
         print(f"seed {j['seed']}: per step rollout {j['rollout_s']:.1f} s, learning {j['learn_s']:.1f} s "

@@ -58,6 +58,7 @@ from _jobs import (
     read_rows,
     run_config,
     to_target,
+    write_result,
 )
 
 import games
@@ -306,11 +307,7 @@ def main() -> None:
     result = {"provenance": prov, "args": asdict(args), "game": args.game, "unit": ev.unit, "rows": rows, "ratios": r,
               "claim": words, "paper": PAPER, "scripted": scripted_baselines(args.game),
               "wall_s": time.perf_counter() - t0, "runs_wall_s": sum(row["wall_s"] for row in rows)}
-    text = json.dumps(result, indent=1)
-    (out / "lora_vs_full.json").write_text(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+    write_result(result, out / "lora_vs_full.json", args.json)
     print()
     for row in rows:
         f = row["final"]

@@ -31,6 +31,7 @@ from _jobs import (
     read_rows,
     run_logged,
     run_or_reuse,
+    write_result,
 )
 
 import games
@@ -138,12 +139,7 @@ def main() -> None:
         rows.append(one_seed(args, seed, ev))
     result = {"provenance": prov, "args": asdict(args), "game": "calculator_v0", "unit": ev.unit, "rows": rows,
               "wall_s": time.perf_counter() - t0}
-    text = json.dumps(result, indent=1)
-    out = Path(args.out)
-    (out / "tools_warm_start.json").write_text(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+    write_result(result, Path(args.out) / "tools_warm_start.json", args.json)
     for row in rows:
         s, r = row["sft"], row["rl"]
         curve = ", ".join(f"{c[ev.unit]:.3f} ({c['step']})" for c in r["curve"])

@@ -34,12 +34,29 @@ def cpu_model() -> str:
     return cpu
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU features that make bfloat16 matrix products fast on a CPU (oneDNN uses them: AMX tiles
+on Intel Xeons since Sapphire Rapids, AVX-512 BF16 on those and AMD Zen 4); without them
+``model.dtype = "bfloat16"`` is slower than float32."""
+
+
+def cpu_bf16_flags() -> list[str]:
+    """Which of :data:`BF16_FLAGS` this CPU has (``/proc/cpuinfo``'s flags; ``[]`` where
+    there is no such file)."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return []
+    flags = next((ln.split(":", 1)[1].split() for ln in info.read_text().splitlines() if ln.startswith("flags")), [])
+    return [f for f in BF16_FLAGS if f in flags]
+
+
 def machine(threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
-    """CPU model, torch's CPU kernel level, cores, torch threads (``threads``; torch's own
-    count when None), device, torch version, date, the :data:`ENV_KNOBS` that are set and, on
-    CUDA, the GPU's name."""
+    """CPU model, torch's CPU kernel level, the CPU's bfloat16 features (:data:`BF16_FLAGS`),
+    cores, torch threads (``threads``; torch's own count when None), device, torch version,
+    date, the :data:`ENV_KNOBS` that are set and, on CUDA, the GPU's name."""
     info: dict[str, Any] = {
-        "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+        "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16": cpu_bf16_flags(), "cores": os.cpu_count(),
         "torch_threads": threads if threads is not None else torch.get_num_threads(), "device": device,
         "torch": torch.__version__, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
