@@ -260,8 +260,9 @@ def poker_evaluation(game: TabularGame, decisions: Callable[[], list[Decision]],
     validly."""
     uniform_play = game.uniform()
     uniform = game.exploitability(uniform_play)
-    best_vs_random = game.payoff({s: {m: float(m == move) for m in moves} for s, moves in uniform_play.items()
-                                  for move in [game.best_responses(uniform_play)[s]]}, uniform_play)
+    br = game.best_responses(uniform_play)  # once: every process that imports the games builds this hook
+    best_vs_random = game.payoff({s: {m: float(m == br[s]) for m in moves} for s, moves in uniform_play.items()},
+                                 uniform_play)
     return GameEval(
         unit="chips",
         per="hand",

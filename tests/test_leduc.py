@@ -215,3 +215,22 @@ def test_the_bundled_leduc_league_runs_on_the_tiny_model(tmp_path, tiny_path) ->
     assert train["train/main/all_actions_datums"] == len(trained_rows(decisions, cfg.train.all_actions_decisions,
                                                                      (cfg.seed, 1)))
     assert 0 < train["train/main/exploitability"] < 13
+
+
+def test_the_evaluation_hook_solves_the_best_response_to_random_once(monkeypatch) -> None:
+    """Every process that imports ``games`` builds the poker hooks: the best response to
+    uniform play is solved once for the hook (it was solved again for each of the 288
+    information states, a second of CPU in every command), and its value is the same."""
+    from games.tabular import TabularGame, poker_evaluation
+
+    calls = []
+    solve = TabularGame.best_response
+    monkeypatch.setattr(TabularGame, "best_response", lambda self, policy, seat: calls.append(seat) or solve(
+        self, policy, seat))
+    ev = poker_evaluation(L.GAME, L.decision_dialogues, L.EVALUATION.starts, ("leduc_equilibrium",))
+    assert len(calls) <= 4  # exploitability's two seats and the best response's two
+    uniform = L.GAME.uniform()
+    br = {**L.GAME.best_response(uniform, 0)[1], **L.GAME.best_response(uniform, 1)[1]}
+    pure = {s: {m: float(m == br[s]) for m in moves} for s, moves in uniform.items()}
+    value = next(m for m in ev.exact if m.name == "value_vs_random")
+    assert value.references["best response to random"] == pytest.approx(L.GAME.payoff(pure, uniform))
