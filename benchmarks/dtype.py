@@ -12,7 +12,9 @@ by ``[hidden, intermediate]`` product, SmolLM2-135M's 576 by 1536) at a decode-s
 prefill-sized M, in each type. Then the job, once per (dtype, seed), measured per run:
 
 * seconds per training step (rollout + learning, medians over the steps), each phase, and the
-  compute the scheduler did in them; the run's wall time with its evaluations;
+  compute the scheduler did in them; the run's wall time with its evaluations; and each step's
+  phases with its prefilled and trained tokens (a job whose games lengthen gains more from
+  bfloat16 as its sequences grow);
 * the engine's decode rate and the learner's loss tokens per second;
 * peak memory (all the job's processes, and the largest), sampled every 0.5 s;
 * what it learned: the final score against random with its 95% interval and invalid rate,
@@ -140,6 +142,9 @@ def run_one(args: Args, dtype: str, seed: int) -> dict[str, Any]:
         "dtype": dtype, "seed": seed, "run": str(run), "policy": name, "steps": cfg.train.steps, "curve": curve,
         "final": final, "gain_vs_untrained": curve[-1][ev.unit] - curve[0][ev.unit],
         "s_per_step": statistics.median(r["timing_s/rollout"] + r["timing_s/learn"] for r in trains),
+        "steps_s": [{"step": r["step"], "rollout_s": r["timing_s/rollout"], "learn_s": r["timing_s/learn"],
+                     "prefill_tokens": r.get("perf/engine/prefill_tokens"),
+                     "loss_tokens": r.get(f"train/{name}/n_loss_tokens")} for r in trains],
         "decode_tokens_per_s": statistics.median(decode) if decode else None,
         "train_tokens_per_s": statistics.median(r[f"train/{name}/n_loss_tokens"] / r[f"train/{name}/learn_s"]
                                                 for r in trains),
