@@ -102,7 +102,7 @@ def job_config(args: Args, dtype: str, seed: int) -> JobConfig:
 
 def kernel_floor(model: str, rows: list[int], threads: int, repeats: int = 20) -> dict[str, dict[str, float]]:
     """The base model's widest projection (``[M, hidden] @ [hidden, intermediate]``, random
-    weights of its shape) in each type: seconds per product (median of ``repeats``) and
+    weights of its shape) in each type: milliseconds per product (median of ``repeats``) and
     GFLOP/s, by type and M."""
     import torch
 
@@ -124,7 +124,7 @@ def kernel_floor(model: str, rows: list[int], threads: int, repeats: int = 20) -
                 x @ w
                 times.append(time.perf_counter() - t)
             s = statistics.median(times)
-            out[f"{dtype}/M{m}"] = {"s": s, "gflops": 2 * m * hidden * inter / s / 1e9}
+            out[f"{dtype}/M{m}"] = {"ms": s * 1e3, "gflops": 2 * m * hidden * inter / s / 1e9}
     return out
 
 
@@ -191,9 +191,9 @@ def main() -> None:
                       threads or None, first["float32"].model.device)
     ev = games.evaluation(first["float32"].game)
     floor = kernel_floor(first["float32"].model.base, ms, threads or prov["cores"])
-    print("kernel floor (seconds per product, GFLOP/s):")
+    print("kernel floor (milliseconds per product, GFLOP/s):")
     for k, v in floor.items():
-        print(f"  {k}: {v['s'] * 1e3:.3f} ms, {v['gflops']:.0f} GFLOP/s")
+        print(f"  {k}: {v['ms']:.3f} ms, {v['gflops']:.0f} GFLOP/s")
     t0 = time.perf_counter()
     rows = []
     for seed in seeds:

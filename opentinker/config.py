@@ -74,8 +74,10 @@ class ModelConfig(_Config):
     is bit-for-bit only on this path: the engine's rows share steps by arrival time)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The engine's base weights and activations (LoRA weights and optimizer states stay
-    fp32). ``bfloat16`` is for GPUs; on a CPU it is slower than fp32 and log-probs move by
-    ~0.03 (tests/test_engine_model.py states the tolerance)."""
+    fp32). ``bfloat16`` is for GPUs; log-probs move by ~0.03 (tests/test_engine_model.py
+    states the tolerance). On a CPU without AMX it is slower than fp32; on one with AMX its
+    matrix products are several times fp32's, yet whole jobs were no faster
+    (``benchmarks/dtype.py``, ``benchmarks/results/dtype.json``)."""
     kv_budget_mb: Annotated[int, Meta(ge=1, le=MAX_KV_MB)] = 256
     """Memory for the engine's KV blocks, in MiB."""
     train_memory_mb: Annotated[int, Meta(ge=128, le=MAX_KV_MB)] = 1024

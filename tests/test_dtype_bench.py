@@ -33,7 +33,7 @@ def test_dtype_runs_the_job_in_each_type_and_reports_ratios_of_its_rows(tmp_path
     assert r["ratios"]["final_chips"]["mean"] == pytest.approx(
         by["bfloat16"]["final"]["chips"] - by["float32"]["final"]["chips"])
     assert set(r["kernel_floor"]) == {f"{d}/M{m}" for d in ("float32", "bfloat16") for m in (4, 64)}
-    assert all(v["s"] > 0 and v["gflops"] > 0 for v in r["kernel_floor"].values())
+    assert all(v["ms"] > 0 and v["gflops"] > 0 for v in r["kernel_floor"].values())
 
 
 def test_a_bad_seed_list_is_refused_by_name() -> None:
