@@ -1031,9 +1031,10 @@ def _job_pids(file: Path) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    from opentinker.serve.job_procs import start_time
+    from opentinker.serve.job_procs import proc_stat
 
-    return start_time(pid) is not None and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    stat = proc_stat(pid)
+    return stat is not None and stat[1][0] != "Z"  # a zombie has ended
 
 
 def test_the_queue_checks_every_number_and_confines_out_dir(tiny_path, tmp_path):

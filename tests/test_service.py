@@ -680,13 +680,17 @@ def _jobs_report(q: dict) -> str:
 def _proc_now(pid: int, after_s: float = 0.0) -> str:
     """A process's state, CPU seconds (user, system), nice, scheduling policy and resident
     memory (from /proc), after ``after_s``: a job that computes, waits or is starved."""
+    from opentinker.serve.job_procs import proc_stat
+
     time.sleep(after_s)
+    stat = proc_stat(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         rss = next((x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS")), "")
     except OSError as e:
         return f"gone ({e})"
-    f = stat[stat.rindex(")") + 2:].split()
+    if stat is None:
+        return "gone"
+    f = stat[1]
     tick = os.sysconf("SC_CLK_TCK")
     return (f"state {f[0]}, cpu {int(f[11]) / tick:.2f}+{int(f[12]) / tick:.2f} s, nice {f[16]}, "
             f"threads {f[17]}, policy {f[38]}, {' '.join(rss.split()[1:])}")
@@ -720,15 +724,13 @@ def _cpu_ticks() -> list[int]:
 
 def _proc_ticks() -> dict[int, tuple[int, str]]:
     """Every process's CPU time so far (user + system, clock ticks) and name, by pid."""
+    from opentinker.serve.job_procs import proc_stat
+
     out = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-            except OSError:
-                continue
-            f = stat[stat.rindex(")") + 2:].split()
-            out[int(proc.name)] = (int(f[11]) + int(f[12]), stat[stat.index("(") + 1:stat.rindex(")")])
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and (stat := proc_stat(int(p.name))) is not None:
+            name, f = stat
+            out[int(p.name)] = (int(f[11]) + int(f[12]), name)
     return out
 
 

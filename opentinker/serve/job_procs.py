@@ -41,14 +41,23 @@ GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field
-    22), or None when there is no such process (or no ``/proc``)."""
+def proc_stat(pid: int) -> tuple[str, list[str]] | None:
+    """Process ``pid``'s name and the fields of ``/proc/<pid>/stat`` after it (field 3, the
+    state, first: ``fields[k]`` is the file's field ``k + 3``), or None when there is no such
+    process (or no ``/proc``). The name may hold spaces and parentheses: it ends at the last
+    ``)``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field
+    22), or None when there is no such process (or no ``/proc``)."""
+    stat = proc_stat(pid)
+    return None if stat is None else int(stat[1][19])
 
 
 _prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None  # looked up before any fork
