@@ -6,6 +6,7 @@ change it are part of the record)."""
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import shlex
@@ -24,14 +25,21 @@ ENV_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MK
 they wait (``opentinker`` sets ``GOMP_SPINCOUNT`` when imported; see its ``__init__``)."""
 
 
+@functools.cache
+def _cpuinfo(key: str) -> str | None:
+    """The first ``key`` line's value in ``/proc/cpuinfo`` (None where there is no such file
+    or line); read once per process and key, since the CPU does not change."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith(key)), None)
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` where there is one: ``platform.processor()``
     is often empty or just the architecture on Linux)."""
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    return cpu
+    name = _cpuinfo("model name")
+    return platform.processor() if name is None else name
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -43,10 +51,7 @@ on Intel Xeons since Sapphire Rapids, AVX-512 BF16 on those and AMD Zen 4); with
 def cpu_bf16_flags() -> list[str]:
     """Which of :data:`BF16_FLAGS` this CPU has (``/proc/cpuinfo``'s flags; ``[]`` where
     there is no such file)."""
-    info = Path("/proc/cpuinfo")
-    if not info.exists():
-        return []
-    flags = next((ln.split(":", 1)[1].split() for ln in info.read_text().splitlines() if ln.startswith("flags")), [])
+    flags = (_cpuinfo("flags") or "").split()
     return [f for f in BF16_FLAGS if f in flags]
 
 
