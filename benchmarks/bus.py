@@ -56,7 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _args import parse_args
-from _machine import machine as machine_info, script_provenance
+from _machine import script_provenance
 from opentinker.bus import (
     DEFAULT_SPIN_S,
     LOOPBACK,
@@ -499,7 +499,8 @@ def main() -> None:
         if "ray" in kinds:
             import ray
 
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+                     log_to_driver=False)
             small = b"".join(bytes(memoryview(f)) for f in encode(msgs["small"], 1))
             runners[("ray", "ray", "small")] = RayEcho(small, args)
             runners[("ray", "ray", "1MiB")] = RayEcho(msgs["1MiB"].logprobs[0], args)

@@ -46,8 +46,8 @@ def scheduler(tiny_path):
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(
-        _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+    ray.init(  # "local": a new instance, never the cluster another run's file names
+        address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
         object_store_memory=100 * 1024 * 1024, log_to_driver=False, configure_logging=False,
     )
     yield ray

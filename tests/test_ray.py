@@ -5,6 +5,8 @@ number of episodes per step."""
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -160,3 +162,28 @@ def test_two_schedulers_run_as_two_ray_actors(ray_session, tiny_path):
             assert info[name]["counters"].get("recv/SampleRequest", 0) > 0
     finally:
         job.shutdown()
+
+
+def test_a_stale_cluster_file_or_ray_address_is_not_joined(tmp_path):
+    """A job without ``runtime.address`` starts its own Ray instance even where
+    ``/tmp/ray/ray_current_cluster`` names a dead cluster (a ``ray start`` or a test's
+    ``Cluster`` killed before it cleaned up) and ``RAY_ADDRESS`` is set: a plain ``ray.init()``
+    would join that address and refuse ``num_cpus`` (a CI run failed so, every Ray test)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    try:
+        (root / "ray").mkdir()
+        (root / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
+        env = {**os.environ, "RAY_TMPDIR": str(root), "RAY_ADDRESS": "127.0.0.1:1"}
+        code = ("import ray; from opentinker.control.placement import init_ray; "
+                "print('started', init_ray(''), ray.is_initialized()); ray.shutdown()")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "started True True" in proc.stdout
+        assert (root / "ray" / "ray_current_cluster").read_text() == "127.0.0.1:1\n"  # left as it was
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -18,7 +18,7 @@ import pytest
 
 from opentinker.cli import main
 from opentinker.config import ConfigError, JobConfig, check_name, load_config
-from opentinker.control.config_checks import check_config, check_model
+from opentinker.control.config_checks import _check_device, check_config, check_model
 from opentinker.logs import escape_controls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +187,11 @@ def test_devices_are_checked(tmp_path, capsys):
         "model.device: 'gpu' is not a device: use cpu, cuda or cuda:<index>")
     assert _refused(capsys, runs, "model.device=cuda:999").startswith(
         "model.device: 'cuda:999': this machine has ")
+    _check_device("cuda:999", "ray", "10.0.0.7:6379")  # a cluster's GPUs are not this machine's
+    with pytest.raises(ConfigError, match="this machine has"):  # RAY_ADDRESS is not a cluster the job joins
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+            _check_device("cuda:999", "ray", "")
 
 
 def test_target_modules_are_checked_against_the_architecture(tmp_path, capsys):

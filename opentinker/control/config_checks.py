@@ -112,7 +112,7 @@ def check_config(cfg: JobConfig) -> None:
     if cfg.runtime.scheduler:
         _check_scheduler(cfg.runtime.scheduler)
     else:  # on a shared scheduler the service chose its device
-        _check_device(cfg.model.device, cfg.runtime.backend)
+        _check_device(cfg.model.device, cfg.runtime.backend, cfg.runtime.address)
     _check_modules(cfg, info)
     if info.context is not None and cfg.sampling.max_tokens >= info.context:
         raise ConfigError("sampling.max_tokens", f"{cfg.sampling.max_tokens} leaves no room for a prompt in the "
@@ -296,14 +296,14 @@ def _read_model_config(path: Path, spec: str) -> ModelInfo:
                      context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None)
 
 
-def _check_device(device: str, backend: str) -> None:
+def _check_device(device: str, backend: str, address: str) -> None:
     """``cpu``, ``cuda`` or ``cuda:<index>``; a CUDA device must exist here when the job runs
-    on this machine (the local backend, or Ray without ``RAY_ADDRESS``: a cluster's GPUs are
-    not this machine's)."""
+    on this machine (the local backend, or Ray without ``runtime.address``: a cluster's GPUs
+    are not this machine's)."""
     m = _DEVICE.fullmatch(device)
     if m is None:
         raise ConfigError("model.device", f"{device!r} is not a device: use cpu, cuda or cuda:<index>")
-    if device == "cpu" or (backend == "ray" and os.environ.get("RAY_ADDRESS")):
+    if device == "cpu" or (backend == "ray" and address):
         return
     import torch
 

@@ -54,7 +54,10 @@ def place(cfg: JobConfig) -> dict[str, int]:
 def init_ray(address: str = "") -> bool:
     """Start Ray here on 127.0.0.1 (no dashboard, a small object store: data goes over the
     bus), or join the cluster at ``address``, unless this process already did; True when this
-    call did."""
+    call did. ``""`` always starts a private instance: neither ``RAY_ADDRESS`` nor the cluster
+    a ``ray start`` (or a test's ``ray.cluster_utils.Cluster``) last wrote to
+    ``/tmp/ray/ray_current_cluster`` is joined, which a plain ``ray.init()`` would do (and then
+    refuse ``num_cpus``), so a stale file or a cluster beside the job cannot take it over."""
     import ray
 
     if ray.is_initialized():
@@ -64,8 +67,9 @@ def init_ray(address: str = "") -> bool:
         ray.init(address=address, log_to_driver=False, configure_logging=False,
                  **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count(),
-                 object_store_memory=200 * 1024 * 1024, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 num_cpus=os.cpu_count(), object_store_memory=200 * 1024 * 1024, log_to_driver=False,
+                 configure_logging=False)
     return True
 
 
