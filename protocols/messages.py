@@ -569,6 +569,13 @@ class RunEpisodes(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Scripted seats of the episodes of one group draw from one random stream (seeded by the
     group, not the episode): given the same moves they answer the same (common random
     numbers). False: each episode its own stream."""
+    batch: int = 0
+    """The batch these episodes belong to (a coordinator's id for one training step's or
+    evaluation's episodes), which may reach a runner as several requests (slices, waves): its
+    progress counts the whole batch. 0: this request alone."""
+    batch_episodes: int = 0
+    """This runner's episodes in the whole ``batch`` (the ``episodes`` progress reports);
+    0: this request's own."""
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):

@@ -243,14 +243,34 @@ def test_exploring_replies_are_legal_moves_scored_by_the_policy(tmp_path, tiny_p
 
 def test_an_evaluation_larger_than_the_schedulers_bound_plays_in_waves(tiny_path):
     """1,200 evaluation games at once (two policies x 12 strata x 50), more than the
-    scheduler's 1,024 requests in flight: the runners play them in waves
-    (``EnvRunner.max_episodes``) instead of the scheduler refusing them ``busy``."""
+    scheduler's 1,024 requests in flight: the runners play them in waves instead of the
+    scheduler refusing them ``busy``, each wave one request per runner of at most what it
+    plays at once (so ``runtime.timeout_s`` bounds a wave, not the whole evaluation), and the
+    driver's progress counts the whole evaluation, not the wave."""
+    import time
+
+    from opentinker.progress import EpisodeFeed
     from opentinker.rollout.env_runner import SCHEDULER_EPISODES
 
     job = Job(_cfg(eval={"exact": False, "ratings": False}), tiny_path)
+    seen: list[tuple[int, int, bool]] = []
+    feed = EpisodeFeed(lambda done, total, train: seen.append((done, total, train)))
     try:
-        ev = job.coordinator("evaluate", 0, False, 50)
+        before = job.info()
+        ev = job.coordinator("evaluate", 0, False, 50, feed.endpoint)
         assert ev["eval/main/vs_random/hands"] == ev["eval/other/vs_random/hands"] == 600
         assert 2 * 600 > 1024 > SCHEDULER_EPISODES
+        after = job.info()
+        requests = [after[f"env_runner{i}"]["counters"]["recv/RunEpisodes"]
+                    - before[f"env_runner{i}"]["counters"].get("recv/RunEpisodes", 0) for i in range(2)]
+        assert requests == [3, 3]  # 600 games a runner in waves of 256
+        for _ in range(200):  # the last pushes may land just after the reply
+            if seen and seen[-1][0] == 1200:
+                break
+            time.sleep(0.01)
     finally:
+        feed.close()
         job.shutdown()
+    assert seen[-1] == (1200, 1200, False)
+    assert {total for _, total, _ in seen} <= {600, 1200}  # one runner's part, then both: never a wave's
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)

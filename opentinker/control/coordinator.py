@@ -39,6 +39,7 @@ from opentinker.eval.evaluation import (
     policy_sequences,
 )
 from opentinker.eval.ratings import RunningRatings, rating_metrics
+from opentinker.rollout.env_runner import SCHEDULER_EPISODES
 from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
 from opentinker.rollout.matchmaking import WinRates
 from opentinker.rollout.render import ChatTokenizer
@@ -183,30 +184,40 @@ class Coordinator:
 
     async def _run(self, specs: list[EpisodeSpec], step: int, train: bool, progress: str = "") -> list[EpisodeSummary]:
         """Split episodes over the runners (round robin, in id order) and wait for all; the
-        runners push their progress to ``progress`` (a PULL endpoint) when it is given.
+        runners push their progress to ``progress`` (a PULL endpoint) when it is given,
+        counted over the whole call (one ``batch``).
 
-        A runner's part larger than one message goes as several ``RunEpisodes`` of consecutive
-        slices, all at once (its episodes all in flight, as in one request); each slice's
-        progress is counted on its own by the runner."""
+        A training step's part of a runner goes at once. An evaluation's goes in waves of as
+        many episodes as the runner plays at once (its share of :data:`SCHEDULER_EPISODES`),
+        one wave after the other, so ``runtime.timeout_s`` bounds a wave, not the whole
+        evaluation: a job of three policies' final evaluation (1,152 dialogue games) ran past
+        900 s as one request per runner. A part (or wave) larger than one message goes as several
+        ``RunEpisodes`` of consecutive slices, all at once."""
         n = len(self.runners)
         learners = {p: pull for p, (_, pull) in self.learner_endpoints.items()} if train else {}
         parts = [specs[i::n] for i in range(n)]
+        longest = max(map(len, parts), default=0)
+        wave = max(1, longest if train else SCHEDULER_EPISODES // n)
         timeout = self.cfg.runtime.timeout_s
-        replies = await gather_or_cancel(
-            *(
-                request_split_async(
-                    lambda m, r=r: r.request(m, timeout),
-                    RunEpisodes(episodes=part, sampling=self.sampling, system_prompt=self.cfg.system_prompt,
-                                learners=learners, step=step, progress=progress,
-                                explore=self.cfg.sampling.explore if train else 0.0,
-                                group_draws=train and self.cfg.train.opponent_draws == "group"),
-                    concurrent=True,
+        batch = int.from_bytes(os.urandom(6), "little") | 1  # nonzero: this call, in the runners' progress
+        summaries: list[EpisodeSummary] = []
+        for start in range(0, longest, wave):
+            replies = await gather_or_cancel(
+                *(
+                    request_split_async(
+                        lambda m, r=r: r.request(m, timeout),
+                        RunEpisodes(episodes=part[start:start + wave], sampling=self.sampling,
+                                    system_prompt=self.cfg.system_prompt, learners=learners, step=step,
+                                    progress=progress, explore=self.cfg.sampling.explore if train else 0.0,
+                                    group_draws=train and self.cfg.train.opponent_draws == "group",
+                                    batch=batch, batch_episodes=len(part)),
+                        concurrent=True,
+                    )
+                    for r, part in zip(self.runners, parts)
+                    if part[start:start + wave]
                 )
-                for r, part in zip(self.runners, parts)
-                if part
             )
-        )
-        summaries = [s for rep in replies for s in rep.summaries if isinstance(rep, EpisodesDone)]
+            summaries += [s for rep in replies for s in rep.summaries if isinstance(rep, EpisodesDone)]
         return sorted(summaries, key=lambda s: s.episode_id)
 
     # ----------------------------------------------------------------------------- training

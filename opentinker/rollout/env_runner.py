@@ -83,6 +83,8 @@ class EnvRunner:
         self._seq = 0
         self._pushed = 0
         self._resent = 0
+        self._batch_done: dict[int, int] = {}
+        """Batch id -> its episodes this runner has ended (:meth:`_progress`)."""
         self._outbox: dict[int, dict[tuple[int, str], Trajectory]] = {}
         """Step -> (episode_id, seat) -> the trajectory pushed, kept until a later training
         step starts, for :class:`ResendTrajectories`."""
@@ -165,8 +167,15 @@ class EnvRunner:
 
     def _progress(self, msg: RunEpisodes) -> Callable[[Awaitable[T]], Awaitable[T]]:
         """Wraps each episode so that its end is pushed to ``msg.progress`` as
-        :class:`Metrics` (every ~5% of the episodes and at the last; dropped if nobody reads)."""
-        n, done = len(msg.episodes), 0
+        :class:`Metrics` (every ~5% of the episodes and at the last; dropped if nobody reads),
+        counted over the request's whole ``batch`` (every slice and wave of it this runner
+        plays) when it names one."""
+        n = msg.batch_episodes or len(msg.episodes)
+        if msg.batch:
+            self._batch_done.setdefault(msg.batch, 0)
+            while len(self._batch_done) > 64:  # the oldest batches' counts are not read again
+                del self._batch_done[next(iter(self._batch_done))]
+        done = self._batch_done.get(msg.batch, 0) if msg.batch else 0
         every = max(1, n // 20)
         pusher = None
         if msg.progress:
@@ -178,7 +187,10 @@ class EnvRunner:
         async def wrap(episode: Awaitable[T]) -> T:
             nonlocal done
             result = await episode
-            done += 1
+            if msg.batch:
+                done = self._batch_done[msg.batch] = self._batch_done.get(msg.batch, 0) + 1
+            else:
+                done += 1
             if pusher is not None and (done % every == 0 or done == n):
                 pusher.try_send(Metrics(source=self.name, step=msg.step, time=time.time(),
                                         values={"episodes_done": float(done), "episodes": float(n), "train": train}))
