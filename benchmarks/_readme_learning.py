@@ -238,7 +238,7 @@ def render_learning_suite(results: Path, name: str = "learning_suite") -> str:
     header = ["job", "seed", "vs random (95% CI)", "W/D/L vs random", "vs base", "vs scripted seats",
               "invalid", "gain over untrained", "wall time", "scheduler peak", "machine"]
     verdict = "\n".join(
-        f"- `{job}` (seeds {', '.join(map(str, v['seeds']))}): "
+        f"- `{job}` (seed{'s' * (len(v['seeds']) > 1)} {', '.join(map(str, v['seeds']))}): "
         + ("learned on every seed" if v["every_seed"] else "did not learn on every seed")
         + ("" if "target_every_seed" not in v else "; target " + (
             "met on every seed" if v["target_every_seed"] else "not met on every seed"))
