@@ -198,7 +198,7 @@ def run_scoped(body, timeout: float = 60.0) -> None:
 
 
 def test_sample_chunk_round_trips_and_the_protocol_refuses_version_2():
-    assert PROTOCOL_VERSION == 8 and PARTIALS == (SampleChunk,)
+    assert PROTOCOL_VERSION == 9 and PARTIALS == (SampleChunk,)
     c = chunk(4)
     rid, out = decode([bytes(f) for f in encode(c, 99)])
     assert rid == 99 and out == c and out.tokens[1].dtype == np.int32 and out.logprobs[0].dtype == np.float32
@@ -217,7 +217,7 @@ def test_sample_chunk_round_trips_and_the_protocol_refuses_version_2():
         raw = scope.raw(ep)
         await raw.send_multipart(frames)
         rid, err = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
-        assert (rid, err.code) == (5, ErrorCode.BAD_VERSION) and "peer speaks protocol 2, this side 8" in err.message
+        assert (rid, err.code) == (5, ErrorCode.BAD_VERSION) and f"peer speaks protocol 2, this side {PROTOCOL_VERSION}" in err.message
         assert server.counters["error/bad_version"] == 1 and server.peers == {}
 
     run_scoped(body)
