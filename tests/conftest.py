@@ -4,7 +4,12 @@ session for the few tests that go through Ray (../shared/DESIGN.md §7)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +57,19 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def private_ray_tmp() -> Iterator[Path]:
+    """A folder for a Ray started in a subprocess (its ``RAY_TMPDIR``), removed afterwards:
+    the ``ray_current_cluster`` a cluster writes there is never seen by a plain ``ray.init()``
+    elsewhere on the machine, even if the test is killed. Short (under ``/tmp``): Ray's socket
+    paths must fit 107 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def with_overrides(raw: dict, over: dict) -> dict:

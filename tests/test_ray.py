@@ -5,11 +5,10 @@ number of episodes per step."""
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import private_ray_tmp
 
 from opentinker.config import JobConfig
 from opentinker.control.runtime import Job
@@ -171,10 +170,8 @@ def test_a_stale_cluster_file_or_ray_address_is_not_joined(tmp_path):
     would join that address and refuse ``num_cpus`` (a CI run failed so, every Ray test)."""
     import subprocess
     import sys
-    import tempfile
 
-    root = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    try:
+    with private_ray_tmp() as root:
         (root / "ray").mkdir()
         (root / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
         env = {**os.environ, "RAY_TMPDIR": str(root), "RAY_ADDRESS": "127.0.0.1:1"}
@@ -185,5 +182,3 @@ def test_a_stale_cluster_file_or_ray_address_is_not_joined(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "started True True" in proc.stdout
         assert (root / "ray" / "ray_current_cluster").read_text() == "127.0.0.1:1\n"  # left as it was
-    finally:
-        shutil.rmtree(root, ignore_errors=True)

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from conftest import DEVICE, run
+from conftest import DEVICE, private_ray_tmp, run
 from safetensors.numpy import load_file, save_file
 
 from opentinker.cli import main
@@ -764,17 +763,11 @@ def test_cluster_curve(tmp_path) -> None:
     import subprocess
     import sys
 
-    # Ray's files in a folder of the test's own (short: socket paths must fit 107 bytes): the
-    # cluster writes its address to RAY_TMPDIR/ray/ray_current_cluster, where a plain ray.init()
-    # anywhere on the machine would find it, and it stays there if the test is killed.
-    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # 127.0.0.1 stays 127.0.0.1 when joining
-           "RAY_TMPDIR": ray_tmp}
-    try:
+    with private_ray_tmp() as ray_tmp:  # the cluster's address file stays out of /tmp/ray
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # 127.0.0.1 stays 127.0.0.1 when joining
+               "RAY_TMPDIR": str(ray_tmp)}
         proc = subprocess.run([sys.executable, str(Path(__file__).parent / "cluster_job.py"), str(tmp_path)],
                               check=False, capture_output=True, text=True, timeout=600, env=env)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["nodes"] == 2 and {k: len(v) for k, v in out["killed"].items()} == {"restarted": 1, "resumed": 1}

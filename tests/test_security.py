@@ -181,17 +181,16 @@ def test_model_specs_resolve_locally_or_are_refused(tmp_path, capsys, monkeypatc
         check_model("some-org/some-model")
 
 
-def test_devices_are_checked(tmp_path, capsys):
+def test_devices_are_checked(tmp_path, capsys, monkeypatch):
     runs = tmp_path / "runs"
     assert _refused(capsys, runs, "model.device=gpu") == (
         "model.device: 'gpu' is not a device: use cpu, cuda or cuda:<index>")
     assert _refused(capsys, runs, "model.device=cuda:999").startswith(
         "model.device: 'cuda:999': this machine has ")
     _check_device("cuda:999", "ray", "10.0.0.7:6379")  # a cluster's GPUs are not this machine's
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
     with pytest.raises(ConfigError, match="this machine has"):  # RAY_ADDRESS is not a cluster the job joins
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("RAY_ADDRESS", "10.0.0.7:6379")
-            _check_device("cuda:999", "ray", "")
+        _check_device("cuda:999", "ray", "")
 
 
 def test_target_modules_are_checked_against_the_architecture(tmp_path, capsys):

@@ -39,7 +39,7 @@ from opentinker.eval.evaluation import (
     policy_sequences,
 )
 from opentinker.eval.ratings import RunningRatings, rating_metrics
-from opentinker.rollout.env_runner import SCHEDULER_EPISODES
+from opentinker.rollout.env_runner import runner_share
 from opentinker.rollout.episodes import game_agents, strata_episodes, train_episodes
 from opentinker.rollout.matchmaking import WinRates
 from opentinker.rollout.render import ChatTokenizer
@@ -188,7 +188,7 @@ class Coordinator:
         counted over the whole call (one ``batch``).
 
         A training step's part of a runner goes at once. An evaluation's goes in waves of as
-        many episodes as the runner plays at once (its share of :data:`SCHEDULER_EPISODES`),
+        many episodes as the runner plays at once (:func:`runner_share`),
         one wave after the other, so ``runtime.timeout_s`` bounds a wave, not the whole
         evaluation: a job of three policies' final evaluation (1,152 dialogue games) ran past
         900 s as one request per runner. A part (or wave) larger than one message goes as several
@@ -197,7 +197,7 @@ class Coordinator:
         learners = {p: pull for p, (_, pull) in self.learner_endpoints.items()} if train else {}
         parts = [specs[i::n] for i in range(n)]
         longest = max(map(len, parts), default=0)
-        wave = max(1, longest if train else SCHEDULER_EPISODES // n)
+        wave = max(1, longest) if train else runner_share(n)
         timeout = self.cfg.runtime.timeout_s
         batch = int.from_bytes(os.urandom(6), "little") | 1  # nonzero: this call, in the runners' progress
         summaries: list[EpisodeSummary] = []

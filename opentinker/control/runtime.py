@@ -215,10 +215,10 @@ class Job:
     def _runner_kwargs(self, i: int) -> dict[str, Any]:
         """An env runner's arguments: it may play the registered games and the job's own, and
         sends each policy's requests to that policy's scheduler."""
-        from opentinker.rollout.env_runner import SCHEDULER_EPISODES
+        from opentinker.rollout.env_runner import runner_share
 
         return {"name": f"runner{i}", "scheduler_endpoint": self.scheduler_endpoint, "model_path": self.model_path,
-                "games": (self.cfg.game,), "max_episodes": max(1, SCHEDULER_EPISODES // self.cfg.runtime.env_runners),
+                "games": (self.cfg.game,), "max_episodes": runner_share(self.cfg.runtime.env_runners),
                 "scheduler_auth": self._auth, "routes": self.routes}
 
     # --------------------------------------------------------------------------- ray

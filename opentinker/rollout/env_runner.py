@@ -54,6 +54,13 @@ SCHEDULER_EPISODES = 512
 flight (``Server.max_inflight``, 1,024), leaving room for learners and the coordinator."""
 
 
+def runner_share(runners: int) -> int:
+    """Episodes each of a job's ``runners`` env runners plays at once (its
+    :attr:`EnvRunner.max_episodes`, and the coordinator's wave of an evaluation): its share of
+    :data:`SCHEDULER_EPISODES`, at least 1."""
+    return max(1, SCHEDULER_EPISODES // runners)
+
+
 class EnvRunner:
     """Serves :class:`RunEpisodes` on the bus."""
 
@@ -171,11 +178,10 @@ class EnvRunner:
         counted over the request's whole ``batch`` (every slice and wave of it this runner
         plays) when it names one."""
         n = msg.batch_episodes or len(msg.episodes)
-        if msg.batch:
-            self._batch_done.setdefault(msg.batch, 0)
-            while len(self._batch_done) > 64:  # the oldest batches' counts are not read again
-                del self._batch_done[next(iter(self._batch_done))]
-        done = self._batch_done.get(msg.batch, 0) if msg.batch else 0
+        counts = self._batch_done if msg.batch else {}  # a request without a batch counts alone
+        counts.setdefault(msg.batch, 0)  # a new batch goes last: the pruning below keeps it
+        while len(self._batch_done) > 64:  # the oldest batches' counts are not read again
+            del self._batch_done[next(iter(self._batch_done))]
         every = max(1, n // 20)
         pusher = None
         if msg.progress:
@@ -185,12 +191,8 @@ class EnvRunner:
         train = float(any(s.train for s in msg.episodes))
 
         async def wrap(episode: Awaitable[T]) -> T:
-            nonlocal done
             result = await episode
-            if msg.batch:
-                done = self._batch_done[msg.batch] = self._batch_done.get(msg.batch, 0) + 1
-            else:
-                done += 1
+            done = counts[msg.batch] = counts.get(msg.batch, 0) + 1  # even if pruned meanwhile
             if pusher is not None and (done % every == 0 or done == n):
                 pusher.try_send(Metrics(source=self.name, step=msg.step, time=time.time(),
                                         values={"episodes_done": float(done), "episodes": float(n), "train": train}))
