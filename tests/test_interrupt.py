@@ -132,6 +132,43 @@ def test_the_first_ctrl_c_says_what_the_stop_keeps():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_sigterm_stops_at_once_and_puts_the_handler_back():
+    """SIGTERM (``kill``, a batch scheduler's preemption) raises ``KeyboardInterrupt`` at once, the
+    path of a second Ctrl-C, so the run's components are shut down on the way out."""
+    from opentinker.interrupt import StopOnInterrupt
+
+    said: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopOnInterrupt(said.append)
+    with stop, pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGTERM)
+    assert stop.asked and said == ["terminated: stopping at once"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_on_a_run_keeps_the_newest_checkpoint_and_says_how_to_resume(tmp_path):
+    """``kill`` on ``opentinker run`` once a checkpoint is written: the run stops at once (its
+    components shut down), the newest checkpoint stands and one line names the resume command;
+    before this, SIGTERM killed the process with no line and left its components to the OS."""
+    runs = tmp_path / "runs"
+    proc = _start([str(_config(tmp_path, 200)), "--set", "train.checkpoint_every=1"])
+    try:
+        _wait_for(lambda: any(runs.glob("*/checkpoints/step_*")))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    (run,) = runs.iterdir()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("opentinker: stopped with the checkpoint of step "), err
+    step = int(lines[0].split("step ")[1].split(":")[0])
+    assert lines[0].endswith(f": continue with opentinker run --resume {run}"), err
+    assert (run / "checkpoints" / f"step_{step}").is_dir() and 1 <= step < 200
+    assert "terminated: stopping at once" in " ".join(out.split()), out
+    assert "Traceback" not in out + err
+
+
 def test_ctrl_c_on_an_offline_job_saves_its_adapter_and_exits_130(tmp_path):
     """``opentinker run tools_sft`` (tiny-random, many steps): the first Ctrl-C after a step ends
     the job after the step in progress; the adapter so far is evaluated and saved, one line says
