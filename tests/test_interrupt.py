@@ -61,17 +61,22 @@ def _train_steps(runs: Path) -> int:
     return sum(1 for line in logs[0].read_text().splitlines() if json.loads(line).get("kind") == "train")
 
 
-def _ctrl_c_after_a_step(args: list[str], runs: Path) -> tuple[subprocess.Popen, str, str]:
-    """Start ``opentinker run ARGS``, send SIGINT once a training step is logged under ``runs``,
-    and wait for it to end: (the process, its stdout, its stderr)."""
+def _signal_when(args: list[str], ready, sig: int) -> tuple[subprocess.Popen, str, str]:
+    """Start ``opentinker run ARGS``, send ``sig`` once ``ready()`` holds, and wait for it to
+    end: (the process, its stdout, its stderr)."""
     proc = _start(args)
     try:
-        _wait_for(lambda: _train_steps(runs) >= 1)
-        proc.send_signal(signal.SIGINT)
+        _wait_for(ready)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
     return proc, out, err
+
+
+def _ctrl_c_after_a_step(args: list[str], runs: Path) -> tuple[subprocess.Popen, str, str]:
+    """:func:`_signal_when` a training step is logged under ``runs``, with SIGINT."""
+    return _signal_when(args, lambda: _train_steps(runs) >= 1, signal.SIGINT)
 
 
 def test_ctrl_c_checkpoints_the_step_says_how_to_resume_and_resume_goes_on(tmp_path):
@@ -150,21 +155,18 @@ def test_sigterm_on_a_run_keeps_the_newest_checkpoint_and_says_how_to_resume(tmp
     """``kill`` on ``opentinker run`` once a checkpoint is written: the run stops at once (its
     components shut down), the newest checkpoint stands and one line names the resume command;
     before this, SIGTERM killed the process with no line and left its components to the OS."""
+    from opentinker.control.checkpoints import latest_checkpoint
+
     runs = tmp_path / "runs"
-    proc = _start([str(_config(tmp_path, 200)), "--set", "train.checkpoint_every=1"])
-    try:
-        _wait_for(lambda: any(runs.glob("*/checkpoints/step_*")))
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
+    proc, out, err = _signal_when([str(_config(tmp_path, 200)), "--set", "train.checkpoint_every=1"],
+                                  lambda: any(runs.glob("*/checkpoints/step_*")), signal.SIGTERM)
     assert proc.returncode == 130, err
     (run,) = runs.iterdir()
+    step = latest_checkpoint(run).step
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("opentinker: stopped with the checkpoint of step "), err
-    step = int(lines[0].split("step ")[1].split(":")[0])
-    assert lines[0].endswith(f": continue with opentinker run --resume {run}"), err
-    assert (run / "checkpoints" / f"step_{step}").is_dir() and 1 <= step < 200
+    assert lines == [(f"opentinker: stopped with the checkpoint of step {step}: continue with "
+                      f"opentinker run --resume {run}")], err
+    assert 1 <= step < 200
     assert "terminated: stopping at once" in " ".join(out.split()), out
     assert "Traceback" not in out + err
 
