@@ -5,13 +5,16 @@ finished run, reading a run's metrics, and the statistics over seeds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,20 +74,47 @@ class PeakRss:
         return {"peak_rss_total_mb": self.total_mb, "peak_rss_largest_mb": self.largest_mb}
 
 
+@contextlib.contextmanager
+def forward_sigterm(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
+    """Inside (on the main thread), SIGTERM to this script is passed on to ``proc`` instead of
+    killing the script: an ``opentinker run`` then stops at once, shuts its components down and
+    names its resume command, where a killed script would leave it running. Yields the list of
+    signals passed on (empty unless one came)."""
+    passed: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield passed
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        passed.append(signum)
+        proc.send_signal(signum)
+
+    before = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield passed
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str, float]]:
     """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
-    wall time and peak memory. Raises ``RuntimeError`` naming the log when it fails."""
+    wall time and peak memory. SIGTERM meanwhile is passed on to it (:func:`forward_sigterm`).
+    Raises ``RuntimeError`` naming the log when it fails or was stopped."""
     t0 = time.perf_counter()
     with log.open("w", buffering=1) as f:  # line-buffered: a run in progress shows its lines
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         peak = PeakRss(proc.pid)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            f.write(line)
-            if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ")):
-                print(f"  [{prefix}] {line.rstrip()}", flush=True)
-        rc = proc.wait()
+        with forward_sigterm(proc) as passed:
+            for line in proc.stdout:
+                f.write(line)
+                if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ")):
+                    print(f"  [{prefix}] {line.rstrip()}", flush=True)
+            rc = proc.wait()
         mem = peak.stop()
+    if passed:
+        raise RuntimeError(f"{prefix}: terminated; SIGTERM passed on to `{shlex.join(cmd)}`, which exited {rc}; "
+                           f"its output: {log}")
     if rc != 0:
         raise RuntimeError(f"{prefix}: `{shlex.join(cmd)}` exited {rc}; its output: {log}")
     return time.perf_counter() - t0, mem

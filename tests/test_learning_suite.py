@@ -1,7 +1,7 @@
 """benchmarks/learning_suite.py: the verdict's arithmetic (pure functions) and a smoke run on
 the tiny model through the real path (``opentinker run``, then ``opentinker eval`` against
 random, the scripted seat and the base model), then the same command again, which reuses the
-seed's result instead of running anything."""
+seed's result instead of running anything; SIGTERM to a script running a job is passed on to it."""
 
 import json
 import subprocess
@@ -218,3 +218,67 @@ def test_a_fresh_checkout_reuses_the_seeds_of_the_committed_json(tmp_path, capsy
     earlier.write_text('{"rows": [{"job": "default"}]}')
     with pytest.raises(SystemExit, match="not a learning suite JSON"):
         ls.restore(tmp_path / "other", earlier)
+
+
+_SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+from _jobs import run_logged
+child = [sys.executable, "-c", {child!r}]
+try:
+    run_logged(child, Path({log!r}), "job")
+except RuntimeError as e:
+    print("error:", e, flush=True)
+    sys.exit(1)
+"""
+
+_CHILD = """
+import os, signal, sys, time
+def stop(signum, frame):
+    print("opentinker: stopped with the checkpoint of step 1", flush=True)
+    sys.exit(130)
+signal.signal(signal.SIGTERM, stop)
+print(f"started pid={os.getpid()}", flush=True)
+time.sleep(60)
+print("opentinker: slept through", flush=True)
+"""
+
+
+def test_sigterm_to_the_suite_is_passed_on_to_its_running_job(tmp_path) -> None:
+    """A script that runs jobs through ``run_logged`` (the suite, the other benchmarks), sent
+    SIGTERM, passes it on to its ``opentinker`` child (which stops and says so) and fails
+    naming it, instead of dying and leaving the child running."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "run.log"
+    script = _SCRIPT.format(bench=str(ROOT / "benchmarks"), child=_CHILD, log=str(log))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # run_logged echoes the child's "started" line
+    assert first.startswith("  [job] started pid="), first
+    child_pid = int(first.rsplit("=", 1)[1])
+    gone = False
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1, out
+        assert "  [job] opentinker: stopped with the checkpoint of step 1" in out
+        assert "error: job: terminated; SIGTERM passed on to" in out and "which exited 130" in out
+        assert "slept through" not in log.read_text()
+        for _ in range(50):  # the child has exited (reaped by run_logged's wait)
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                gone = True
+                break
+            time.sleep(0.1)
+        assert gone, f"the child {child_pid} outlived the script"
+    finally:  # a failed check leaves no sleeping child behind
+        if not gone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child_pid, signal.SIGKILL)
