@@ -592,8 +592,9 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
             assert r.returncode == 0, r.stderr
             ids.append(r.stdout.split()[0])
         assert ids == ["q1", "q2", "q3", "q4"]
-        states = {e["id"]: e["state"] for e in _queue(file)["jobs"]}
-        assert states["q1"] in ("running", "done") and states["q3"] == "queued"  # one at a time
+        q = {e["id"]: e for e in _queue(file)["jobs"]}
+        # One at a time: q1 runs (or has run), q3 waits.
+        assert q["q1"]["state"] in ("running", "done") and q["q3"]["state"] == "queued", _jobs_report(q)
         assert _jobs("cancel", "q3", service=file).returncode == 0
         # q2 trains for long: kill its process (a crash), once it holds an adapter on the scheduler.
         deadline = time.monotonic() + 240
@@ -603,6 +604,8 @@ def test_the_queue_runs_jobs_within_its_budget_and_nothing_blocks_it(tiny_path, 
                     j["job"] == q["q2"]["job"] and j["adapters"] for j in _status(file)["jobs"]):
                 break
             time.sleep(0.3)
+        else:
+            raise AssertionError("q2 never held an adapter:\n" + _jobs_report(q))
         # An evaluation of the first run, queued behind the rest (it may write only in its own folder).
         assert q["q1"]["state"] == "done" and q["q1"]["kind"] == "run" and Path(q["q1"]["output"]).is_dir()
         bad = _jobs("submit", "--eval", str(tmp_path / "nowhere"), service=file)
