@@ -92,7 +92,7 @@ def read_learner_states(adapters_dir: Path, policies: list[str]) -> dict[str, di
 
 def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None = None,
             resume: Path | None = None, checkpoint: Checkpoint | None = None, *, restarts: int = 0,
-            spent_s: float = 0.0) -> RunResult:
+            spent_s: float | None = None) -> RunResult:
     """Run a job into ``run_dir`` (default ``<out_dir>/<run name>``); with ``resume``, continue
     the run in that folder from its newest checkpoint (``cfg`` may extend ``train.steps``).
 
@@ -100,7 +100,8 @@ def run_job(cfg: JobConfig, console: Console | None = None, run_dir: Path | None
     scheduler or coordinator (or a learner that cannot take over its step) stops the job, which
     then restores its newest checkpoint by itself and goes on, saying so (:func:`_recover`).
     Both count against ``runtime.max_restarts`` (``restarts``: those used before this call;
-    ``spent_s``: the wall seconds of the attempts before it, counted in ``summary.json``).
+    ``spent_s``: the wall seconds of the attempts before it, counted in ``summary.json``; None,
+    a new call: nothing, or resuming, the run's time up to its checkpoint).
 
     The config is checked whole (:func:`~opentinker.control.config_checks.check_config`, a
     :class:`~opentinker.config.ConfigError` naming the field) and the base model resolved
@@ -156,9 +157,10 @@ class _Ended:
 
 
 def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Path | None,
-             checkpoint: Checkpoint | None, restarts: int, spent_s: float, stop: StopOnInterrupt,
+             checkpoint: Checkpoint | None, restarts: int, spent_s: float | None, stop: StopOnInterrupt,
              state: _Started) -> RunResult:
     run = open_run(cfg, console, run_dir, resume, checkpoint, state, stop)
+    _count_time_before(run, spent_s)
     if cfg.offline_job() is not None:
         return _run_offline(cfg, console, run, stop)
     job = _start_job(run, restarts)
@@ -170,8 +172,27 @@ def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
         raise Interrupted(run.run_dir, state.saved)
     if ended.died is not None:
         return _recover(cfg, console, run.run_dir, ended.died, run.now, job.restarts,
-                        spent_s + time.perf_counter() - run.t_start)
-    return _finish(run, job, ended, spent_s)
+                        _wall_s(run))
+    return _finish(run, job, ended)
+
+
+def _count_time_before(run: OpenRun, spent_s: float | None) -> None:
+    """Set ``run.spent_s``: ``spent_s`` where given (a restore's attempts before), else a
+    resumed run's time up to its checkpoint (a checkpoint without it: the time counts from its
+    step, ``run.wall_from_step``, and the user is told)."""
+    if spent_s is not None or run.ckpt is None:
+        run.spent_s = spent_s or 0.0
+    elif run.ckpt.wall_s is not None:
+        run.spent_s = run.ckpt.wall_s
+    else:
+        run.wall_from_step = run.ckpt.step
+        run.console.print(f"[yellow]the checkpoint of step {run.ckpt.step} does not record the run's time before "
+                          "it: summary.json's wall_s counts from its step (wall_s_from_step)[/]")
+
+
+def _wall_s(run: OpenRun) -> float:
+    """The run's wall seconds so far: its time before this attempt and this attempt's."""
+    return run.spent_s + time.perf_counter() - run.t_start
 
 
 def _start_job(run: OpenRun, restarts: int) -> Job:
@@ -319,11 +340,11 @@ class _Steps:
         write_checkpoint(run.run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
                          lambda paths: save_learner_states(job.learner_states(), paths), run.first, run.last,
                          updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
-                                           for p in cfg.policies})
+                                           for p in cfg.policies}, wall_s=_wall_s(run))
         run.state.saved = step
 
 
-def _finish(run: OpenRun, job: Job, ended: _Ended, spent_s: float) -> RunResult:
+def _finish(run: OpenRun, job: Job, ended: _Ended) -> RunResult:
     """A finished run's learning curves, cross-play and rating plots, its tables, and
     ``summary.json``; its :class:`RunResult`."""
     cfg, console, run_dir, policies, game_eval = run.cfg, run.console, run.run_dir, run.policies, run.game_eval
@@ -338,9 +359,10 @@ def _finish(run: OpenRun, job: Job, ended: _Ended, spent_s: float) -> RunResult:
     table = ratings_table(last, cfg.train.steps)
     if table is not None:
         console.print(table)
-    total = spent_s + time.perf_counter() - run.t_start  # the attempts a restore replaced included
+    total = _wall_s(run)  # the attempts a restore replaced, or the time up to a resumed checkpoint, included
+    since = {"wall_s_from_step": run.wall_from_step} if run.wall_from_step else {}
     (run_dir / "summary.json").write_text(json.dumps({"first_eval": first, "last_eval": last, "adapters": adapters,
-                                                      "wall_s": total, "restarts": job.restarts,
+                                                      "wall_s": total, **since, "restarts": job.restarts,
                                                       "machine": job_machine(cfg.model),
                                                       **commit_record(run.commit)},
                                                      indent=1))

@@ -51,6 +51,12 @@ class OpenRun:
     commit: tuple[str, bool] = ("unknown", False)
     """The checkout's commit and whether it was dirty when the run opened: the code this
     process imported (a commit made while it runs is not what it trains with)."""
+    spent_s: float = 0.0
+    """Wall seconds of the run before this attempt (its attempts a restore replaced, or the
+    time up to the checkpoint it resumes from), counted in its checkpoints and summary."""
+    wall_from_step: int = 0
+    """The step the run's recorded time counts from: 0, or the step of a checkpoint resumed
+    from that did not record the time before it."""
     first: dict[str, float] = field(default_factory=dict)
     """The evaluation before training."""
     last: dict[str, float] = field(default_factory=dict)

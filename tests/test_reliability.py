@@ -146,6 +146,8 @@ CORRUPTIONS = {
     "step 999": _json_edit("state.json", lambda d: d.update(step=999)),
     "step -5": _json_edit("state.json", lambda d: d.update(step=-5)),
     "baselines 1e9": _json_edit("adapters/main/learner_state.json", _baselines),
+    "wall_s -1": _json_edit("state.json", lambda d: d.update(wall_s=-1.0)),
+    "wall_s text": _json_edit("state.json", lambda d: d.update(wall_s="an hour")),
     "no manifest": lambda folder: (folder / MANIFEST).unlink() or str(folder / MANIFEST),
 }
 
@@ -459,6 +461,23 @@ def test_a_resume_past_the_configured_steps_is_refused_not_rolled_back(finished,
         latest_checkpoint(run, _cfg(tmp_path, 2))
     assert main(["run", "--resume", str(run), "--set", "train.steps=2"]) == 2
     assert {p.name: p.read_bytes() for p in [run / "metrics.jsonl", *(run / "trajectories").glob("*.jsonl")]} == before
+
+
+def test_a_checkpoint_without_the_run_time_resumes_and_says_where_the_time_counts_from(finished, tmp_path,
+                                                                                     capsys) -> None:
+    """A checkpoint written before checkpoints recorded the run's time (``wall_s``): the run
+    goes on, says so, and its summary's ``wall_s`` is marked as counted from that step; one
+    that has it carries it on (the time before the checkpoint plus the resumed attempt's)."""
+    run = _copy(finished, tmp_path)
+    newest = run / "checkpoints" / "step_3"
+    assert json.loads((newest / "state.json").read_text())["wall_s"] > 0
+    _json_edit("state.json", lambda d: d.pop("wall_s"))(newest)
+    assert verify(newest, {"main": 1}) == []
+    assert main(["run", "--resume", str(run), "--set", "train.steps=4"]) == 0
+    assert "does not record the run's time before it" in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["wall_s_from_step"] == 3
+    assert latest_checkpoint(run).wall_s == pytest.approx(summary["wall_s"], abs=60)  # this attempt's only
 
 
 def test_a_line_torn_by_a_crash_is_dropped_on_resume(finished, tmp_path) -> None:

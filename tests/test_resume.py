@@ -4,15 +4,16 @@ bit-identical adapters (weights and optimizer state) and learner states."""
 from __future__ import annotations
 
 import json
+import time
 
 import msgspec
 import pytest
 from conftest import DEVICE, read_tensorboard
 from safetensors.numpy import load_file
 
-from opentinker.control.checkpoints import latest_checkpoint
 from opentinker.cli import main
 from opentinker.config import JobConfig
+from opentinker.control.checkpoints import latest_checkpoint
 from opentinker.run import run_job
 
 
@@ -40,8 +41,12 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypat
     straight = run_job(_cfg(tmp_path / "a", 2), run_dir=tmp_path / "a" / "run")
     half = run_job(_cfg(tmp_path / "b", 1), run_dir=tmp_path / "b" / "run")
     assert latest_checkpoint(half.run_dir).step == 1
+    first_wall = latest_checkpoint(half.run_dir).wall_s
+    assert first_wall is not None and 0 < first_wall <= json.loads((half.run_dir / "summary.json").read_text())["wall_s"]
     monkeypatch.chdir(tmp_path)
+    t0 = time.perf_counter()
     assert main(["run", "--resume", str(half.run_dir), "--set", "train.steps=2"]) == 0
+    resumed_s = time.perf_counter() - t0
     a, b = straight.run_dir / "adapters" / "main", half.run_dir / "adapters" / "main"
     ta, tb = _tensors(a), _tensors(b)
     assert ta.keys() == tb.keys() and len(ta) >= 2  # the adapter and its optimizer state
@@ -53,6 +58,12 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypat
     assert [(r["step"], r["kind"]) for r in rows if r["kind"] == "train"] == [(1, "train"), (2, "train")]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
     assert sorted(p.name for p in (half.run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    # The resumed run's time counts the first attempt's up to its checkpoint, then its own.
+    step2 = next(r for r in rows if r["kind"] == "train" and r["step"] == 2)
+    second_wall = latest_checkpoint(half.run_dir).wall_s
+    assert first_wall + step2["timing_s/rollout"] + step2["timing_s/learn"] <= second_wall <= first_wall + resumed_s
+    summary = json.loads((half.run_dir / "summary.json").read_text())
+    assert second_wall <= summary["wall_s"] <= first_wall + resumed_s and "wall_s_from_step" not in summary
     tb = read_tensorboard(half.run_dir / "tb")  # two processes' event files, read as TensorBoard does
     want = {(r["step"], round(r["train/main/reward"], 5)) for r in rows if r["kind"] == "train"}
     assert {(s, round(v, 5)) for s, v in tb["train/main/reward"]} == want and len(tb["train/main/reward"]) == 2

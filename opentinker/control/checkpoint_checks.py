@@ -6,7 +6,8 @@ checkpoint is *verified* when:
 
 * its manifest is there and every file it lists has its size and checksum (a bit flipped on
   disk, a file cut short or deleted);
-* ``state.json`` names the folder's own step (``1 <= step``);
+* ``state.json`` names the folder's own step (``1 <= step``), and its run time so far
+  (``wall_s``, where recorded) is a finite number of seconds, not negative;
 * every policy's adapter has a version in ``[0, step x updates per step]``, its weights
   (``*.safetensors``: the adapter, a full policy's weights, the optimizer moments) are finite,
   and the weights are below :data:`MAX_WEIGHT` in magnitude;
@@ -136,6 +137,10 @@ def verify(folder: Path, policies: dict[str, int]) -> list[str]:
             problems.append(f"{folder / 'state.json'}: step {got!r} is not its folder's step {want}")
         if not isinstance(state, dict) or not all(isinstance(state.get(k), dict) for k in ("first_eval", "last_eval")):
             problems.append(f"{folder / 'state.json'}: no first_eval / last_eval tables")
+        wall = state.get("wall_s") if isinstance(state, dict) else None
+        if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float))
+                                 or not math.isfinite(wall) or wall < 0):
+            problems.append(f"{folder / 'state.json'}: wall_s {wall!r} is not a run time in seconds")
     recorded = state.get("updates_per_step") if isinstance(state, dict) else None
     for policy, per_step in policies.items():
         if isinstance(recorded, dict) and isinstance(recorded.get(policy), int):

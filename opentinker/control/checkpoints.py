@@ -39,6 +39,9 @@ class Checkpoint:
     last_eval: dict[str, float]
     skipped: tuple[str, ...] = ()
     """Newer checkpoints that did not check out, each with its problems."""
+    wall_s: float | None = None
+    """The run's wall seconds when it was written, every attempt before it included (None: a
+    checkpoint written before this was recorded)."""
 
     @property
     def adapters(self) -> Path:
@@ -51,10 +54,11 @@ KEEP = 2
 
 def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: Any,
                      first_eval: dict[str, float], last_eval: dict[str, float], keep: int = KEEP,
-                     updates_per_step: dict[str, int] | None = None) -> Path:
+                     updates_per_step: dict[str, int] | None = None, wall_s: float | None = None) -> Path:
     """Write ``checkpoints/step_<step>`` atomically, then delete all but the ``keep`` newest.
     ``save_adapters(folder) -> {policy: path}`` writes the adapters; ``save_states(paths)``
-    writes each learner's state beside its adapter."""
+    writes each learner's state beside its adapter; ``wall_s`` (the run's time so far) lets a
+    resumed run count the time before it."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if tmp.exists():
@@ -63,7 +67,8 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
         tmp.mkdir(parents=True)
         save_states(save_adapters(str((tmp / "adapters").resolve())))
         (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval,
-                                             "updates_per_step": updates_per_step or {}}))
+                                             "updates_per_step": updates_per_step or {},
+                                             **({"wall_s": wall_s} if wall_s is not None else {})}))
         write_manifest(tmp)  # last: a checkpoint without one was cut short
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
@@ -124,8 +129,9 @@ def latest_checkpoint(run_dir: Path, cfg: JobConfig | None = None) -> Checkpoint
 def _read(folder: Path, skipped: tuple[str, ...]) -> Checkpoint:
     try:
         state = json.loads((folder / STATE).read_text())
+        wall = state.get("wall_s")
         return Checkpoint(step=int(state["step"]), folder=folder, first_eval=state["first_eval"],
-                          last_eval=state["last_eval"], skipped=skipped)
+                          last_eval=state["last_eval"], skipped=skipped, wall_s=None if wall is None else float(wall))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{folder / STATE} is corrupt: {e}") from None
 
