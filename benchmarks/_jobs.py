@@ -74,12 +74,18 @@ class PeakRss:
         return {"peak_rss_total_mb": self.total_mb, "peak_rss_largest_mb": self.largest_mb}
 
 
+PASSED_ON = (signal.SIGINT, signal.SIGTERM)
+"""The signals a script running a job passes on to it (:func:`forward_signals`)."""
+
+
 @contextlib.contextmanager
-def forward_sigterm(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
-    """Inside (on the main thread), SIGTERM to this script is passed on to ``proc`` instead of
-    killing the script: an ``opentinker run`` then stops at once, shuts its components down and
-    names its resume command, where a killed script would leave it running. Yields the list of
-    signals passed on (empty unless one came)."""
+def forward_signals(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
+    """Inside (on the main thread), SIGINT and SIGTERM to this script are passed on to ``proc``
+    instead of stopping the script. An ``opentinker run`` then stops as it does on its own:
+    SIGINT (Ctrl-C) after the step in progress, with a checkpoint of it (a second one: at
+    once), SIGTERM at once with its newest checkpoint; either way it shuts its components down
+    and names its resume command, which :func:`run_or_reuse` takes up the next time. Yields
+    the signals passed on (empty unless one came)."""
     passed: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield passed
@@ -89,66 +95,112 @@ def forward_sigterm(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
         passed.append(signum)
         proc.send_signal(signum)
 
-    before = signal.signal(signal.SIGTERM, forward)
+    before = {sig: signal.signal(sig, forward) for sig in PASSED_ON}
     try:
         yield passed
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str, float]]:
     """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
-    wall time and peak memory. SIGTERM meanwhile is passed on to it (:func:`forward_sigterm`).
-    Raises ``RuntimeError`` naming the log when it fails or was stopped."""
+    wall time and peak memory. SIGINT and SIGTERM meanwhile are passed on to it
+    (:func:`forward_signals`); it runs in a process group of its own, so a terminal's Ctrl-C
+    reaches it once, through this script. Raises ``RuntimeError`` naming the log when it fails
+    or was stopped."""
     t0 = time.perf_counter()
     with log.open("w", buffering=1) as f:  # line-buffered: a run in progress shows its lines
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                process_group=0)
         peak = PeakRss(proc.pid)
         assert proc.stdout is not None
-        with forward_sigterm(proc) as passed:
+        with forward_signals(proc) as passed:
             for line in proc.stdout:
                 f.write(line)
-                if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ")):
+                if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ", "resumed ")):
                     print(f"  [{prefix}] {line.rstrip()}", flush=True)
             rc = proc.wait()
         mem = peak.stop()
     if passed:
-        raise RuntimeError(f"{prefix}: terminated; SIGTERM passed on to `{shlex.join(cmd)}`, which exited {rc}; "
+        names = " then ".join(signal.Signals(s).name for s in passed)
+        raise RuntimeError(f"{prefix}: stopped; {names} passed on to `{shlex.join(cmd)}`, which exited {rc}; "
                            f"its output: {log}")
     if rc != 0:
         raise RuntimeError(f"{prefix}: `{shlex.join(cmd)}` exited {rc}; its output: {log}")
     return time.perf_counter() - t0, mem
 
 
+def _runs(root: Path, name: str, seed: int, config: bytes | None) -> list[Path]:
+    """The run folders of job ``name`` and ``seed`` under ``root``, oldest first (given
+    ``config``, only those whose ``config.toml`` is exactly it)."""
+    return sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/config.toml")
+                  if config is None or p.read_bytes() == config)
+
+
 def finished_run(root: Path, name: str, seed: int, config: bytes | None = None) -> Path | None:
     """The newest run folder of job ``name`` and ``seed`` under ``root`` with a ``summary.json``
     (and, given ``config``, whose ``config.toml`` is exactly it: a run of other settings, or of
     another game, is never reused)."""
-    done = sorted(p.parent for p in root.glob(f"*__{name}__{seed}__*/summary.json")
-                  if config is None or (p.parent / "config.toml").read_bytes() == config)
+    done = [p for p in _runs(root, name, seed, config) if (p / "summary.json").is_file()]
     return done[-1] if done else None
+
+
+def stopped_run(root: Path, name: str, seed: int, config: bytes | None = None) -> tuple[Path, int] | None:
+    """The newest run folder of job ``name`` and ``seed`` under ``root`` (of exactly ``config``
+    where given) that stopped before its end with a checkpoint to go on from, and the step of
+    its newest checkpoint; None when there is none (a run stopped before its first checkpoint
+    has nothing to keep)."""
+    for run in reversed(_runs(root, name, seed, config)):
+        if (run / "summary.json").is_file():
+            return None  # a newer run finished: nothing stopped after it
+        steps = [int(p.parent.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*/state.json")
+                 if p.parent.name.removeprefix("step_").isdigit()]
+        if steps:
+            return run, max(steps)
+    return None
 
 
 def run_or_reuse(cmd: list[str], root: Path, name: str, seed: int, log: Path, label: str,
                  config: bytes | None = None) -> tuple[Path, dict[str, Any]]:
     """The finished run of job ``name`` and ``seed`` under ``root`` (given ``config``, one whose
     ``config.toml`` is exactly it: :func:`finished_run`), made now by ``cmd`` (an
-    :func:`opentinker` command; its output in ``log``) unless one is there; with what
-    ``bench_job.json`` recorded when it was made: wall time, peak memory, the command line
-    (``{}`` for a run made without this helper). Raises ``RuntimeError`` when the command
-    fails or leaves no finished run."""
+    :func:`opentinker` command; its output in ``log``) unless one is there; a run of it that
+    was stopped (Ctrl-C, SIGTERM, a machine gone) goes on from its newest checkpoint
+    (:func:`stopped_run`, ``opentinker run --resume``; the earlier output moves to
+    ``log.1``, ``log.2``...) instead of starting again. Returns it with what ``bench_job.json``
+    recorded when it was made: wall time (the run's own, which counts the time up to the
+    checkpoint it resumed from), the peak memory of the last attempt, the command line, the
+    step it resumed from (``{}`` for a run made without this helper). Raises
+    ``RuntimeError`` when the command fails or leaves no finished run."""
     run = finished_run(root, name, seed, config)
     if run is not None:
         print(f"  [{label}] reusing {run}", flush=True)
     else:
+        stopped = stopped_run(root, name, seed, config)
+        resumed: dict[str, Any] = {}
+        if stopped is not None:
+            print(f"  [{label}] going on with {stopped[0]} from its checkpoint of step {stopped[1]}", flush=True)
+            cmd, resumed = opentinker("run", "--resume", str(stopped[0])), {"resumed_from_step": stopped[1]}
+            _keep_earlier(log)
         wall, mem = run_logged(cmd, log, label)
         run = finished_run(root, name, seed, config)
         if run is None:
             raise RuntimeError(f"{label}: `{shlex.join(cmd)}` finished but left no summary.json under {root}")
+        summary = json.loads((run / "summary.json").read_text())
+        if resumed:
+            wall = summary["wall_s"]
         shown = shlex.join(["opentinker", *cmd[3:]])
-        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem, "command": shown}))
+        (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem, "command": shown, **resumed}))
     info = run / "bench_job.json"
     return run, json.loads(info.read_text()) if info.is_file() else {}
+
+
+def _keep_earlier(log: Path) -> None:
+    """Move ``log`` (an earlier attempt's output) to the first free ``log.N``."""
+    if log.is_file():
+        n = next(i for i in range(1, 10_000) if not log.with_name(f"{log.name}.{i}").exists())
+        log.rename(log.with_name(f"{log.name}.{n}"))
 
 
 def run_config(config: JobConfig, out: Path, label: str) -> tuple[Path, dict[str, Any]]:

@@ -5,9 +5,12 @@ For each job and seed the suite runs ``opentinker run JOB --set seed=S`` into
 random, every scripted seat of the game and the untrained base model (``--games-per-stratum``
 games per start and seat, fewer for the long dialogue games: 95% stratified intervals, wins /
 draws / losses, invalid rate). A seed's result goes to ``OUT/JOB/seedS/result.json``; a seed
-whose result exists (with the same job, model and overrides) is reused, and a finished run is
-evaluated without running it again, so the suite can be run a few jobs at a time and stopped at
-any point. The rows of the JSON at ``--json`` (the committed one by default) that were made
+whose result exists (with the same job, model and overrides) is reused, a finished run is
+evaluated without running it again, and a stopped one goes on from its newest checkpoint
+(``resumed_from_step`` in its row; its wall time counts the time up to that checkpoint, its
+peak memory is the last attempt's), so the suite can be run a few jobs at a time and stopped at
+any point: Ctrl-C (SIGINT) stops the run in progress after its step with a checkpoint of it,
+SIGTERM at once with its newest. The rows of the JSON at ``--json`` (the committed one by default) that were made
 with their job's config as it stands are written back under ``OUT`` first, so a fresh checkout
 adds seeds to the committed results instead of running them all again.
 
@@ -240,6 +243,8 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
         "key": key, "job": job, "seed": seed, "game": game, "unit": ev.unit, "label": ev.label,
         "competitive": ev.competitive, "run": run.name, "steps": run_cfg["train"]["steps"],
         "model": run_cfg["model"]["base"], "wall_s": summary["wall_s"], "machine": summary.get("machine"),
+        **{k: v for k, v in (("resumed_from_step", info.get("resumed_from_step")),
+                             ("wall_s_from_step", summary.get("wall_s_from_step"))) if v is not None},
         **run_commit(summary), **mem,
         "scheduler_peak_rss_mb": max((r["perf/scheduler_peak_rss_mb"] for r in rows
                                       if "perf/scheduler_peak_rss_mb" in r), default=None),

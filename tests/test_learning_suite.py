@@ -1,7 +1,8 @@
 """benchmarks/learning_suite.py: the verdict's arithmetic (pure functions) and a smoke run on
 the tiny model through the real path (``opentinker run``, then ``opentinker eval`` against
 random, the scripted seat and the base model), then the same command again, which reuses the
-seed's result instead of running anything; SIGTERM to a script running a job is passed on to it."""
+seed's result instead of running anything; SIGINT and SIGTERM to a script running a job are
+passed on to it, and a job stopped so goes on from its checkpoint the next time."""
 
 import contextlib
 import json
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import learning_suite as ls
+from _jobs import finished_run, stopped_run
+from test_interrupt import _config
 
 
 def test_a_policy_learned_when_the_gain_clears_its_interval() -> None:
@@ -239,19 +243,22 @@ except RuntimeError as e:
 _CHILD = """
 import os, signal, sys, time
 def stop(signum, frame):
-    print("opentinker: stopped with the checkpoint of step 1", flush=True)
+    print(f"opentinker: stopped by {signal.Signals(signum).name} with the checkpoint of step 1", flush=True)
     sys.exit(130)
 signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
 print(f"started pid={os.getpid()}", flush=True)
 time.sleep(60)
 print("opentinker: slept through", flush=True)
 """
 
 
-def test_sigterm_to_the_suite_is_passed_on_to_its_running_job(tmp_path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_suite_is_passed_on_to_its_running_job(tmp_path, sig) -> None:
     """A script that runs jobs through ``run_logged`` (the suite, the other benchmarks), sent
-    SIGTERM, passes it on to its ``opentinker`` child (which stops and says so) and fails
-    naming it, instead of dying and leaving the child running."""
+    SIGTERM or SIGINT, passes it on to its ``opentinker`` child (which stops and says so) and
+    fails naming it, instead of dying and leaving the child running. The child has a process
+    group of its own, so a terminal's Ctrl-C reaches it once, through the script."""
     import psutil
 
     log = tmp_path / "run.log"
@@ -263,15 +270,79 @@ def test_sigterm_to_the_suite_is_passed_on_to_its_running_job(tmp_path) -> None:
     assert first.startswith("  [job] started pid="), first
     child_pid = int(first.rsplit("=", 1)[1])
     try:
-        proc.send_signal(signal.SIGTERM)
+        assert os.getpgid(child_pid) == child_pid != os.getpgid(proc.pid)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 1, out
-        assert "  [job] opentinker: stopped with the checkpoint of step 1" in out
+        assert f"  [job] opentinker: stopped by {sig.name} with the checkpoint of step 1" in out
         # "exited 130": run_logged waited for the child, so it is gone, not orphaned.
-        assert "error: job: terminated; SIGTERM passed on to" in out and "which exited 130" in out
+        assert f"error: job: stopped; {sig.name} passed on to" in out and "which exited 130" in out
         assert "slept through" not in log.read_text()
         assert not psutil.pid_exists(child_pid), f"the child {child_pid} outlived the script"
     finally:  # a script that did not wait for its child (the failure) leaves no sleeper behind
         if proc.returncode != 1:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child_pid, signal.SIGKILL)
+
+
+_RESUME_SCRIPT = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+from _jobs import opentinker, run_or_reuse
+root = Path({root!r})
+try:
+    run, info = run_or_reuse(opentinker("run", {config!r}), root, "ctrlc", 0, root / "job.log", "job")
+except RuntimeError as e:
+    print("error:", e, flush=True)
+    sys.exit(1)
+print("info:", json.dumps(info), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_job_stopped_by_ctrl_c_goes_on_from_its_checkpoint_the_next_time(tmp_path) -> None:
+    """Ctrl-C to a script running a real job (tiny model, 5 steps, no periodic checkpoints):
+    the job stops after its step with a checkpoint of it; the same call again goes on from
+    there (``--resume``) instead of starting afresh, plays every step once, and reports the
+    run's whole time (the time up to the checkpoint, which it records, and the rest)."""
+    root = tmp_path / "runs"  # where _config's job writes its runs
+    root.mkdir()
+    config = _config(tmp_path, 5)
+    cmd = [sys.executable, "-c", _RESUME_SCRIPT.format(bench=str(ROOT / "benchmarks"), root=str(root),
+                                                       config=str(config))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    watchdog = threading.Timer(300, proc.kill)  # bounded: a job that never logs a step is killed
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # ends when the script does
+            lines.append(line)
+            if line.startswith("  [job] step 1/5 train"):
+                proc.send_signal(signal.SIGINT)
+                break
+        out = "".join(lines) + proc.communicate(timeout=240)[0]
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert "error: job: stopped; SIGINT passed on to" in out and "which exited 130" in out
+    assert finished_run(root, "ctrlc", 0) is None
+    stopped = stopped_run(root, "ctrlc", 0)
+    assert stopped is not None, out
+    run, step = stopped
+    assert 1 <= step < 5 and f"[job] opentinker: stopped with the checkpoint of step {step}" in out
+    before = json.loads((run / "checkpoints" / f"step_{step}" / "state.json").read_text())["wall_s"]
+
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"going on with {run} from its checkpoint of step {step}" in again.stdout
+    assert finished_run(root, "ctrlc", 0) == run and len(list(root.glob("*__ctrlc__0__*"))) == 1
+    info = json.loads(again.stdout.split("info: ", 1)[1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert info["resumed_from_step"] == step and info["wall_s"] == summary["wall_s"] > before
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert "stopped with the checkpoint" in (root / "job.log.1").read_text()  # the first attempt's output kept
+    assert "resumed from" in (root / "job.log").read_text()
