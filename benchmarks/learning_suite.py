@@ -41,7 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from _args import parse_args
-from _jobs import PEAK_KEYS, opentinker, read_rows, run_commit, run_logged, run_or_reuse
+from _jobs import (
+    PEAK_KEYS,
+    finished_run,
+    opentinker,
+    read_rows,
+    run_commit,
+    run_logged,
+    run_or_reuse,
+    stopped_run,
+)
 from _machine import script_provenance
 
 import games
@@ -289,6 +298,28 @@ def restore(out: Path, earlier: Path) -> list[Path]:
     return written
 
 
+def unfinished(out: Path) -> list[str]:
+    """A line for each seed under ``out`` of its job's config as it stands that has no result
+    yet but something to go on from: a run not finished with a checkpoint (stopped, or running
+    now; the next invocation for the seed resumes a stopped one) or a finished run whose final
+    evaluation is still to run."""
+    lines = []
+    for job in SUITE:
+        cfg, sha = load_config(job, {}), config_sha256(job)
+        for folder in sorted((out / job).glob(f"seed*-{sha[:8]}")):
+            seed = folder.name.removeprefix("seed").partition("-")[0]
+            if (folder / "result.json").is_file() or not seed.isdigit():
+                continue
+            again = f"--jobs {job} --seeds {seed}"
+            if finished_run(folder, cfg.name, int(seed)) is not None:
+                lines.append(f"{job} seed {seed}: trained; its final evaluation runs with {again}")
+            elif (stopped := stopped_run(folder, cfg.name, int(seed))) is not None:
+                steps = tomllib.loads((stopped[0] / "config.toml").read_text())["train"]["steps"]
+                lines.append(f"{job} seed {seed}: not finished, with the checkpoint of step {stopped[1]} of {steps}; "
+                             f"{again} goes on from it")
+    return lines
+
+
 def gather(out: Path) -> list[dict[str, Any]]:
     """Every seed's result under ``out`` made with its job's config as it stands now, in the
     suite's job order, then by seed; a job with a target gets its checks (:func:`meets`)."""
@@ -471,6 +502,8 @@ def main() -> None:
             ok = r["learned"].get(p, {})
             print(f"{r['job']} seed {r['seed']} {p}: {vs}; gain over untrained {ok.get('gain_vs_untrained', float('nan')):+.3f}"
                   f" ± {ok.get('gain_ci95', float('nan')):.3f}; {r['wall_s']:.0f} s, peak {r.get('peak_rss_total_mb', 0):.0f} MB")
+    for line in unfinished(Path(args.out)):
+        print(f"not gathered yet: {line}")
 
 
 if __name__ == "__main__":

@@ -187,6 +187,34 @@ def test_a_quick_suite_runs_a_seed_and_reuses_it(tmp_path, tiny_path) -> None:
     assert len(list(folder.glob("kuhn_poker_v0__*"))) == 1
 
 
+def test_seeds_stopped_or_not_yet_evaluated_are_listed(tmp_path) -> None:
+    """The suite names each seed of a current config that has no result yet but something to go
+    on from: a run stopped at a checkpoint, or a trained run still to evaluate; not a seed with
+    a result, one stopped before its first checkpoint, or one of another config."""
+    cfg, sha = ls.load_config("default", {}), ls.config_sha256("default")
+    game, steps = cfg.game, cfg.train.steps
+
+    def run(seed: int, folder: str) -> Path:
+        path = tmp_path / "default" / f"seed{seed}-{folder}" / f"{game}__{cfg.name}__{seed}__20261206-000000"
+        path.mkdir(parents=True)
+        (path / "config.toml").write_bytes(ls.to_toml(cfg))
+        return path
+
+    def checkpoint(path: Path, step: int) -> None:
+        (path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (path / "checkpoints" / f"step_{step}" / "state.json").write_text(json.dumps({"step": step}))
+
+    checkpoint(run(1, sha[:8]), 3)
+    (run(2, sha[:8]) / "summary.json").write_text("{}")
+    done = run(0, sha[:8])
+    (done.parent / "result.json").write_text("{}")
+    run(3, sha[:8])  # stopped before its first checkpoint: nothing to go on from
+    checkpoint(run(4, "0" * 8), 7)  # another config's
+    assert ls.unfinished(tmp_path) == [
+        f"default seed 1: not finished, with the checkpoint of step 3 of {steps}; --jobs default --seeds 1 goes on from it",
+        "default seed 2: trained; its final evaluation runs with --jobs default --seeds 2"]
+
+
 def test_results_of_another_config_are_not_gathered(tmp_path) -> None:
     sha = ls.config_sha256("default")
     for name, key_sha in (("seed0-current", sha), ("seed1-stale", "0" * 64)):
