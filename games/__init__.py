@@ -30,7 +30,7 @@ from pettingzoo import AECEnv, ParallelEnv
 
 from games import calculator, kuhn_poker, leduc_poker, liars_dice, negotiation, prisoners_dilemma, referential, tictactoe, twenty_questions
 from games.bridge import from_pettingzoo
-from games.evaluation import ExactMeasure, GameEval
+from games.evaluation import ExactMeasure, GameEval, StateValues
 from games.scripted import SCRIPTED, ScriptedPolicy, make_scripted
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "ExactMeasure",
     "GameEval",
     "ScriptedPolicy",
+    "StateValues",
     "evaluation",
     "from_pettingzoo",
     "make",

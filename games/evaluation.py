@@ -17,6 +17,10 @@ this: it never names a game.
 * ``exact``: exact measures of a policy computed from its action probabilities at a list of
   decisions (Kuhn poker's exploitability): :class:`ExactMeasure`, which may also give a
   best response to the policy (an exact exploiter to train against).
+* ``state_values``: the exact value of a decision's state to the seat that acts, against a
+  named scripted opponent, played well from there on (tic-tac-toe: minimax against
+  ``tictactoe_minimax``, expectimax against ``random``): :class:`StateValues`, the critic of
+  the ``exact_gae`` advantage (``learners.advantages``).
 """
 
 from __future__ import annotations
@@ -118,6 +122,21 @@ class ExactMeasure:
                              f"{', '.join(POLICY_METRICS)}; got {self.name!r}")
 
 @dataclass(frozen=True)
+class StateValues:
+    """Exact values of decision states: ``value(infostate, agent, opponent)`` is the expected
+    final reward of ``agent``, to act at ``infostate`` (its ``infos[agent]["infostate"]``), when
+    it plays best from there on against the scripted policy ``opponent`` (one of
+    ``opponents``). Raises ``ValueError`` for a state or opponent it does not value."""
+
+    opponents: tuple[str, ...]
+    value: Callable[[str, str, str], float]
+
+    def __post_init__(self) -> None:
+        if not self.opponents:
+            raise ValueError("StateValues.opponents needs at least one scripted opponent")
+
+
+@dataclass(frozen=True)
 class GameEval:
     """How a game is evaluated; see the module docstring."""
 
@@ -129,6 +148,7 @@ class GameEval:
     system_prompt: str = "You are playing a game. Reply with your move only."
     references: Mapping[str, float] = field(default_factory=dict)
     exact: tuple[ExactMeasure, ...] = ()
+    state_values: StateValues | None = None
 
     def __post_init__(self) -> None:
         if not self.unit.isidentifier() or self.unit in PAIRING_METRICS:

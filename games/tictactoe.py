@@ -52,6 +52,12 @@ cell as a string, "invalid", or None if it never moved).
 search (memoized: 5,478 positions), preferring faster wins and slower losses;
 `minimax_move` the lowest of them. Optimal play never loses; both seats optimal is a draw.
 
+**Exact values.** `state_value(board, agent, opponent)`: the expected result (+1 win, 0 draw,
+-1 loss) for `agent`, to move on `board`, playing best from there on against `opponent`:
+`tictactoe_minimax` (the negamax value's sign) or `random` (expectimax against uniform legal
+moves, memoized). The critic of the `exact_gae`
+advantage (`EVALUATION.state_values`).
+
 **Version history.** v0: initial release; `brief` added (default off: the messages as before).
 """
 
@@ -66,7 +72,7 @@ from pettingzoo import AECEnv
 from pettingzoo.utils import wrappers
 
 from games.text_env import TextAECEnv
-from games.evaluation import GameEval
+from games.evaluation import GameEval, StateValues
 
 AGENTS = ("player_x", "player_o")
 MARKS = ("X", "O")
@@ -155,6 +161,50 @@ def minimax_move(board: str, player: str) -> int:
     """The lowest-numbered optimal cell (1-9) for `player` to move on `board`; see
     `minimax_moves`."""
     return minimax_moves(board, player)[0]
+
+
+@cache
+def _vs_random(board: str) -> float:
+    """The mover's expected result on a live ``board`` when it plays best and the other seat
+    plays a uniformly random empty cell (expectimax)."""
+    player = to_move(board)
+    best = -1.0
+    for i in range(9):
+        if board[i] != EMPTY:
+            continue
+        after = _place(board, i, player)
+        if winner_mark(after) is not None:
+            return 1.0
+        if EMPTY not in after:
+            best = max(best, 0.0)
+            continue
+        replies = []
+        for j in range(9):
+            if after[j] == EMPTY:
+                last = _place(after, j, MARKS[1 - MARKS.index(player)])
+                replies.append(-1.0 if winner_mark(last) is not None else 0.0 if EMPTY not in last else _vs_random(last))
+        best = max(best, sum(replies) / len(replies))
+    return best
+
+
+VALUED_OPPONENTS = ("random", "tictactoe_minimax")
+"""The scripted opponents :func:`state_value` values against."""
+
+
+def state_value(board: str, agent: str, opponent: str) -> float:
+    """The expected result for ``agent`` (``player_x`` or ``player_o``), to move on ``board``
+    (its ``infostate``), playing best from there on against ``opponent`` (one of
+    :data:`VALUED_OPPONENTS`): +1 a sure win, 0 a draw, -1 a sure loss. ``ValueError`` for a
+    malformed or finished board, another seat's move or another opponent."""
+    if agent not in AGENTS:
+        raise ValueError(f"agent must be one of {AGENTS}, got {agent!r}")
+    _check_board(board, MARKS[AGENTS.index(agent)])
+    if opponent == "tictactoe_minimax":
+        v = _value(board)
+        return float((v > 0) - (v < 0))
+    if opponent == "random":
+        return _vs_random(board)
+    raise ValueError(f"tic-tac-toe values states against {', '.join(VALUED_OPPONENTS)}, not {opponent!r}")
 
 
 def render_board(board: str) -> str:
@@ -284,5 +334,7 @@ def env(**kwargs: Any) -> AECEnv[str, dict[str, str], str]:
     return wrappers.OrderEnforcingWrapper(raw_env(**kwargs))
 
 EVALUATION = GameEval(unit="score", per="game", scripted=("tictactoe_minimax",),
-                      system_prompt="You are playing tic-tac-toe.")
-"""The evaluation hook: win +1, draw 0, loss -1 per game; the minimax player as a scripted seat."""
+                      system_prompt="You are playing tic-tac-toe.",
+                      state_values=StateValues(VALUED_OPPONENTS, state_value))
+"""The evaluation hook: win +1, draw 0, loss -1 per game; the minimax player as a scripted seat;
+exact state values against it and against random."""

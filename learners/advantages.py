@@ -42,6 +42,10 @@ class EpisodeBatch:
     """Role key of each trajectory (``role_ema`` keeps one baseline per key)."""
     values: tuple[np.ndarray, ...] | None = None
     """``D`` arrays ``float64[K_d + 1]`` from a critic (``gae``), else ``None``."""
+    game_values: tuple[np.ndarray, ...] | None = None
+    """``D`` arrays ``float64[K_d + 1]``: the game's exact value of each turn's state to the
+    seat, then 0 (the game is over), where every turn has one (``Turn.game_value``; the
+    critic of ``exact_gae``), else ``None``."""
     rewards_D: np.ndarray = None  # type: ignore[assignment]
     """``float64[D]`` total reward of each trajectory, as the environment summed it (default:
     the sum of its turn rewards). Outcome estimators use these, not a re-summation, so equal
@@ -63,14 +67,16 @@ class EpisodeBatch:
             if np.ndim(r) != 1 or len(r) == 0 or not np.all(np.isfinite(r)):
                 raise ValueError(f"EpisodeBatch: trajectory {d} needs finite rewards for >= 1 "
                                  f"turn, got {np.asarray(r).tolist()}")
-        if self.values is not None:
-            if len(self.values) != n:
-                raise ValueError(f"EpisodeBatch: {len(self.values)} value arrays for {n} "
-                                 "trajectories")
-            for d, (r, v) in enumerate(zip(self.turn_rewards, self.values)):
+        for name in ("values", "game_values"):
+            arrays = getattr(self, name)
+            if arrays is None:
+                continue
+            if len(arrays) != n:
+                raise ValueError(f"EpisodeBatch: {len(arrays)} {name} arrays for {n} trajectories")
+            for d, (r, v) in enumerate(zip(self.turn_rewards, arrays)):
                 if np.shape(v) != (len(r) + 1,) or not np.all(np.isfinite(v)):
                     raise ValueError(f"EpisodeBatch: trajectory {d} needs K+1 = {len(r) + 1} "
-                                     f"finite values, got shape {np.shape(v)}")
+                                     f"finite {name}, got {np.asarray(v).tolist()}")
 
     @classmethod
     def outcomes(
@@ -148,6 +154,8 @@ class Estimator:
     """Takes the previous :class:`EmaState` and returns the next one."""
     needs_values: bool = False
     """Needs ``batch.values`` from a learned critic."""
+    needs_game_values: bool = False
+    """Needs ``batch.game_values``: the game's exact value of every turn's state."""
 
     def __call__(self, batch: EpisodeBatch, state: EmaState | None,
                  config: Mapping[str, float]) -> Advantages:
@@ -155,6 +163,10 @@ class Estimator:
         if self.needs_values and batch.values is None:
             raise ValueError(f"advantage estimator {self.name!r} needs critic values "
                              "(EpisodeBatch.values); this batch has none")
+        if self.needs_game_values and batch.game_values is None:
+            raise ValueError(f"advantage estimator {self.name!r} needs the game's exact value of every turn's "
+                             "state (Turn.game_value, from GameEval.state_values against a scripted opponent "
+                             "it values); this batch has a turn without one")
         out = self.fn(batch, state, config)
         shapes = [np.shape(a) for a in out.per_turn]
         if shapes != [(len(r),) for r in batch.turn_rewards]:
@@ -168,7 +180,7 @@ ADVANTAGES: dict[str, Estimator] = {}
 
 
 def register_advantage(
-    name: str, *, stateful: bool = False, needs_values: bool = False
+    name: str, *, stateful: bool = False, needs_values: bool = False, needs_game_values: bool = False
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator that registers ``fn`` in :data:`ADVANTAGES` under ``name`` (``fn`` itself is
     returned unchanged, so it stays importable and usable in Ray actors).
@@ -181,7 +193,8 @@ def register_advantage(
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGES:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = Estimator(name, fn, stateful=stateful, needs_values=needs_values)
+        ADVANTAGES[name] = Estimator(name, fn, stateful=stateful, needs_values=needs_values,
+                                     needs_game_values=needs_game_values)
         return fn
 
     return decorator
@@ -456,3 +469,25 @@ def gae(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float]
     pairs = [gae_1d(r, v, gamma, lam) for r, v in zip(batch.turn_rewards, batch.values)]
     return Advantages(tuple(a.astype(np.float32) for a, _ in pairs), state,
                       tuple(t.astype(np.float32) for _, t in pairs))
+
+
+@register_advantage("exact_gae", needs_game_values=True)
+def exact_gae(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, float]) -> Advantages:
+    """:func:`gae` (Schulman et al. 2016, eq. 16) with the game's exact state values as the
+    critic instead of a learned one.
+
+    ``V_k`` is the game's value of turn ``k``'s state to the seat against the episode's
+    scripted opponent, played well from there on (``batch.game_values``, 0 after the last
+    turn; ``GameEval.state_values``). ``lam = 0`` gives each turn the one-step error
+    ``r_k + gamma V_{k+1} - V_k``, how much its move (and the opponent's reply) lost against
+    the best play, so a move is judged alone even when the game's outcome was decided by
+    another; ``lam = 1`` gives the return minus ``V_k``, an exact baseline. Nothing is learned
+    for the critic, and a game must value its states (tic-tac-toe does against ``random`` and
+    ``tictactoe_minimax``): the game's own solution is the critic.
+
+    Config: ``gamma`` (default 1.0) and ``lam`` (default 0.95), both in ``[0, 1]``.
+    """
+    gamma, lam = _gamma(config), _gamma(config, "lam", 0.95)
+    assert batch.game_values is not None  # Estimator.__call__ checked
+    return Advantages(tuple(gae_1d(r, v, gamma, lam)[0].astype(np.float32)
+                            for r, v in zip(batch.turn_rewards, batch.game_values)), state)

@@ -56,12 +56,17 @@ def turn_rewards(traj: Trajectory) -> np.ndarray:
 
 def episode_batch(ordered: Sequence[Trajectory], role_prefix: str = "") -> EpisodeBatch:
     """What the estimators see of these trajectories (in this order); the role key of a
-    trajectory is ``f"{role_prefix}/{seat}"`` (or the seat when there is no prefix)."""
+    trajectory is ``f"{role_prefix}/{seat}"`` (or the seat when there is no prefix). When every
+    turn carries the game's value of its state (``Turn.game_value``), the batch has them as
+    ``game_values`` (0 after the last turn: the game is over)."""
+    valued = all(t.game_value is not None for traj in ordered for t in traj.turns)
     return EpisodeBatch(
         group_ids_D=np.array([t.group_id for t in ordered], dtype=np.int64),
         turn_rewards=tuple(turn_rewards(t) for t in ordered),
         roles_D=tuple(f"{role_prefix}/{t.seat}" if role_prefix else t.seat for t in ordered),
         rewards_D=np.array([t.total_reward for t in ordered], dtype=np.float64),
+        game_values=tuple(np.array([*(t.game_value for t in traj.turns), 0.0], np.float64) for traj in ordered)
+        if valued and ordered else None,
     )
 
 

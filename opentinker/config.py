@@ -155,7 +155,9 @@ class TrainConfig(_Config):
     (group-relative), ``reinforce_ema`` (moving-average baseline), ``role_ema`` (one baseline
     per game and seat, SPIRAL's RAE), ``turn_returns`` (per-turn discounted returns, turn-level
     credit), ``gae`` (GAE over turns with a learned critic: the policy's adapter gets a value
-    head, trained with the value loss beside the policy loss: PPO with a critic)."""
+    head, trained with the value loss beside the policy loss: PPO with a critic), ``exact_gae``
+    (GAE with the game's exact state values as the critic, for a game that values its states
+    against each of the policy's opponents: tic-tac-toe against random and minimax)."""
     loss: str = "ppo"
     """Policy loss, a name in ``learners.LOSSES`` of kind policy: ``ppo``,
     ``importance_sampling``, ``cispo``."""
@@ -169,9 +171,10 @@ class TrainConfig(_Config):
     is_truncation: PosCoef = 2.0
     """Truncation of the importance weight of ``importance_sampling``."""
     gamma: UnitFloat = 1.0
-    """Discount over a seat's turns (``turn_returns``, ``gae``)."""
+    """Discount over a seat's turns (``turn_returns``, ``gae``, ``exact_gae``)."""
     lam: UnitFloat = 0.95
-    """GAE's lambda (``gae``): 1 gives returns minus values, 0 the one-step TD error."""
+    """GAE's lambda (``gae``, ``exact_gae``): 1 gives returns minus values, 0 the one-step TD
+    error."""
     value_coef: PosCoef = 0.5
     """Coefficient of the critic's value loss (``gae``), a mean over turns, added to the
     policy loss (PPO's ``c1``)."""

@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -600,6 +600,10 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     """Reward the seat received from this decision until its next one (including rewards
     paid on other seats' moves, e.g. at a showdown); the turns' rewards sum to
     ``Trajectory.total_reward``."""
+    game_value: float | None = None
+    """The game's exact value of this decision's state to the seat, against the episode's
+    scripted opponent played well from there on (``GameEval.state_values``); None where the
+    game does not value it. The critic of the ``exact_gae`` advantage."""
 
 
 class Trajectory(msgspec.Struct, frozen=True, kw_only=True, tag=True):

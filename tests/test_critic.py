@@ -319,6 +319,30 @@ def test_gae_assembly_reads_values_at_the_decision_positions() -> None:
         decision_positions(_traj(1, [_turn([1, 2], [])], 0.0))
 
 
+def test_exact_gae_takes_the_games_values_of_the_turns_and_trains_no_critic() -> None:
+    """``exact_gae``: GAE over each trajectory's turns with ``Turn.game_value`` as ``V_k`` (0
+    after the last turn), no value inputs on the datums; a batch with a turn the game did not
+    value, or a non-finite value, is refused naming why."""
+    def valued(turn: Turn, v: float | None) -> Turn:
+        return msgspec.structs.replace(turn, game_value=v)
+
+    two = _traj(7, [valued(_turn([11, 12, 13], [14, 15], reward=0.0), 0.9),
+                    valued(_turn([16], [17, 18, 19]), 0.5)], total=1.0)
+    one = _traj(3, [valued(_turn([21, 22], [23]), 0.25)], total=-1.0)  # an invalid reply: -1 at once
+    for lam, a7 in ((0.0, [0.5 - 0.9, 1.0 - 0.5]), (1.0, [1.0 - 0.9, 1.0 - 0.5])):
+        datums, metrics, _ = assemble([two, one], "exact_gae", {"gamma": 1.0, "lam": lam})
+        d_one, d_two = datums
+        np.testing.assert_allclose(d_two.loss_inputs["advantages"], [0, 0, 0, a7[0], a7[0], 0, a7[1], a7[1], a7[1]],
+                                   rtol=1e-6)
+        np.testing.assert_allclose(d_one.loss_inputs["advantages"], [0, 0, -1.25])
+        assert "value_mask" not in d_two.loss_inputs and "n_value_positions" not in metrics
+    unvalued = _traj(9, [_turn([1], [2])], total=0.0)
+    with pytest.raises(ValueError, match="needs the game's exact value of every turn's state"):
+        assemble([two, unvalued], "exact_gae", {})
+    with pytest.raises(ValueError, match="finite game_values"):
+        assemble([_traj(4, [valued(_turn([1], [2]), float("nan"))], total=0.0)], "exact_gae", {})
+
+
 def test_gae_assembly_ignores_arrival_order_and_batch_split() -> None:
     rng = np.random.default_rng(3)
     trajs = [_traj(e, [_turn(rng.integers(1, 99, 3).tolist(), [5, 6], reward=0.25 * e), _turn([7], [8])],

@@ -156,3 +156,38 @@ def test_group_draws_give_a_groups_episodes_one_opponent(chat_tok):
     assert len(set(outcomes(group_draws=True, train=True))) == 1
     assert len(set(outcomes(group_draws=False, train=True))) == 2  # the opponent checks or bets
     assert len(set(outcomes(group_draws=True, train=False))) == 2
+
+
+@pytest.mark.parametrize("opponent", ["random", "tictactoe_minimax"])
+def test_a_learners_turns_carry_the_games_value_of_their_state(chat_tok, opponent):
+    """Against a scripted opponent the game values (tic-tac-toe: random, minimax), each turn of
+    a training episode carries ``state_value`` of the board it was played on, for its seat; a
+    self-play one carries none."""
+    from games.tictactoe import state_value
+
+    main = PolicyRef(kind=PolicyKind.ADAPTER, name="main")
+    other = PolicyRef(kind=PolicyKind.SCRIPTED, name=opponent)
+    boards = []
+
+    def spec(train: bool, seats: dict) -> tuple:
+        s = EpisodeSpec(episode_id=2, group_id=0, game="tictactoe_v0", seed=4, seats=seats, train=train)
+        return s, RunEpisodes(episodes=[s], sampling=SamplingParams(max_tokens=4), system_prompt="Tic-tac-toe.",
+                              learners={"main": "tcp://127.0.0.1:1"})
+
+    async def sample(ref, prompt, params):  # the lowest empty cell of the board the prompt shows
+        text = chat_tok.decode(list(prompt))
+        board = text[text.rindex("Tic-tac-toe. You are"):].split("\n")[1:4]
+        cells = "".join(line.replace(" ", "") for line in board)
+        boards.append("".join(c if c in "XO" else "." for c in cells))
+        toks = np.asarray([*chat_tok.encode(next(c for c in cells if c.isdigit())), chat_tok.eos_id], np.int32)
+        return SampleResult(tokens=[toks], logprobs=[np.zeros(len(toks), np.float32)],
+                            stop_reasons=[StopReason.STOP], adapter_version=0, batch_id=0)
+
+    _, trajectories = run(play_episode(*spec(True, {"player_x": main, "player_o": other}), chat_tok, sample))
+    (traj,) = trajectories
+    assert len(traj.turns) == len(boards) >= 3
+    assert [t.game_value for t in traj.turns] == [state_value(b, "player_x", opponent) for b in boards]
+    assert traj.turns[0].game_value == (0.0 if opponent == "tictactoe_minimax" else pytest.approx(0.9948, abs=1e-4))
+    boards.clear()
+    _, trajectories = run(play_episode(*spec(True, {"player_x": main, "player_o": main}), chat_tok, sample))
+    assert trajectories and all(t.game_value is None for traj in trajectories for t in traj.turns)

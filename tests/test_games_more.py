@@ -20,7 +20,7 @@ from pettingzoo.utils import wrappers
 import games
 from games.bridge import default_parse_reply, printable
 from games.scripted import MinimaxPolicy, RandomPolicy, make_scripted
-from games.tictactoe import minimax_move, minimax_moves, parse_reply
+from games.tictactoe import minimax_move, minimax_moves, parse_reply, state_value, winner_mark
 from conftest import play_to_end
 
 # --- tic-tac-toe --------------------------------------------------------------------------
@@ -226,6 +226,62 @@ def test_minimax_never_loses_to_random_and_draws_itself() -> None:
         assert _match({X: minimax, O: minimax}, seed) == {X: 0, O: 0}
     fixed = MinimaxPolicy(randomize=False)
     assert _match({X: fixed, O: fixed}, 0) == {X: 0, O: 0}
+
+
+class _BestVsRandom:
+    """Plays the cell of the highest ``state_value`` against random after it (the greedy
+    policy of the game's own values)."""
+
+    def act(self, observation: str, info: dict[str, Any], rng: np.random.Generator) -> str:
+        board, me = info["infostate"], "X" if info["infostate"].count("X") == info["infostate"].count("O") else "O"
+
+        def after(cell: int) -> float:
+            b = board[:cell - 1] + me + board[cell:]
+            if winner_mark(b) is not None:
+                return 1.0
+            if "." not in b:
+                return 0.0
+            replies = [b[:j] + ("O" if me == "X" else "X") + b[j + 1:] for j in range(9) if b[j] == "."]
+            return float(np.mean([-1.0 if winner_mark(r) else 0.0 if "." not in r else
+                                  state_value(r, AGENT_OF[me], "random") for r in replies]))
+
+        return str(max((int(c) for c in info["legal_moves"]), key=after))
+
+
+AGENT_OF = {"X": "player_x", "O": "player_o"}
+
+
+def test_tictactoe_state_values_against_random_and_minimax() -> None:
+    """The game's exact values: a win now is +1 against either; the empty board is a draw
+    against minimax and worth what greedy play on the values scores against random (400
+    games); random is never harder to play than minimax; bad input is refused."""
+    assert state_value("XX.OO....", "player_x", "random") == state_value("XX.OO....", "player_x",
+                                                                         "tictactoe_minimax") == 1.0
+    assert state_value(".........", "player_x", "tictactoe_minimax") == 0.0
+    v = state_value(".........", "player_x", "random")
+    scores = [_match({X: _BestVsRandom(), O: make_scripted("random")}, seed)[X] for seed in range(400)]
+    assert 0.9 < v < 1.0 and abs(np.mean(scores) - v) < 3 * np.std(scores) / np.sqrt(len(scores)) + 0.01
+    live = {".........": "X"}
+    frontier = ["........."]
+    while frontier:  # every live position
+        board = frontier.pop()
+        mark = "X" if board.count("X") == board.count("O") else "O"
+        for i in range(9):
+            if board[i] == ".":
+                nxt = board[:i] + mark + board[i + 1:]
+                if nxt not in live and winner_mark(nxt) is None and "." in nxt:
+                    live[nxt] = "O" if mark == "X" else "X"
+                    frontier.append(nxt)
+    assert len(live) == 4520
+    for board, mark in live.items():
+        agent = AGENT_OF[mark]
+        assert state_value(board, agent, "random") >= state_value(board, agent, "tictactoe_minimax") - 1e-12
+    for board, agent, opponent, match in [("XX.OO....", "player_o", "random", "X's move"),
+                                          ("XXXOO....", "player_o", "random", "over"),
+                                          ("XX.OO....", "player_x", "self", "not 'self'"),
+                                          ("XX.OO....", "dealer", "random", "agent must be")]:
+        with pytest.raises(ValueError, match=match):
+            state_value(board, agent, opponent)
 
 
 def test_random_policy_plays_only_empty_cells() -> None:

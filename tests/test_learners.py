@@ -40,7 +40,7 @@ from protocols.messages import (
 
 
 GROUP_ESTIMATORS = ["dr_grpo", "grpo", "rloo"]
-OUTCOME_ESTIMATORS = sorted(n for n, e in ADVANTAGES.items() if not e.needs_values)
+OUTCOME_ESTIMATORS = sorted(n for n, e in ADVANTAGES.items() if not e.needs_values and not e.needs_game_values)
 
 
 def adv(name: str, rewards, group_ids=None, config=None, roles=None) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -53,9 +53,10 @@ def adv(name: str, rewards, group_ids=None, config=None, roles=None) -> np.ndarr
 
 def test_registry_names_and_descriptors() -> None:
     assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_ema", "role_ema",
-                               "turn_returns", "gae"}
+                               "turn_returns", "gae", "exact_gae"}
     assert {n for n, e in ADVANTAGES.items() if e.stateful} == {"reinforce_ema", "role_ema"}
     assert {n for n, e in ADVANTAGES.items() if e.needs_values} == {"gae"}
+    assert {n for n, e in ADVANTAGES.items() if e.needs_game_values} == {"exact_gae"}
     assert set(LOSSES) == {"ppo", "importance_sampling", "cispo", "value", "entropy", "kl_k1",
                            "kl_k2", "kl_k3", "dpo", "ipo", "sft"}
     assert losses_of_kind(LossKind.POLICY) == ["cispo", "importance_sampling", "ppo"]

@@ -187,6 +187,13 @@ def _check_game(cfg: JobConfig) -> None:
             for o in sorted(set(p.opponents) - known):
                 raise ConfigError(f"policies[{p.name}].opponents", f"{o!r}: the all-actions gradient needs each "
                                   f"opponent's action probabilities, known only for {', '.join(sorted(known))}")
+        if cfg.train_for(p.name).advantage == "exact_gae":
+            field = f"policies[{p.name}].train.advantage" if "advantage" in p.train else "train.advantage"
+            if hook.state_values is None:
+                raise ConfigError(field, f"exact_gae: {game}'s evaluation hook gives no exact state values")
+            for o in sorted(o for o, w in p.opponents.items() if w > 0 and o not in hook.state_values.opponents):
+                raise ConfigError(field, f"exact_gae: {game} values states against "
+                                         f"{', '.join(hook.state_values.opponents)} only, and the policy also plays {o!r}")
         for o in sorted(p.opponents):
             if o in games.SCRIPTED and o not in plays:
                 raise ConfigError(f"policies[{p.name}].opponents",

@@ -214,6 +214,8 @@ class _Play:
     """Whether a learner's seat explores, and its move when it does."""
     tool_use: ToolUse | None
     renderers: dict[str, SeatRenderer]
+    state_values: games.StateValues | None
+    """The game's exact state values (the ``exact_gae`` critic), if it has them."""
     turns: dict[str, list[Turn]]
     totals: dict[str, float]
     invalid: dict[str, int]
@@ -270,8 +272,9 @@ async def play_episode(
         else:
             reply = await _llm_reply(play, agent, ref, obs["text"], info, sample, score)
             text = reply.text
+        value = _game_value(play, agent, info) if reply is not None else None
         env.step(text)
-        _record(play, agent, ref, before, text, reply)
+        _record(play, agent, ref, before, text, reply, value)
     else:
         if env.agents:
             raise RuntimeError(f"episode {spec.episode_id} did not end in {MAX_AGENT_STEPS} agent-steps")
@@ -302,6 +305,7 @@ def _start_episode(spec: EpisodeSpec, msg: RunEpisodes, tok: ChatTokenizer, scor
                  for a in agents if a not in scripted or a in shown}
     return _Play(spec=spec, msg=msg, tok=tok, env=env, agents=agents, scripted=scripted, shown=shown, rng=rng,
                  explore_rng=explore_rng, tool_use=tool_use, renderers=renderers,
+                 state_values=games.evaluation(spec.game).state_values,
                  turns={a: [] for a in agents}, totals={a: 0.0 for a in agents},
                  invalid={a: 0 for a in agents}, decisions={a: 0 for a in agents})
 
@@ -356,11 +360,25 @@ async def _explore(play: _Play, ref: PolicyRef, prompt: np.ndarray, legal: list[
                         stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
 
 
+def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> float | None:
+    """The game's exact value of ``agent``'s decision state (its ``info["infostate"]``) in a
+    training episode against one scripted opponent the game values (``GameEval.state_values``);
+    None otherwise."""
+    values, spec = play.state_values, play.spec
+    if values is None or not spec.train or "infostate" not in info:
+        return None
+    others = [ref for a, ref in spec.seats.items() if a != agent]
+    if len(others) != 1 or others[0].kind is not PolicyKind.SCRIPTED or others[0].name not in values.opponents:
+        return None
+    return float(values.value(str(info["infostate"]), agent, others[0].name))
+
+
 def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[int, int]], text: str,
-            reply: _Reply | None) -> None:
+            reply: _Reply | None, value: float | None = None) -> None:
     """After ``agent``'s move ``text`` (``reply``: an LLM seat's, else None): whether the game
-    took it (``before``: :meth:`_Play.counts` before it), its turn, the rewards it paid (one
-    paid to another seat goes to that seat's latest turn), its transcript line."""
+    took it (``before``: :meth:`_Play.counts` before it), its turn (with the game's ``value``
+    of the state it was made in, :func:`_game_value`), the rewards it paid (one paid to another
+    seat goes to that seat's latest turn), its transcript line."""
     env = play.env
     invalid_before, calls_before = before
     bad = invalid_count(env, agent) > invalid_before
@@ -379,6 +397,7 @@ def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[in
                 stop_reason=result.stop_reasons[0],
                 parse=parse,
                 reward=float(env.rewards.get(agent, 0.0)),
+                game_value=value,
             )
         )
     for a, rew in env.rewards.items():
