@@ -179,7 +179,9 @@ def _run_job(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
 def _count_time_before(run: OpenRun, spent_s: float | None) -> None:
     """Set ``run.spent_s``: ``spent_s`` where given (a restore's attempts before), else a
     resumed run's time up to its checkpoint (a checkpoint without it: the time counts from its
-    step, ``run.wall_from_step``, and the user is told)."""
+    step, ``run.wall_from_step``, and the user is told); a checkpoint's own
+    ``wall_from_step`` carries on."""
+    run.wall_from_step = run.ckpt.wall_from_step if run.ckpt is not None else 0
     if spent_s is not None or run.ckpt is None:
         run.spent_s = spent_s or 0.0
     elif run.ckpt.wall_s is not None:
@@ -340,7 +342,8 @@ class _Steps:
         write_checkpoint(run.run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
                          lambda paths: save_learner_states(job.learner_states(), paths), run.first, run.last,
                          updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
-                                           for p in cfg.policies}, wall_s=_wall_s(run))
+                                           for p in cfg.policies}, wall_s=_wall_s(run),
+                         wall_from_step=run.wall_from_step)
         run.state.saved = step
 
 

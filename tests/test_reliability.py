@@ -148,6 +148,7 @@ CORRUPTIONS = {
     "baselines 1e9": _json_edit("adapters/main/learner_state.json", _baselines),
     "wall_s -1": _json_edit("state.json", lambda d: d.update(wall_s=-1.0)),
     "wall_s text": _json_edit("state.json", lambda d: d.update(wall_s="an hour")),
+    "wall_s_from_step 99": _json_edit("state.json", lambda d: d.update(wall_s_from_step=99)),
     "no manifest": lambda folder: (folder / MANIFEST).unlink() or str(folder / MANIFEST),
 }
 
@@ -466,8 +467,9 @@ def test_a_resume_past_the_configured_steps_is_refused_not_rolled_back(finished,
 def test_a_checkpoint_without_the_run_time_resumes_and_says_where_the_time_counts_from(finished, tmp_path,
                                                                                      capsys) -> None:
     """A checkpoint written before checkpoints recorded the run's time (``wall_s``): the run
-    goes on, says so, and its summary's ``wall_s`` is marked as counted from that step; one
-    that has it carries it on (the time before the checkpoint plus the resumed attempt's)."""
+    goes on, says so, and its summary's ``wall_s`` is marked as counted from that step, as are
+    the checkpoints it writes, so a later resume keeps the mark (test_resume: one that has the
+    time carries it on)."""
     run = _copy(finished, tmp_path)
     newest = run / "checkpoints" / "step_3"
     assert json.loads((newest / "state.json").read_text())["wall_s"] > 0
@@ -477,7 +479,13 @@ def test_a_checkpoint_without_the_run_time_resumes_and_says_where_the_time_count
     assert "does not record the run's time before it" in capsys.readouterr().out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["wall_s_from_step"] == 3
-    assert latest_checkpoint(run).wall_s == pytest.approx(summary["wall_s"], abs=60)  # this attempt's only
+    # The new checkpoint says its time counts from step 3 too, and so does the next resume's summary.
+    step4 = latest_checkpoint(run)
+    assert (step4.step, step4.wall_from_step) == (4, 3) and 0 < step4.wall_s <= summary["wall_s"]
+    assert main(["run", "--resume", str(run), "--set", "train.steps=5"]) == 0
+    assert "does not record" not in capsys.readouterr().out
+    again = json.loads((run / "summary.json").read_text())
+    assert again["wall_s_from_step"] == 3 and again["wall_s"] > step4.wall_s
 
 
 def test_a_line_torn_by_a_crash_is_dropped_on_resume(finished, tmp_path) -> None:

@@ -7,7 +7,8 @@ checkpoint is *verified* when:
 * its manifest is there and every file it lists has its size and checksum (a bit flipped on
   disk, a file cut short or deleted);
 * ``state.json`` names the folder's own step (``1 <= step``), and its run time so far
-  (``wall_s``, where recorded) is a finite number of seconds, not negative;
+  (``wall_s``, where recorded) is a finite number of seconds, not negative, counted from a
+  step up to its own (``wall_s_from_step``, where not 0);
 * every policy's adapter has a version in ``[0, step x updates per step]``, its weights
   (``*.safetensors``: the adapter, a full policy's weights, the optimizer moments) are finite,
   and the weights are below :data:`MAX_WEIGHT` in magnitude;
@@ -141,6 +142,9 @@ def verify(folder: Path, policies: dict[str, int]) -> list[str]:
         if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float))
                                  or not math.isfinite(wall) or wall < 0):
             problems.append(f"{folder / 'state.json'}: wall_s {wall!r} is not a run time in seconds")
+        since = state.get("wall_s_from_step", 0) if isinstance(state, dict) else 0
+        if isinstance(since, bool) or not isinstance(since, int) or not 0 <= since <= want:
+            problems.append(f"{folder / 'state.json'}: wall_s_from_step {since!r} is not a step up to {want}")
     recorded = state.get("updates_per_step") if isinstance(state, dict) else None
     for policy, per_step in policies.items():
         if isinstance(recorded, dict) and isinstance(recorded.get(policy), int):

@@ -12,6 +12,7 @@ to a hidden temporary folder and renamed into place: a reader never sees half of
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -40,8 +41,11 @@ class Checkpoint:
     skipped: tuple[str, ...] = ()
     """Newer checkpoints that did not check out, each with its problems."""
     wall_s: float | None = None
-    """The run's wall seconds when it was written, every attempt before it included (None: a
-    checkpoint written before this was recorded)."""
+    """The run's wall seconds when it was written, every attempt before it included since step
+    :attr:`wall_from_step` (None: a checkpoint written before this was recorded)."""
+    wall_from_step: int = 0
+    """The step :attr:`wall_s` counts from: 0, or the step of an older checkpoint (one without
+    the time) that the run was resumed from."""
 
     @property
     def adapters(self) -> Path:
@@ -54,11 +58,12 @@ KEEP = 2
 
 def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: Any,
                      first_eval: dict[str, float], last_eval: dict[str, float], keep: int = KEEP,
-                     updates_per_step: dict[str, int] | None = None, wall_s: float | None = None) -> Path:
+                     updates_per_step: dict[str, int] | None = None, wall_s: float | None = None,
+                     wall_from_step: int = 0) -> Path:
     """Write ``checkpoints/step_<step>`` atomically, then delete all but the ``keep`` newest.
     ``save_adapters(folder) -> {policy: path}`` writes the adapters; ``save_states(paths)``
-    writes each learner's state beside its adapter; ``wall_s`` (the run's time so far) lets a
-    resumed run count the time before it."""
+    writes each learner's state beside its adapter; ``wall_s`` (the run's time so far, counted
+    from step ``wall_from_step``) lets a resumed run count the time before it."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if tmp.exists():
@@ -68,7 +73,8 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
         save_states(save_adapters(str((tmp / "adapters").resolve())))
         (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval,
                                              "updates_per_step": updates_per_step or {},
-                                             **({"wall_s": wall_s} if wall_s is not None else {})}))
+                                             **({"wall_s": wall_s} if wall_s is not None else {}),
+                                             **({"wall_s_from_step": wall_from_step} if wall_from_step else {})}))
         write_manifest(tmp)  # last: a checkpoint without one was cut short
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
@@ -129,9 +135,11 @@ def latest_checkpoint(run_dir: Path, cfg: JobConfig | None = None) -> Checkpoint
 def _read(folder: Path, skipped: tuple[str, ...]) -> Checkpoint:
     try:
         state = json.loads((folder / STATE).read_text())
-        wall = state.get("wall_s")
+        wall, since = state.get("wall_s"), state.get("wall_s_from_step", 0)
+        known = isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0
         return Checkpoint(step=int(state["step"]), folder=folder, first_eval=state["first_eval"],
-                          last_eval=state["last_eval"], skipped=skipped, wall_s=None if wall is None else float(wall))
+                          last_eval=state["last_eval"], skipped=skipped, wall_s=float(wall) if known else None,
+                          wall_from_step=since if isinstance(since, int) and since >= 0 else 0)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{folder / STATE} is corrupt: {e}") from None
 
