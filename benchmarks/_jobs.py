@@ -23,6 +23,7 @@ import psutil
 
 import games
 from opentinker.config import JobConfig, to_toml
+from opentinker.serve.job_procs import GRACE_S, die_with_parent
 
 
 def bootstrap_ci(values: list[float], n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
@@ -78,52 +79,86 @@ PASSED_ON = (signal.SIGINT, signal.SIGTERM)
 """The signals a script running a job passes on to it (:func:`forward_signals`)."""
 
 
+class Forward:
+    """The signals of :data:`PASSED_ON` that came, passed on to the attached process (those
+    that came before it was attached, on attaching)."""
+
+    def __init__(self) -> None:
+        self.passed: list[int] = []
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.passed.append(signum)
+        if self.proc is not None:
+            self.proc.send_signal(signum)
+
+    def attach(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        for signum in self.passed:  # came while it started
+            proc.send_signal(signum)
+
+
 @contextlib.contextmanager
-def forward_signals(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
-    """Inside (on the main thread), SIGINT and SIGTERM to this script are passed on to ``proc``
-    instead of stopping the script. An ``opentinker run`` then stops as it does on its own:
-    SIGINT (Ctrl-C) after the step in progress, with a checkpoint of it (a second one: at
-    once), SIGTERM at once with its newest checkpoint; either way it shuts its components down
-    and names its resume command, which :func:`run_or_reuse` takes up the next time. Yields
-    the signals passed on (empty unless one came)."""
-    passed: list[int] = []
+def forward_signals() -> Iterator[Forward]:
+    """Inside (on the main thread), SIGINT and SIGTERM to this script are passed on to the
+    process attached to the yielded :class:`Forward` instead of stopping the script. An
+    ``opentinker run`` then stops as it does on its own: SIGINT (Ctrl-C) after the step in
+    progress, with a checkpoint of it (a second one: at once), SIGTERM at once with its newest
+    checkpoint; either way it shuts its components down and names its resume command, which
+    :func:`run_or_reuse` takes up the next time."""
+    forward = Forward()
     if threading.current_thread() is not threading.main_thread():
-        yield passed
+        yield forward
         return
-
-    def forward(signum: int, frame: object) -> None:
-        passed.append(signum)
-        proc.send_signal(signum)
-
     before = {sig: signal.signal(sig, forward) for sig in PASSED_ON}
     try:
-        yield passed
+        yield forward
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM to ``proc``, then SIGKILL if it has not ended within :data:`GRACE_S`."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str, float]]:
     """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
     wall time and peak memory. SIGINT and SIGTERM meanwhile are passed on to it
     (:func:`forward_signals`); it runs in a process group of its own, so a terminal's Ctrl-C
-    reaches it once, through this script. Raises ``RuntimeError`` naming the log when it fails
-    or was stopped."""
+    reaches it once, through this script, and it gets SIGTERM when this script dies otherwise
+    (SIGKILL, a closed terminal: ``PR_SET_PDEATHSIG``) or fails while it runs, so no job is
+    left running unwatched. Raises ``RuntimeError`` naming the log when it fails or was
+    stopped (a job that finished although a signal came is a success)."""
     t0 = time.perf_counter()
-    with log.open("w", buffering=1) as f:  # line-buffered: a run in progress shows its lines
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                process_group=0)
-        peak = PeakRss(proc.pid)
-        assert proc.stdout is not None
-        with forward_signals(proc) as passed:
+    with log.open("w", buffering=1) as f, forward_signals() as forward:  # line-buffered: a run shows its lines
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, process_group=0,
+                                preexec_fn=die_with_parent)  # noqa: PLW1509 - a ctypes call, no locks
+        forward.attach(proc)
+        peak: PeakRss | None = None
+        try:
+            peak = PeakRss(proc.pid)
+            assert proc.stdout is not None
             for line in proc.stdout:
                 f.write(line)
                 if line.startswith(("step ", "started", "wrote", "offline ", "opentinker: ", "resumed ")):
                     print(f"  [{prefix}] {line.rstrip()}", flush=True)
             rc = proc.wait()
-        mem = peak.stop()
-    if passed:
-        names = " then ".join(signal.Signals(s).name for s in passed)
+        except BaseException:
+            _stop(proc)
+            raise
+        finally:
+            mem = peak.stop() if peak is not None else {}
+    if rc != 0 and forward.passed:
+        names = " then ".join(signal.Signals(s).name for s in forward.passed)
         raise RuntimeError(f"{prefix}: stopped; {names} passed on to `{shlex.join(cmd)}`, which exited {rc}; "
                            f"its output: {log}")
     if rc != 0:
@@ -169,27 +204,28 @@ def run_or_reuse(cmd: list[str], root: Path, name: str, seed: int, log: Path, la
     was stopped (Ctrl-C, SIGTERM, a machine gone) goes on from its newest checkpoint
     (:func:`stopped_run`, ``opentinker run --resume``; the earlier output moves to
     ``log.1``, ``log.2``...) instead of starting again. Returns it with what ``bench_job.json``
-    recorded when it was made: wall time (the run's own, which counts the time up to the
-    checkpoint it resumed from), the peak memory of the last attempt, the command line, the
-    step it resumed from (``{}`` for a run made without this helper). Raises
+    recorded when it was made: wall time (a resumed run's own, which counts the time up to the
+    checkpoint it resumed from), the peak memory of the last attempt, the command line (the
+    first attempt's), the step it resumed from and the command that did (``{}`` for a run made
+    without this helper). Raises
     ``RuntimeError`` when the command fails or leaves no finished run."""
     run = finished_run(root, name, seed, config)
     if run is not None:
         print(f"  [{label}] reusing {run}", flush=True)
     else:
         stopped = stopped_run(root, name, seed, config)
-        resumed: dict[str, Any] = {}
+        now, resumed = cmd, {}
         if stopped is not None:
             print(f"  [{label}] going on with {stopped[0]} from its checkpoint of step {stopped[1]}", flush=True)
-            cmd, resumed = opentinker("run", "--resume", str(stopped[0])), {"resumed_from_step": stopped[1]}
+            now = opentinker("run", "--resume", str(stopped[0]))
+            resumed = {"resumed_from_step": stopped[1], "resumed_with": shlex.join(["opentinker", *now[3:]])}
             _keep_earlier(log)
-        wall, mem = run_logged(cmd, log, label)
+        wall, mem = run_logged(now, log, label)
         run = finished_run(root, name, seed, config)
         if run is None:
-            raise RuntimeError(f"{label}: `{shlex.join(cmd)}` finished but left no summary.json under {root}")
-        summary = json.loads((run / "summary.json").read_text())
+            raise RuntimeError(f"{label}: `{shlex.join(now)}` finished but left no summary.json under {root}")
         if resumed:
-            wall = summary["wall_s"]
+            wall = json.loads((run / "summary.json").read_text())["wall_s"]
         shown = shlex.join(["opentinker", *cmd[3:]])
         (run / "bench_job.json").write_text(json.dumps({"wall_s": wall, **mem, "command": shown, **resumed}))
     info = run / "bench_job.json"

@@ -276,16 +276,17 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
         elif "/drawn_vs_" in key:
             parts.append(f"{pct(value)} of games against `{target['drawn_vs']}` drawn (target {pct(target['drawn'])})")
         elif key == "minutes":
-            parts.append(f"{value:.1f} min (target {target['minutes']:.0f})")
+            time = "time unknown (resumed from a checkpoint without it)" if value is None else f"{value:.1f} min"
+            parts.append(f"{time} (target {target['minutes']:.0f})")
     return (f"- `{row['job']}` seed {row['seed']}: " + ", ".join(parts) + ": "
             + ("met" if checks["met"] else "not met") + f" ({target['anchor']})")
 
 
-def render_tictactoe_runs(results: Path) -> str:
-    """``tictactoe_runs.json`` (``collect_runs.py``): per run its settings, the score against
-    random at every evaluation, the last evaluation against random (95% CI, invalid rate)
-    and against minimax (games drawn), its steps and time."""
-    r = load(results, "tictactoe_runs")
+def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
+    """Tic-tac-toe runs (``collect_runs.py``, e.g. ``tictactoe_runs.json``): per run its
+    settings, the score against random at every evaluation, the last evaluation against random
+    (95% CI, invalid rate) and against minimax (games drawn), its steps and time."""
+    r = load(results, name)
     rows = []
     for run in r["runs"]:
         c, last = run["config"], run["last_eval"]
@@ -294,7 +295,9 @@ def render_tictactoe_runs(results: Path) -> str:
         settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}, explore {c['explore']:g}, "
                     f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
                     + (", opponent_draws group" if c["opponent_draws"] == "group" else "")
-                    + (f", entropy_coef {c['entropy_coef']:g}" if c.get("entropy_coef") else ""))
+                    + (f", entropy_coef {c['entropy_coef']:g}" if c.get("entropy_coef") else "")
+                    + (f", {c['advantage']}" + (f" lam {c['lam']:g}" if "gae" in c["advantage"] else "")
+                       if c.get("advantage", "dr_grpo") != "dr_grpo" else ""))
         curve = ", ".join(f"{e[k + 'score']:+.3f} ({e['step']})" for e in run["curve"])
         games = sum(last[m + x] for x in ("wins", "draws", "losses"))
         time = (f"{run['wall_s'] / 60:.1f} min" if run["finished"]

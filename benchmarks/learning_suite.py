@@ -188,9 +188,9 @@ def meets(row: dict[str, Any], target: Target) -> dict[str, Any]:
     met = all(checks.get(f"{p}/vs_random_exact", checks[f"{p}/vs_random"]) >= target.vs_random
               for p in row["final"] if f"{p}/vs_random" in checks)
     met &= all(v >= target.drawn for k, v in checks.items() if "/drawn_vs_" in k)
-    if target.minutes is not None:
-        checks["minutes"] = row["wall_s"] / 60
-        met &= checks["minutes"] <= target.minutes
+    if target.minutes is not None:  # unknown for a run whose time counts from a resumed step only
+        checks["minutes"] = None if row.get("wall_s_from_step") else row["wall_s"] / 60
+        met &= checks["minutes"] is not None and checks["minutes"] <= target.minutes
     return {**checks, "met": met}
 
 

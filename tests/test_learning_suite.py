@@ -90,6 +90,9 @@ def test_targets_check_every_policy_and_the_time() -> None:
     assert out == {"main/vs_random": 0.65, "main/drawn_vs_tictactoe_minimax": pytest.approx(0.6),
                    "minutes": pytest.approx(1700 / 60), "met": True}
     assert not ls.meets({**row, "wall_s": 1900.0}, ttt)["met"]  # 31.7 minutes
+    # A run resumed from a checkpoint without its time: its minutes are unknown, so not met.
+    assert ls.meets({**row, "wall_s_from_step": 10}, ttt)["minutes"] is None
+    assert not ls.meets({**row, "wall_s_from_step": 10}, ttt)["met"]
     few_draws = {"main": {**row["final"]["main"], "tictactoe_minimax": {**minimax, "draws": 9.0, "losses": 11.0}}}
     assert not ls.meets({**row, "final": few_draws}, ttt)["met"]  # 45% drawn
     kuhn = {"unit": "chips", "wall_s": 600.0, "final": {"main": {"random": {"chips": 0.289, "ci95": 0.096}}}}
@@ -311,6 +314,43 @@ def test_a_signal_to_the_suite_is_passed_on_to_its_running_job(tmp_path, sig) ->
         if proc.returncode != 1:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child_pid, signal.SIGKILL)
+
+
+_MARKING_CHILD = """
+import os, signal, sys, time
+def stop(signum, frame):
+    open({marker!r}, "w").write(signal.Signals(signum).name)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+print(f"started pid={{os.getpid()}}", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_job_whose_script_is_killed_is_stopped_not_left_running(tmp_path) -> None:
+    """SIGKILL to a script running a job (nothing of it runs any more): the kernel sends the
+    job SIGTERM (``PR_SET_PDEATHSIG``), so it stops with its newest checkpoint instead of
+    training on unwatched, where the next run of the script would resume it a second time."""
+    import psutil
+
+    marker = tmp_path / "stopped"
+    child = _MARKING_CHILD.format(marker=str(marker))
+    script = _SCRIPT.format(bench=str(ROOT / "benchmarks"), child=child, log=str(tmp_path / "run.log"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("  [job] started pid="), first
+    child_pid = int(first.rsplit("=", 1)[1])
+    try:
+        proc.kill()
+        proc.wait(timeout=30)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(child_pid).wait(timeout=30)
+        assert marker.read_text() == "SIGTERM"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child_pid, signal.SIGKILL)
 
 
 _RESUME_SCRIPT = """

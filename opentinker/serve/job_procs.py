@@ -63,7 +63,8 @@ def start_time(pid: int) -> int | None:
 _prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None  # looked up before any fork
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec: no imports, no locks
+def die_with_parent() -> None:  # runs in the child between fork and exec: no imports, no locks
+    """``preexec_fn`` of a child that gets SIGTERM when the thread that started it dies (Linux)."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
@@ -74,7 +75,7 @@ def start(command: Sequence[str], folder: Path, log_file: Path, env: dict[str, s
     ``folder/proc.json``."""
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder,
-                                process_group=0, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads in the child
+                                process_group=0, preexec_fn=die_with_parent)  # noqa: PLW1509 - no threads in the child
     record = {"pid": proc.pid, "start_time": start_time(proc.pid)}
     (folder / PROC_FILE).write_text(json.dumps(record))
     return proc
