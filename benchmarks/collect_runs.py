@@ -64,6 +64,7 @@ def run_row(folder: Path) -> dict:
             "machine": summary.get("machine"),  # the run's own record (runs before it had none)
             **run_commit(summary),
             "config": {"lr": cfg["train"]["lr"], "entropy_coef": cfg["train"].get("entropy_coef", 0.0),
+                       "advantage": cfg["train"].get("advantage", "dr_grpo"), "lam": cfg["train"].get("lam", 0.95),
                        "max_tokens": cfg["sampling"]["max_tokens"], "temperature": cfg["sampling"]["temperature"],
                        "explore": cfg["sampling"].get("explore", 0.0),
                        "steps": cfg["train"]["steps"], "lr_schedule": cfg["train"].get("lr_schedule", "constant"),

@@ -52,6 +52,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "tools_job": render_tools_job,
     "learning_suite": render_learning_suite,
     "tictactoe_runs": render_tictactoe_runs,
+    "tictactoe_exact_gae": lambda results: render_tictactoe_runs(results, "tictactoe_exact_gae"),
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
     "tools_warm_start": render_tools_warm_start,

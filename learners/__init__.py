@@ -5,7 +5,7 @@ scheduler (which runs losses) and the learner actor (which assembles datums) sha
 definition of every algorithm. Two registries, each with one calling convention:
 
 * :data:`ADVANTAGES`: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_ema``, ``role_ema``,
-  ``turn_returns``, ``gae``; ``fn(EpisodeBatch, state, config) -> Advantages``.
+  ``turn_returns``, ``gae``, ``exact_gae``; ``fn(EpisodeBatch, state, config) -> Advantages``.
 * :data:`LOSSES`: ``ppo``, ``importance_sampling``, ``cispo``, ``value``, ``entropy``,
   ``kl_k1``, ``kl_k2``, ``kl_k3``, ``dpo``, ``ipo``, ``sft``; ``fn(logp_N, inputs, config) ->
   LossOutput``.

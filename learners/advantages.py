@@ -4,7 +4,8 @@ Every estimator is ``fn(batch, state, config) -> Advantages``:
 
 * ``batch``: an :class:`EpisodeBatch`, what an estimator may know of one policy's step: per
   trajectory its ``group_id``, its role key (e.g. ``"kuhn_poker_v0/player_0"``), the reward
-  after each of its ``K_d`` turns, and (for ``gae`` only) a critic's value of each turn.
+  after each of its ``K_d`` turns, and a critic's value of each turn (for ``gae``) or the
+  game's exact value of each turn's state (for ``exact_gae``).
 * ``state``: what the estimator carried over from the previous step (``None`` at the start
   and for estimators without state). Estimators that keep state (moving-average baselines)
   take it in and return the new one; the learner actor owns it and checkpoints it (DESIGN §5).
@@ -13,7 +14,8 @@ Every estimator is ``fn(batch, state, config) -> Advantages``:
   outcome estimators (one advantage per episode) repeat it on every turn.
 
 :data:`ADVANTAGES` maps a name to an :class:`Estimator`, a small typed record saying whether
-the estimator keeps state and whether it needs critic values; calling it checks the shapes.
+the estimator keeps state and whether it needs critic values or the game's values; calling it
+checks the shapes.
 Group estimators compute in float64 and give exact zeros to a group whose rewards are all equal
 (a plain ``r - mean`` can leave ~1e-17 residues, which would hide such groups from the
 ``frac_zero_adv_groups`` diagnostic).
@@ -483,7 +485,10 @@ def exact_gae(batch: EpisodeBatch, state: EmaState | None, config: Mapping[str, 
     the best play, so a move is judged alone even when the game's outcome was decided by
     another; ``lam = 1`` gives the return minus ``V_k``, an exact baseline. Nothing is learned
     for the critic, and a game must value its states (tic-tac-toe does against ``random`` and
-    ``tictactoe_minimax``): the game's own solution is the critic.
+    ``tictactoe_minimax``): the game's own solution is the critic. The values are those of best
+    play from each state on, not the current policy's, so with ``lam < 1`` a turn's expected
+    advantage is ``Q*(s, a) - V*(s) <= 0``: how much worse than best its move was (0 for a
+    best move), never a gain over the policy's own average.
 
     Config: ``gamma`` (default 1.0) and ``lam`` (default 0.95), both in ``[0, 1]``.
     """

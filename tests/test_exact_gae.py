@@ -32,13 +32,27 @@ def test_exact_gae_needs_a_game_that_values_every_opponent(tmp_path):
     with pytest.raises(ConfigError, match="exact_gae: tictactoe_v0 values states against random, tictactoe_minimax "
                                           "only, and the policy also plays 'self'"):
         check_config(_job(tmp_path, policies=[{"name": "main", "opponents": {"random": 1, "self": 1}}]))
+    two = [{"name": "main", "opponents": {"random": 1}}, {"name": "other", "opponents": {"main": 1},
+                                                         "train": {"advantage": "dr_grpo"}}]
+    with pytest.raises(ConfigError, match="exact_gae: policy 'other' plays 'main', whose states tictactoe_v0 does "
+                                          "not value against another policy"):
+        check_config(_job(tmp_path, policies=two))
+    league = [{"name": "main", "opponents": {"random": 1}}, {"name": "other", "opponents": {"past": 1},
+                                                            "train": {"advantage": "dr_grpo"}}]
+    with pytest.raises(ConfigError, match="policy 'other' plays 'main'"):
+        check_config(_job(tmp_path, policies=league, league={"pool": "all", "snapshot_every": 1}))
+    check_config(_job(tmp_path, policies=league, league={"snapshot_every": 1}))  # its own past selves: never main
+    with pytest.raises(ConfigError, match="exact_gae: the game's values are undiscounted; train.gamma must be 1, "
+                                          "not 0.9"):
+        check_config(_job(tmp_path, train={"steps": 2, "groups_per_step": 2, "group_size": 2, "advantage": "exact_gae",
+                                           "gamma": 0.9}))
     check_config(_job(tmp_path))
 
 
 @pytest.mark.slow
 def test_a_tictactoe_job_trains_on_the_games_values(tmp_path, tiny_path):
-    """Two steps of a real job: every turn is valued, so the estimator runs, and with
-    exploration (legal moves of unequal value) turns get non-zero advantages."""
+    """Two steps of a real job: every turn is valued (the estimator refuses a batch with an
+    unvalued turn), and turns get non-zero advantages."""
     result = run_job(_job(tmp_path))
     trains = [r for r in result.rows if r["kind"] == "train"]
     assert [r["step"] for r in trains] == [1, 2]

@@ -10,6 +10,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -20,6 +21,9 @@ from opentinker.config import (
     _has_controls,
     _kwarg_field,
 )
+
+if TYPE_CHECKING:
+    from games.evaluation import GameEval
 
 KNOWN_MODELS: dict[str, tuple[str, int]] = {"smollm2-135m": ("llama", 8192), "tiny-random": ("llama", 2048)}
 """Model specs built on this machine (``opentinker.engine.model_specs``) -> (``model_type``,
@@ -188,16 +192,33 @@ def _check_game(cfg: JobConfig) -> None:
                 raise ConfigError(f"policies[{p.name}].opponents", f"{o!r}: the all-actions gradient needs each "
                                   f"opponent's action probabilities, known only for {', '.join(sorted(known))}")
         if cfg.train_for(p.name).advantage == "exact_gae":
-            field = f"policies[{p.name}].train.advantage" if "advantage" in p.train else "train.advantage"
-            if hook.state_values is None:
-                raise ConfigError(field, f"exact_gae: {game}'s evaluation hook gives no exact state values")
-            for o in sorted(o for o, w in p.opponents.items() if w > 0 and o not in hook.state_values.opponents):
-                raise ConfigError(field, f"exact_gae: {game} values states against "
-                                         f"{', '.join(hook.state_values.opponents)} only, and the policy also plays {o!r}")
+            _check_exact_gae(cfg, p.name, hook)
         for o in sorted(p.opponents):
             if o in games.SCRIPTED and o not in plays:
                 raise ConfigError(f"policies[{p.name}].opponents",
                                   f"the scripted policy {o!r} does not play {game}; the ones that do: {', '.join(sorted(plays))}")
+
+
+def _check_exact_gae(cfg: JobConfig, policy: str, hook: GameEval) -> None:
+    """A policy trained with ``exact_gae`` plays only opponents the game values its states
+    against (``GameEval.state_values``): its own opponents, and no other policy draws it (by
+    name, or as ``past`` from a pool of every policy); its discount is 1, as the values are."""
+    p = next(q for q in cfg.policies if q.name == policy)
+    field = f"policies[{policy}].train.advantage" if "advantage" in p.train else "train.advantage"
+    values = hook.state_values
+    if values is None:
+        raise ConfigError(field, f"exact_gae: {cfg.game}'s evaluation hook gives no exact state values")
+    for o in sorted(o for o, w in p.opponents.items() if w > 0 and o not in values.opponents):
+        raise ConfigError(field, f"exact_gae: {cfg.game} values states against {', '.join(values.opponents)} only, "
+                                 f"and the policy also plays {o!r}")
+    for q in cfg.policies:
+        if q.name != policy and (q.opponents.get(policy, 0) > 0
+                                 or (q.opponents.get("past", 0) > 0 and cfg.league.pool == "all")):
+            raise ConfigError(field, f"exact_gae: policy {q.name!r} plays {policy!r}, whose states "
+                                     f"{cfg.game} does not value against another policy")
+    if cfg.train_for(policy).gamma != 1.0:
+        raise ConfigError(field, f"exact_gae: the game's values are undiscounted; train.gamma must be 1, "
+                                 f"not {cfg.train_for(policy).gamma:g}")
 
 
 def _check_init(cfg: JobConfig, policy: str, init: str) -> None:
