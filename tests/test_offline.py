@@ -68,7 +68,7 @@ def test_trajectory_log_round_trips_exactly(tmp_path) -> None:
     rng = np.random.default_rng(0)
     trajs = [_traj(i, 0, float(i), rng.integers(0, 49152, 3).tolist()) for i in range(3)]
     trajs[1] = msgspec.structs.replace(trajs[1], turns=[msgspec.structs.replace(
-        trajs[1].turns[0], sampler_logprobs=rng.normal(size=3).astype(np.float32))])
+        trajs[1].turns[0], sampler_logprobs=rng.normal(size=3).astype(np.float32), game_value=0.9947916666666667)])
     path = tmp_path / "t" / "main.jsonl"
     trajectory_log.append(path, trajs[:2], "kuhn_poker_v0")
     trajectory_log.append(path, trajs[2:], "kuhn_poker_v0")
@@ -80,8 +80,11 @@ def test_trajectory_log_round_trips_exactly(tmp_path) -> None:
         np.testing.assert_array_equal(got.turns[0].sampler_logprobs, want.turns[0].sampler_logprobs)
         assert msgspec.json.encode(got.turns[0].sampled_tokens.tolist()) == msgspec.json.encode(
             want.turns[0].sampled_tokens.tolist())
-        assert (got.episode_id, got.group_id, got.seed, got.seat, got.total_reward, got.turns[0].policy) == (
-            want.episode_id, want.group_id, want.seed, want.seat, want.total_reward, want.turns[0].policy)
+        assert (got.episode_id, got.group_id, got.seed, got.seat, got.total_reward, got.turns[0].policy,
+                got.turns[0].game_value) == (want.episode_id, want.group_id, want.seed, want.seat, want.total_reward,
+                                             want.turns[0].policy, want.turns[0].game_value)
+    assert [r.turns[0].game_value for r in records] == [None, 0.9947916666666667, None]
+    assert path.read_text().count("game_value") == 1  # written only where there is one
     path.write_text(path.read_text() + '{"game": 3}\n')
     with pytest.raises(ValueError, match=r"main.jsonl:4: not a trajectory record"):
         trajectory_log.read(path)

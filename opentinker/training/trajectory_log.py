@@ -2,7 +2,8 @@
 
 One JSON object per line, a :class:`TrajectoryRecord`: the job's game and step and one seat's
 whole episode, token-in/token-out (observation tokens, the sampled tokens exactly as drawn,
-the sampler's log-probs, per-turn rewards, the group, seed and seat). Decoding is typed
+the sampler's log-probs, per-turn rewards and the game's values of the turns' states where it
+has them, the group, seed and seat). Decoding is typed
 (``msgspec``; a malformed line is an error naming the file and line), and nothing is pickled.
 Log-probs are float32 values written as JSON floats, which read back to the same float32.
 
@@ -23,7 +24,7 @@ from opentinker.files import replaced
 from protocols.messages import ParseOutcome, PolicyRef, StopReason, Trajectory, Turn
 
 
-class TurnRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TurnRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     obs_tokens: list[int]
     sampled_tokens: list[int]
     sampler_logprobs: list[float]
@@ -31,6 +32,8 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stop_reason: StopReason
     parse: ParseOutcome
     reward: float
+    game_value: float | None = None
+    """The game's exact value of the turn's state (``Turn.game_value``), where it has one."""
 
 
 class TrajectoryRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,7 +57,7 @@ def to_record(traj: Trajectory, game: str) -> TrajectoryRecord:
             obs_tokens=np.asarray(t.obs_tokens).tolist(),
             sampled_tokens=np.asarray(t.sampled_tokens).tolist(),
             sampler_logprobs=np.asarray(t.sampler_logprobs, np.float32).tolist(),
-            policy=t.policy, stop_reason=t.stop_reason, parse=t.parse, reward=t.reward,
+            policy=t.policy, stop_reason=t.stop_reason, parse=t.parse, reward=t.reward, game_value=t.game_value,
         ) for t in traj.turns],
     )
 
@@ -68,7 +71,7 @@ def from_record(rec: TrajectoryRecord) -> Trajectory:
             obs_tokens=np.asarray(t.obs_tokens, np.int32),
             sampled_tokens=np.asarray(t.sampled_tokens, np.int32),
             sampler_logprobs=np.asarray(t.sampler_logprobs, np.float32),
-            policy=t.policy, stop_reason=t.stop_reason, parse=t.parse, reward=t.reward,
+            policy=t.policy, stop_reason=t.stop_reason, parse=t.parse, reward=t.reward, game_value=t.game_value,
         ) for t in rec.turns],
     )
 
