@@ -306,6 +306,7 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                      pct(last[k + "invalid_rate"]), f"{int(last[m + 'draws'])} of {int(games)}",
                      str(run["steps"]), time])
     machines = sorted({machine_label(run["machine"]) for run in r["runs"] if run.get("machine")})
+    machines = machines or ["machine not recorded (a stopped run)"]
     head = (f"{'; '.join(machines)}; seed 0" + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
     header = ["settings", "score vs random at each evaluation (step)", "last vs random (95% CI)", "invalid",
               "drawn vs minimax", "steps", "time"]
