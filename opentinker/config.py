@@ -157,7 +157,7 @@ class TrainConfig(_Config):
     credit), ``gae`` (GAE over turns with a learned critic: the policy's adapter gets a value
     head, trained with the value loss beside the policy loss: PPO with a critic), ``exact_gae``
     (GAE with the game's exact state values as the critic, for a game that values its states
-    against each of the policy's opponents: tic-tac-toe against random and minimax)."""
+    against each of the policy's opponents: ``GameEval.state_values``)."""
     loss: str = "ppo"
     """Policy loss, a name in ``learners.LOSSES`` of kind policy: ``ppo``,
     ``importance_sampling``, ``cispo``."""

@@ -134,7 +134,7 @@ def test_bad_names_are_refused_before_start_with_the_known_ones(tiny_path) -> No
             {"name": "main", "train": policy_train or {}}]}, JobConfig)
 
     with pytest.raises(ValueError, match=r"train.advantage 'ppo' is not an advantage estimator; "
-                                         r"known: \['dr_grpo', 'gae', 'grpo', 'reinforce_ema', "
+                                         r"known: \['dr_grpo', 'exact_gae', 'gae', 'grpo', 'reinforce_ema', "
                                          r"'rloo', 'role_ema', 'turn_returns'\]"):
         check_job(cfg({"advantage": "ppo"}))
     check_job(cfg({"advantage": "gae"}))  # PPO with a learned critic
