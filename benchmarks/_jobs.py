@@ -22,8 +22,9 @@ import numpy as np
 import psutil
 
 import games
-from opentinker.config import JobConfig, to_toml
-from opentinker.serve.job_procs import GRACE_S, die_with_parent
+from opentinker.config import JobConfig, load_config, to_toml
+from opentinker.control.checkpoints import latest_checkpoint
+from opentinker.serve.job_procs import die_with_parent, stop_all
 
 
 def bootstrap_ci(values: list[float], n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
@@ -118,17 +119,6 @@ def forward_signals() -> Iterator[Forward]:
             signal.signal(sig, handler)
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM to ``proc``, then SIGKILL if it has not ended within :data:`GRACE_S`."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str, float]]:
     """Run ``cmd``, echoing its lines with ``prefix`` and keeping them in ``log``; returns its
     wall time and peak memory. SIGINT and SIGTERM meanwhile are passed on to it
@@ -153,7 +143,7 @@ def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str,
                     print(f"  [{prefix}] {line.rstrip()}", flush=True)
             rc = proc.wait()
         except BaseException:
-            _stop(proc)
+            stop_all([proc])  # its process group: what the job started stops with it
             raise
         finally:
             mem = peak.stop() if peak is not None else {}
@@ -181,18 +171,23 @@ def finished_run(root: Path, name: str, seed: int, config: bytes | None = None) 
     return done[-1] if done else None
 
 
-def stopped_run(root: Path, name: str, seed: int, config: bytes | None = None) -> tuple[Path, int] | None:
+def stopped_run(root: Path, name: str, seed: int, config: bytes | None = None,
+                verified: bool = True) -> tuple[Path, int] | None:
     """The newest run folder of job ``name`` and ``seed`` under ``root`` (of exactly ``config``
-    where given) that stopped before its end with a checkpoint to go on from, and the step of
-    its newest checkpoint; None when there is none (a run stopped before its first checkpoint
-    has nothing to keep)."""
+    where given) that stopped before its end with a checkpoint to go on from, and that
+    checkpoint's step: the one ``opentinker run --resume`` takes, the newest that checks out
+    against the run's own ``config.toml``
+    (:func:`~opentinker.control.checkpoints.latest_checkpoint`); with ``verified`` False (a
+    listing: no weights read) the newest with a readable ``state.json``. None when there is
+    none (a run stopped before its first checkpoint, or whose checkpoints all fail their
+    checks, has nothing to keep)."""
     for run in reversed(_runs(root, name, seed, config)):
         if (run / "summary.json").is_file():
             return None  # a newer run finished: nothing stopped after it
-        steps = [int(p.parent.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*/state.json")
-                 if p.parent.name.removeprefix("step_").isdigit()]
-        if steps:
-            return run, max(steps)
+        try:
+            return run, latest_checkpoint(run, load_config(run / "config.toml") if verified else None).step
+        except (ValueError, OSError):
+            continue
     return None
 
 

@@ -313,7 +313,7 @@ def unfinished(out: Path) -> list[str]:
             again = f"--jobs {job} --seeds {seed}"
             if finished_run(folder, cfg.name, int(seed)) is not None:
                 lines.append(f"{job} seed {seed}: trained; its final evaluation runs with {again}")
-            elif (stopped := stopped_run(folder, cfg.name, int(seed))) is not None:
+            elif (stopped := stopped_run(folder, cfg.name, int(seed), verified=False)) is not None:
                 steps = tomllib.loads((stopped[0] / "config.toml").read_text())["train"]["steps"]
                 lines.append(f"{job} seed {seed}: not finished, with the checkpoint of step {stopped[1]} of {steps}; "
                              f"{again} goes on from it")

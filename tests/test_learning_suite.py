@@ -205,7 +205,7 @@ def test_seeds_stopped_or_not_yet_evaluated_are_listed(tmp_path) -> None:
 
     def checkpoint(path: Path, step: int) -> None:
         (path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        (path / "checkpoints" / f"step_{step}" / "state.json").write_text(json.dumps({"step": step}))
+        (path / "checkpoints" / f"step_{step}" / "state.json").write_text(json.dumps({"step": step, "first_eval": {}, "last_eval": {}}))
 
     checkpoint(run(1, sha[:8]), 3)
     (run(2, sha[:8]) / "summary.json").write_text("{}")

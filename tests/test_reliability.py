@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -172,6 +173,26 @@ def test_corrupt_checkpoint_is_reported_by_file_and_skipped(finished, tmp_path, 
         latest_checkpoint(run, cfg)
     assert main(["run", "--resume", str(run)]) == 2
     assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_benchmark_goes_on_from_the_checkpoint_a_resume_takes(finished, tmp_path) -> None:
+    """The benchmark scripts' ``stopped_run`` (which their ``run_or_reuse`` resumes from) names
+    the checkpoint ``opentinker run --resume`` takes: a newest one that fails its checks is
+    passed over for the one before it, a run whose checkpoints all fail has nothing to go on
+    from (the seed starts afresh), and a listing (``verified=False``) reads only state.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from _jobs import stopped_run
+
+    run = tmp_path / "referential_v0__rel__0__20261206-000000"  # how a run folder is named
+    shutil.copytree(finished, run)
+    (run / "summary.json").unlink()  # stopped before its end
+    assert stopped_run(tmp_path, "rel", 0) == (run, 3)
+    _nan(run / "checkpoints" / "step_3")
+    assert stopped_run(tmp_path, "rel", 0) == (run, 2) == (run, latest_checkpoint(run, _cfg(tmp_path, 3)).step)
+    assert stopped_run(tmp_path, "rel", 0, verified=False) == (run, 3)
+    _nan(run / "checkpoints" / "step_2")
+    assert stopped_run(tmp_path, "rel", 0) is None
+    assert stopped_run(tmp_path, "rel", 1) is None and stopped_run(tmp_path, "other", 0) is None
 
 
 def test_what_a_checksum_manifest_does_not_protect_against(finished, tmp_path) -> None:
