@@ -130,6 +130,11 @@ class StateValues:
 
     opponents: tuple[str, ...]
     value: Callable[[str, str, str], float]
+    moves: Callable[[str, str, str], Mapping[str, float]] | None = None
+    """``moves(infostate, agent, opponent)``: ``{move: value}`` for every legal move at the
+    state, keyed by its canonical reply (the ``legal_moves``): the expected final reward when
+    ``agent`` plays it, then best against ``opponent`` (``value`` is their maximum). With it a
+    job can move every legal reply at each decision it played (``train.move_values``)."""
 
     def __post_init__(self) -> None:
         if not self.opponents:

@@ -55,8 +55,9 @@ search (memoized: 5,478 positions), preferring faster wins and slower losses;
 **Exact values.** `state_value(board, agent, opponent)`: the expected result (+1 win, 0 draw,
 -1 loss) for `agent`, to move on `board`, playing best from there on against `opponent`:
 `tictactoe_minimax` (the negamax value's sign) or `random` (expectimax against uniform legal
-moves, memoized). The critic of the `exact_gae`
-advantage (`EVALUATION.state_values`).
+moves, memoized). `move_values(board, agent, opponent)`: the same for each empty cell taken
+(the state's value is their maximum). The critic of the `exact_gae` advantage and the move
+values of `train.move_values` (`EVALUATION.state_values`).
 
 **Version history.** v0: initial release; `brief` added (default off: the messages as before).
 """
@@ -168,23 +169,32 @@ def _vs_random(board: str) -> float:
     """The mover's expected result on a live ``board`` when it plays best and the other seat
     plays a uniformly random empty cell (expectimax)."""
     player = to_move(board)
-    best = -1.0
-    for i in range(9):
-        if board[i] != EMPTY:
-            continue
-        after = _place(board, i, player)
-        if winner_mark(after) is not None:
-            return 1.0
-        if EMPTY not in after:
-            best = max(best, 0.0)
-            continue
-        replies = []
-        for j in range(9):
-            if after[j] == EMPTY:
-                last = _place(after, j, MARKS[1 - MARKS.index(player)])
-                replies.append(-1.0 if winner_mark(last) is not None else 0.0 if EMPTY not in last else _vs_random(last))
-        best = max(best, sum(replies) / len(replies))
-    return best
+    return max(_after_vs_random(_place(board, i, player)) for i in range(9) if board[i] == EMPTY)
+
+
+def _after_vs_random(after: str) -> float:
+    """The expected result for the seat that just moved to ``after`` when the other seat plays
+    a uniformly random empty cell and it plays best from there on (+1 for its line)."""
+    if winner_mark(after) is not None:
+        return 1.0
+    if EMPTY not in after:
+        return 0.0
+    other = to_move(after)
+    replies = []
+    for j in range(9):
+        if after[j] == EMPTY:
+            last = _place(after, j, other)
+            replies.append(-1.0 if winner_mark(last) is not None else 0.0 if EMPTY not in last else _vs_random(last))
+    return sum(replies) / len(replies)
+
+
+def _after_vs_minimax(after: str) -> float:
+    """The result for the seat that just moved to ``after`` against optimal play from there on
+    (both sides optimal: the negamax value's sign)."""
+    if winner_mark(after) is not None:
+        return 1.0
+    v = -_value(after)
+    return float((v > 0) - (v < 0))
 
 
 VALUED_OPPONENTS = ("random", "tictactoe_minimax")
@@ -196,15 +206,22 @@ def state_value(board: str, agent: str, opponent: str) -> float:
     (its ``infostate``), playing best from there on against ``opponent`` (one of
     :data:`VALUED_OPPONENTS`): +1 a sure win, 0 a draw, -1 a sure loss. ``ValueError`` for a
     malformed or finished board, another seat's move or another opponent."""
+    return max(move_values(board, agent, opponent).values())
+
+
+def move_values(board: str, agent: str, opponent: str) -> dict[str, float]:
+    """``{cell: value}`` for every empty cell of ``board`` (as its reply, "1"-"9", ascending:
+    the ``legal_moves``): ``agent``'s expected result when it takes that cell, then plays best
+    against ``opponent`` (:func:`state_value` is their maximum). ``ValueError`` as
+    :func:`state_value`."""
     if agent not in AGENTS:
         raise ValueError(f"agent must be one of {AGENTS}, got {agent!r}")
-    _check_board(board, MARKS[AGENTS.index(agent)])
-    if opponent == "tictactoe_minimax":
-        v = _value(board)
-        return float((v > 0) - (v < 0))
-    if opponent == "random":
-        return _vs_random(board)
-    raise ValueError(f"tic-tac-toe values states against {', '.join(VALUED_OPPONENTS)}, not {opponent!r}")
+    mark = MARKS[AGENTS.index(agent)]
+    _check_board(board, mark)
+    after = {"random": _after_vs_random, "tictactoe_minimax": _after_vs_minimax}.get(opponent)
+    if after is None:
+        raise ValueError(f"tic-tac-toe values states against {', '.join(VALUED_OPPONENTS)}, not {opponent!r}")
+    return {str(i + 1): after(_place(board, i, mark)) for i in range(9) if board[i] == EMPTY}
 
 
 def render_board(board: str) -> str:
@@ -335,6 +352,6 @@ def env(**kwargs: Any) -> AECEnv[str, dict[str, str], str]:
 
 EVALUATION = GameEval(unit="score", per="game", scripted=("tictactoe_minimax",),
                       system_prompt="You are playing tic-tac-toe.",
-                      state_values=StateValues(VALUED_OPPONENTS, state_value))
+                      state_values=StateValues(VALUED_OPPONENTS, state_value, move_values))
 """The evaluation hook: win +1, draw 0, loss -1 per game; the minimax player as a scripted seat;
 exact state values against it and against random."""

@@ -7,11 +7,13 @@ definition of every algorithm. Two registries, each with one calling convention:
 * :data:`ADVANTAGES`: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_ema``, ``role_ema``,
   ``turn_returns``, ``gae``, ``exact_gae``; ``fn(EpisodeBatch, state, config) -> Advantages``.
 * :data:`LOSSES`: ``ppo``, ``importance_sampling``, ``cispo``, ``value``, ``entropy``,
-  ``kl_k1``, ``kl_k2``, ``kl_k3``, ``dpo``, ``ipo``, ``sft``; ``fn(logp_N, inputs, config) ->
+  ``kl_k1``, ``kl_k2``, ``kl_k3``, ``move_values``, ``dpo``, ``ipo``, ``sft``; ``fn(logp_N, inputs, config) ->
   LossOutput``.
 
 Beside them, :func:`all_actions_weights` and :func:`all_actions_datums`: the exact
-all-actions update of a game whose payoff is known exactly (Kuhn poker), as datums.
+all-actions update of a game whose payoff is known exactly (Kuhn poker), as datums; and
+:mod:`learners.move_values`, the ``move_values`` term (every legal move at each decision played
+moved by the game's exact value of it).
 """
 
 from learners.advantages import (
@@ -55,12 +57,14 @@ from learners.losses import (
     register_loss,
     split_terms,
 )
+from learners.move_values import MOVE_INPUTS, move_weights, with_move_inputs
 from learners.offline import pair_datums, preference_pairs, sft_datums
 from learners.preferences import chunked_token_logprobs, dpo, ipo
 
 __all__ = [
     "ADVANTAGES",
     "LOSSES",
+    "MOVE_INPUTS",
     "Advantages",
     "Assembly",
     "EmaState",
@@ -85,6 +89,7 @@ __all__ = [
     "logprob_mismatch",
     "loss_token_count",
     "losses_of_kind",
+    "move_weights",
     "pair_datums",
     "policy_diagnostics",
     "preference_pairs",
@@ -99,5 +104,6 @@ __all__ = [
     "trajectory_to_datum",
     "trajectory_tokens",
     "turn_rewards",
+    "with_move_inputs",
     "with_value_inputs",
 ]

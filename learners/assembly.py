@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from learners.advantages import EmaState, EpisodeBatch, estimate, standardize
+from learners.move_values import move_width, with_move_inputs
 from protocols.messages import Datum, Trajectory
 
 
@@ -230,6 +231,7 @@ def assemble(
     state: EmaState | None = None,
     role_prefix: str = "",
     values: Sequence[np.ndarray] | None = None,
+    moves: bool = False,
 ) -> Assembly:
     """Advantages and datums for one policy's trajectories of one step.
 
@@ -250,12 +252,16 @@ def assemble(
             ``t``). Turn ``k``'s value is read at its decision position; the value after the
             last turn is 0. The datums then carry the value loss's inputs
             (:func:`with_value_inputs`) with the estimator's value targets.
+        moves: the datums carry the ``move_values`` term's inputs, ``[T, M]`` with ``M`` the
+            most legal moves of a valued decision here
+            (:func:`learners.move_values.with_move_inputs`; all empty where no turn has
+            ``move_tokens``).
 
     Returns:
         :class:`Assembly`; metrics: ``reward_mean`` (over trajectories), ``adv_mean`` and
         ``adv_abs_mean`` (over turns), ``frac_zero_adv_groups`` (groups whose advantages are
         all exactly 0: no learning signal), ``n_datums``, ``n_loss_tokens``; with values also
-        ``n_value_positions``.
+        ``n_value_positions``; with moves ``n_move_decisions`` (turns with move values).
 
     Raises:
         ValueError: duplicates (see :func:`sort_trajectories`), values of the wrong length,
@@ -278,6 +284,9 @@ def assemble(
     if result.value_targets is not None and batch.values is not None:
         datums = [with_value_inputs(d, decision_positions(t), v[:-1], r)
                   for d, t, v, r in zip(datums, ordered, batch.values, result.value_targets)]
+    if moves:
+        width = move_width(ordered)
+        datums = [with_move_inputs(d, t, decision_positions(t), width) for d, t in zip(datums, ordered)]
 
     turns_A = np.concatenate(result.per_turn)
     group_ids_D = batch.group_ids_D
@@ -294,6 +303,8 @@ def assemble(
     }
     if result.value_targets is not None:
         metrics["n_value_positions"] = float(loss_token_count(datums, "value_mask"))
+    if moves:
+        metrics["n_move_decisions"] = float(sum(t.move_tokens is not None for tr in ordered for t in tr.turns))
     return Assembly(datums, metrics, result.state)
 
 

@@ -234,6 +234,13 @@ class TrainConfig(_Config):
     """With ``all_actions``: weight of a term that raises the model's total probability of the
     canonical replies at those decisions, without moving the mix between moves (so the exact
     measure keeps describing what the policy says)."""
+    move_values: Coef = 0.0
+    """Weight of a term that moves every legal move at each decision a step played by the
+    game's exact value of it against the episode's scripted opponent (for a game whose
+    ``GameEval.state_values`` values moves, ``StateValues.moves``): each
+    move's first reply token gains its value minus the decision's mean (Neural Replicator
+    Dynamics on the decisions played, :mod:`learners.move_values`), beside the sampled
+    episodes' loss; 0 disables it."""
     record_trajectories: bool = True
     """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
     seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
@@ -269,6 +276,8 @@ class TrainConfig(_Config):
             out[f"kl_{self.kl_estimator}"] = self.kl_coef
         if self.entropy_coef:
             out["entropy"] = self.entropy_coef
+        if self.move_values:
+            out["move_values"] = self.move_values
         if self.critic:
             out.update(value=self.value_coef, value_clip=self.value_clip)
         return out

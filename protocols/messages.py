@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -201,15 +201,23 @@ class ValuesResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 # Scheduler: training and adapters
 
 
+MOVE_INPUTS = ("move_tokens", "move_weights")
+"""The :class:`Datum` loss inputs of shape ``[T, M]`` (the ``move_values`` term's); every other
+is ``[T]``."""
+
+
 class Datum(msgspec.Struct, frozen=True, kw_only=True):
     """One training sequence: tokens and named per-token loss inputs.
 
-    Every array in ``loss_inputs`` has the shape of ``tokens`` (``[T]``); entry ``t`` refers
-    to token ``t`` as predicted from tokens ``< t``. ``mask`` (1 on sampled tokens, 0 on
+    Every array in ``loss_inputs`` has the length of ``tokens`` (``[T]``, or ``[T, M]`` for
+    ``move_tokens`` and ``move_weights``, the same ``M`` in every datum of a call); entry ``t``
+    refers to token ``t`` as predicted from tokens ``< t``. ``mask`` (1 on sampled tokens, 0 on
     observation tokens; entry 0 is always 0) is required; the loss names the others it needs
     (e.g. ``advantages``, ``sampler_logprobs``). The value loss reads ``value_mask`` (1 where
     the critic is trained, e.g. each turn's first sampled token), ``value_targets`` and
-    ``old_values`` at those positions, aligned as :class:`ValuesResult`'s values.
+    ``old_values`` at those positions, aligned as :class:`ValuesResult`'s values. The
+    ``move_values`` term reads ``move_tokens`` (token ids, -1 for none) and ``move_weights``
+    at decision positions: each legal move's first token there and its weight.
     """
 
     tokens: np.ndarray
@@ -604,6 +612,13 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     """The game's exact value of this decision's state to the seat, against the episode's
     scripted opponent played well from there on (``GameEval.state_values``); None where the
     game does not value it. The critic of the ``exact_gae`` advantage."""
+    move_tokens: np.ndarray | None = None
+    """``int32[M]``: the first token of each legal move's canonical reply at this decision,
+    where the game values every legal move here as it does the state (``StateValues.moves``)
+    and no two replies start with the same token; None otherwise."""
+    move_values: np.ndarray | None = None
+    """``float32[M]``: the game's exact value of each of those moves to the seat (the targets
+    of ``train.move_values``); None with ``move_tokens``."""
 
 
 class Trajectory(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -161,9 +161,9 @@ def test_group_draws_give_a_groups_episodes_one_opponent(chat_tok):
 @pytest.mark.parametrize("opponent", ["random", "tictactoe_minimax"])
 def test_a_learners_turns_carry_the_games_value_of_their_state(chat_tok, opponent):
     """Against a scripted opponent the game values (tic-tac-toe: random, minimax), each turn of
-    a training episode carries ``state_value`` of the board it was played on, for its seat; a
-    self-play one carries none."""
-    from games.tictactoe import state_value
+    a training episode carries ``state_value`` of the board it was played on, for its seat, and
+    ``move_values`` of each empty cell; a self-play one carries none."""
+    from games.tictactoe import move_values, state_value
 
     main = PolicyRef(kind=PolicyKind.ADAPTER, name="main")
     other = PolicyRef(kind=PolicyKind.SCRIPTED, name=opponent)
@@ -188,6 +188,11 @@ def test_a_learners_turns_carry_the_games_value_of_their_state(chat_tok, opponen
     assert len(traj.turns) == len(boards) >= 3
     assert [t.game_value for t in traj.turns] == [state_value(b, "player_x", opponent) for b in boards]
     assert traj.turns[0].game_value == (0.0 if opponent == "tictactoe_minimax" else pytest.approx(0.9948, abs=1e-4))
+    for t, b in zip(traj.turns, boards):  # and every legal move's value, by its reply's first token
+        values = move_values(b, "player_x", opponent)
+        assert t.move_tokens.tolist() == [chat_tok.encode(m)[0] for m in values]
+        assert t.move_values.tolist() == pytest.approx(list(values.values()))
     boards.clear()
     _, trajectories = run(play_episode(*spec(True, {"player_x": main, "player_o": main}), chat_tok, sample))
-    assert trajectories and all(t.game_value is None for traj in trajectories for t in traj.turns)
+    assert trajectories and all(t.game_value is None and t.move_tokens is None and t.move_values is None
+                                for traj in trajectories for t in traj.turns)

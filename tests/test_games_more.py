@@ -11,6 +11,7 @@ from typing import Any
 import gymnasium
 import numpy as np
 import pytest
+from conftest import play_to_end
 from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import AECEnv
@@ -20,8 +21,13 @@ from pettingzoo.utils import wrappers
 import games
 from games.bridge import default_parse_reply, printable
 from games.scripted import MinimaxPolicy, RandomPolicy, make_scripted
-from games.tictactoe import minimax_move, minimax_moves, parse_reply, state_value, winner_mark
-from conftest import play_to_end
+from games.tictactoe import (
+    minimax_move,
+    minimax_moves,
+    parse_reply,
+    state_value,
+    winner_mark,
+)
 
 # --- tic-tac-toe --------------------------------------------------------------------------
 
@@ -251,6 +257,21 @@ class _BestVsRandom:
 AGENT_OF = {"X": "player_x", "O": "player_o"}
 
 
+def live_positions() -> dict[str, str]:
+    """Every live tic-tac-toe position (4,520: no line, an empty cell) and the mark to move."""
+    live, frontier = {".........": "X"}, ["........."]
+    while frontier:
+        board = frontier.pop()
+        mark = live[board]
+        for i in range(9):
+            if board[i] == ".":
+                nxt = board[:i] + mark + board[i + 1:]
+                if nxt not in live and winner_mark(nxt) is None and "." in nxt:
+                    live[nxt] = "O" if mark == "X" else "X"
+                    frontier.append(nxt)
+    return live
+
+
 def test_tictactoe_state_values_against_random_and_minimax() -> None:
     """The game's exact values: a win now is +1 against either; the empty board is a draw
     against minimax and worth what greedy play on the values scores against random (400
@@ -261,17 +282,7 @@ def test_tictactoe_state_values_against_random_and_minimax() -> None:
     v = state_value(".........", "player_x", "random")
     scores = [_match({X: _BestVsRandom(), O: make_scripted("random")}, seed)[X] for seed in range(400)]
     assert 0.9 < v < 1.0 and abs(np.mean(scores) - v) < 3 * np.std(scores) / np.sqrt(len(scores)) + 0.01
-    live = {".........": "X"}
-    frontier = ["........."]
-    while frontier:  # every live position
-        board = frontier.pop()
-        mark = "X" if board.count("X") == board.count("O") else "O"
-        for i in range(9):
-            if board[i] == ".":
-                nxt = board[:i] + mark + board[i + 1:]
-                if nxt not in live and winner_mark(nxt) is None and "." in nxt:
-                    live[nxt] = "O" if mark == "X" else "X"
-                    frontier.append(nxt)
+    live = live_positions()
     assert len(live) == 4520
     for board, mark in live.items():
         agent = AGENT_OF[mark]

@@ -58,9 +58,9 @@ def test_registry_names_and_descriptors() -> None:
     assert {n for n, e in ADVANTAGES.items() if e.needs_values} == {"gae"}
     assert {n for n, e in ADVANTAGES.items() if e.needs_game_values} == {"exact_gae"}
     assert set(LOSSES) == {"ppo", "importance_sampling", "cispo", "value", "entropy", "kl_k1",
-                           "kl_k2", "kl_k3", "dpo", "ipo", "sft"}
+                           "kl_k2", "kl_k3", "move_values", "dpo", "ipo", "sft"}
     assert losses_of_kind(LossKind.POLICY) == ["cispo", "importance_sampling", "ppo"]
-    assert losses_of_kind(LossKind.PENALTY) == ["entropy", "kl_k1", "kl_k2", "kl_k3"]
+    assert losses_of_kind(LossKind.PENALTY) == ["entropy", "kl_k1", "kl_k2", "kl_k3", "move_values"]
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGES) + sorted(LOSSES))

@@ -1,6 +1,7 @@
 """Fuzz a real scheduler (tiny-random) with hostile requests of every class of issue #14 that
 reaches it, from an authenticated peer: work no bound allows (``max_tokens`` of 0 or 10**9,
-prompts over the context), bad arrays (2-D, float, empty, out of the vocabulary), adapter paths
+prompts over the context), bad arrays (2-D, float, empty, out of the vocabulary; a move term's
+ids), adapter paths
 outside the run's folder, dropping another peer's adapter, ``Shutdown`` from a non-owner,
 unknown adapters and losses, non-finite optimizer settings, and request ids reused from
 another peer. Every request gets a typed error or a reply, never ``internal``; the owner's
@@ -53,9 +54,17 @@ def hostile(rng: np.random.Generator, run_dir: str, outside: str, n: int):
     if kind == 2:  # bad arrays
         bad = [np.stack([toks, toks]), toks.astype(np.float32), np.zeros(0, np.int32), toks + 10**6, -toks, toks > 3]
         return LogprobsRequest(adapter=None, sequences=[toks, bad[int(rng.integers(len(bad)))]])
-    if kind == 3:
+    if kind == 3 and rng.random() < 0.5:
         return ForwardBackward(adapter="pol", loss=str(rng.choice(["ppo", "no_such_loss"])), normalizer=1.0,
                                datums=[Datum(tokens=toks, loss_inputs={"mask": np.ones(int(rng.integers(1, 12)), np.float32)})])
+    if kind == 3:  # the move_values term's [T, M] inputs: ids out of the vocabulary, floats, 1-D, missing
+        mask = np.ones(8, np.float32)
+        ids = [np.full((8, 3), 10**6, np.int32), np.full((8, 3), 2.5, np.float32), np.ones(8, np.int32),
+               np.full((8, 3), -7, np.int32), None][int(rng.integers(5))]
+        moves = {} if ids is None else {"move_tokens": ids, "move_weights": np.zeros(np.shape(ids), np.float32)}
+        return ForwardBackward(adapter="pol", loss="ppo", normalizer=1.0, loss_config={"move_values": 1.0},
+                               datums=[Datum(tokens=toks, loss_inputs={"mask": mask, "advantages": mask,
+                                                                       "sampler_logprobs": -mask, **moves})])
     if kind == 4:  # paths outside the run's folder
         path = str(rng.choice([f"{outside}/x{n}", f"{run_dir}/../outside/y{n}", f"{run_dir}/link/z{n}", f"rel{n}", "/"]))
         return SaveAdapter(adapter="pol", path=path)

@@ -193,6 +193,8 @@ def _check_game(cfg: JobConfig) -> None:
                                   f"opponent's action probabilities, known only for {', '.join(sorted(known))}")
         if cfg.train_for(p.name).advantage == "exact_gae":
             _check_exact_gae(cfg, p.name, hook)
+        if cfg.train_for(p.name).move_values > 0:
+            _check_move_values(cfg, p.name, hook)
         for o in sorted(p.opponents):
             if o in games.SCRIPTED and o not in plays:
                 raise ConfigError(f"policies[{p.name}].opponents",
@@ -219,6 +221,23 @@ def _check_exact_gae(cfg: JobConfig, policy: str, hook: GameEval) -> None:
     if cfg.train_for(policy).gamma != 1.0:
         raise ConfigError(field, f"exact_gae: the game's values are undiscounted; train.gamma must be 1, "
                                  f"not {cfg.train_for(policy).gamma:g}")
+
+
+def _check_move_values(cfg: JobConfig, policy: str, hook: GameEval) -> None:
+    """A policy trained with ``move_values`` plays a game that values each legal move
+    (``StateValues.moves``) against at least one of its opponents (the decisions of its other
+    games add nothing to the term), and not with the all-actions term (whose datums carry no
+    moves)."""
+    p = next(q for q in cfg.policies if q.name == policy)
+    field = f"policies[{policy}].train.move_values" if "move_values" in p.train else "train.move_values"
+    values = hook.state_values
+    if values is None or values.moves is None:
+        raise ConfigError(field, f"{cfg.game}'s evaluation hook gives no exact values of moves (StateValues.moves)")
+    if not any(w > 0 and o in values.opponents for o, w in p.opponents.items()):
+        raise ConfigError(field, f"{cfg.game} values moves against {', '.join(values.opponents)} only, and the "
+                                 f"policy plays none of them")
+    if cfg.train_for(policy).all_actions > 0:
+        raise ConfigError(field, "not with train.all_actions (its datums have no moves); use one or the other")
 
 
 def _check_init(cfg: JobConfig, policy: str, init: str) -> None:

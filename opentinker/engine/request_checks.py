@@ -18,6 +18,7 @@ from opentinker.engine.anchored import Anchored, PathNotAllowed, anchor
 from opentinker.engine.spec_checks import check_adam, check_spec
 from opentinker.files import name_problem
 from protocols.messages import (
+    MOVE_INPUTS,
     CreateAdapter,
     ForwardBackward,
     LogprobsRequest,
@@ -68,11 +69,16 @@ def check_request(msg: Message, vocab_size: int, max_context: int | None = None,
             where = f"ForwardBackward.datums[{i}]"
             check_tokens(d.tokens, f"{where}.tokens", vocab_size, max_context)
             for k, v in d.loss_inputs.items():
-                if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype.kind not in "biuf":
+                ndim = 2 if k in MOVE_INPUTS else 1  # [T, M]: a decision's moves
+                if not isinstance(v, np.ndarray) or v.ndim != ndim or v.dtype.kind not in "biuf":
                     got = f"{v.ndim}-D {v.dtype}" if isinstance(v, np.ndarray) else type(v).__name__
-                    raise ValueError(f"{where}.loss_inputs[{k!r}] must be a 1-D numeric array, got {got}")
+                    raise ValueError(f"{where}.loss_inputs[{k!r}] must be a {ndim}-D numeric array, got {got}")
                 if len(v) != len(d.tokens):
                     raise ValueError(f"{where}.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
+            ids = d.loss_inputs.get("move_tokens")
+            if ids is not None and ids.size and (ids.dtype.kind not in "iu" or ids.min() < -1 or ids.max() >= vocab_size):
+                raise ValueError(f"{where}.loss_inputs['move_tokens'] must be integer token ids below {vocab_size} "
+                                 f"(-1: none), got {ids.dtype} from {ids.min()} to {ids.max()}")
 
 
 def check_job_name(name: str) -> None:

@@ -331,6 +331,23 @@ def project_logprobs(
     return logp[inverse_N], (None if ent is None else ent[inverse_N])
 
 
+def project_move_logprobs(lm_head: torch.nn.Module, hidden: Hidden, index_N: torch.Tensor,
+                          tokens_N_M: torch.Tensor) -> torch.Tensor:
+    """``float32[N, M]``: the log-probs of the tokens ``tokens_N_M`` (ids; -1: none, 0 given
+    there) as the next token at the hidden rows ``index_N`` (from :meth:`Hidden.at`), from
+    the full vocabulary, differentiable; only rows with a token go through the projection
+    (the ``move_values`` term's decisions, a few per sequence)."""
+    tokens_N_M = tokens_N_M.to(device=hidden.h_U_H.device).long()
+    out = torch.zeros(tokens_N_M.shape, dtype=torch.float32, device=hidden.h_U_H.device)
+    valid_N_M = tokens_N_M >= 0
+    rows = valid_N_M.any(dim=1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    logp_R_V = torch.log_softmax(lm_head(hidden.h_U_H[index_N[rows]]).float(), dim=-1)
+    got_R_M = logp_R_V.gather(1, tokens_N_M[rows].clamp_min(0)) * valid_N_M[rows]
+    return out.index_copy(0, rows, got_R_M)
+
+
 def selected_logprobs(
     body: HiddenFn,
     lm_head: torch.nn.Module,

@@ -22,6 +22,7 @@ import torch
 
 from learners import (
     LOSSES,
+    MOVE_INPUTS,
     LossKind,
     compute_loss,
     explained_variance,
@@ -31,7 +32,7 @@ from learners import (
 from opentinker.engine import value_head
 from opentinker.engine.registry import AdapterRegistry, AdapterState
 from opentinker.engine.inference import Inference, scaled
-from opentinker.engine.shared_forward import HEAD_ROWS, project_logprobs
+from opentinker.engine.shared_forward import HEAD_ROWS, project_logprobs, project_move_logprobs
 from opentinker.engine.model import layer_checkpointing
 from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, computed_tokens, gather
 from protocols.messages import AdamParams, Datum
@@ -108,6 +109,8 @@ class _LossPlan:
     """Compute ``entropy`` (full-vocabulary) at the log-prob positions."""
     entropy_grad: bool
     """The entropy is a term of the loss (differentiable), not only a diagnostic."""
+    want_moves: bool
+    """Compute ``move_logprobs`` (the ``move_values`` term's) from ``move_tokens``."""
     policy: bool
     """The main loss is a policy loss (the log-prob mismatch is reported)."""
     temperature: float
@@ -173,6 +176,9 @@ class Trainer:
             for k, v in d.loss_inputs.items():
                 if len(v) != len(d.tokens):
                     raise ValueError(f"Datum.loss_inputs[{k!r}] has length {len(v)}, tokens {len(d.tokens)}")
+                if np.shape(v)[1:] != np.shape(datums[0].loss_inputs[k])[1:]:
+                    raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs[{k!r}] has shape {np.shape(v)}, "
+                                     f"datums[0]'s {np.shape(datums[0].loss_inputs[k])}: only the length may differ")
                 bad = np.nonzero(~np.isfinite(np.asarray(v, dtype=np.float64)))[0]
                 if len(bad):
                     raise ValueError(f"ForwardBackward.datums[{i}].loss_inputs[{k!r}] is not finite at "
@@ -257,7 +263,7 @@ class Trainer:
         on_values = [j for j in jobs if LOSSES[j.name].kind is LossKind.VALUE]
         on_logp = [j for j in jobs if LOSSES[j.name].kind is not LossKind.VALUE]
         named = state.critic(adapter, "forward_backward with the 'value' loss") if on_values else {}
-        self.check_datums(datums, ("mask", *(VALUE_INPUTS if on_values else ())))
+        self.check_datums(datums, ("mask", *(VALUE_INPUTS if on_values else ()), *(MOVE_INPUTS if "move_values" in terms else ())))
         given = set(datums[0].loss_inputs) if datums else set()
         needs = set().union(*(LOSSES[j.name].needs for j in on_logp))
         policy = spec.kind is LossKind.POLICY
@@ -265,7 +271,8 @@ class Trainer:
             adapter=adapter, state=state, on_logp=on_logp, on_values=on_values, critic=named, given=given,
             want_ref="ref_logprobs" in needs and "ref_logprobs" not in given,
             want_entropy=bool(on_logp) and ("entropy" in needs or policy) and "entropy" not in given,
-            entropy_grad="entropy" in terms, policy=policy, temperature=temperature,
+            entropy_grad="entropy" in terms, want_moves="move_logprobs" in needs and "move_logprobs" not in given,
+            policy=policy, temperature=temperature,
             lm_head=scaled(self.registry.lm_head, temperature))
 
     def _part_backward(self, plan: _LossPlan, part: Sequence[Datum], acc: MetricSums, seen: _Seen) -> None:
@@ -298,6 +305,9 @@ class Trainer:
                     inputs["ref_logprobs"] = ref_N
                 if entropy_N is not None:
                     inputs["entropy"] = entropy_N
+                if plan.want_moves:
+                    inputs["move_logprobs"] = project_move_logprobs(plan.lm_head, hidden, hidden.at(masks),
+                                                                    inputs["move_tokens"])
                 outputs.append((plan.on_logp, logp_N, inputs))
                 if plan.policy:
                     seen.logp.append(logp_N.detach())

@@ -272,9 +272,9 @@ async def play_episode(
         else:
             reply = await _llm_reply(play, agent, ref, obs["text"], info, sample, score)
             text = reply.text
-        value = _game_value(play, agent, info) if reply is not None else None
+        valued = _game_value(play, agent, info) if reply is not None else _NOT_VALUED
         env.step(text)
-        _record(play, agent, ref, before, text, reply, value)
+        _record(play, agent, ref, before, text, reply, valued)
     else:
         if env.agents:
             raise RuntimeError(f"episode {spec.episode_id} did not end in {MAX_AGENT_STEPS} agent-steps")
@@ -360,24 +360,45 @@ async def _explore(play: _Play, ref: PolicyRef, prompt: np.ndarray, legal: list[
                         stop_reasons=[StopReason.STOP], adapter_version=version, batch_id=-1)
 
 
-def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> float | None:
+class _Valued(NamedTuple):
+    """What the game knows exactly of a decision (:func:`_game_value`)."""
+
+    value: float | None = None
+    move_tokens: np.ndarray | None = None
+    move_values: np.ndarray | None = None
+
+
+_NOT_VALUED = _Valued()
+
+
+def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> _Valued:
     """The game's exact value of ``agent``'s decision state (its ``info["infostate"]``) in a
-    training episode against one scripted opponent the game values (``GameEval.state_values``);
-    None otherwise."""
+    training episode against one scripted opponent the game values (``GameEval.state_values``),
+    and of each legal move there where the game values moves (``StateValues.moves``; the moves'
+    first reply tokens must differ, else none); empty otherwise."""
     values, spec = play.state_values, play.spec
     if values is None or not spec.train or "infostate" not in info:
-        return None
+        return _NOT_VALUED
     others = [ref for a, ref in spec.seats.items() if a != agent]
     if len(others) != 1 or others[0].kind is not PolicyKind.SCRIPTED or others[0].name not in values.opponents:
-        return None
-    return float(values.value(str(info["infostate"]), agent, others[0].name))
+        return _NOT_VALUED
+    state, opponent = str(info["infostate"]), others[0].name
+    value = float(values.value(state, agent, opponent))
+    if values.moves is None:
+        return _Valued(value)
+    moves = values.moves(state, agent, opponent)
+    firsts = [play.tok.encode(str(m))[:1] for m in moves]
+    tokens = [f[0] for f in firsts if f]
+    if len(tokens) != len(moves) or len(set(tokens)) != len(tokens):
+        return _Valued(value)
+    return _Valued(value, np.asarray(tokens, np.int32), np.asarray(list(moves.values()), np.float32))
 
 
 def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[int, int]], text: str,
-            reply: _Reply | None, value: float | None = None) -> None:
+            reply: _Reply | None, valued: _Valued = _NOT_VALUED) -> None:
     """After ``agent``'s move ``text`` (``reply``: an LLM seat's, else None): whether the game
-    took it (``before``: :meth:`_Play.counts` before it), its turn (with the game's ``value``
-    of the state it was made in, :func:`_game_value`), the rewards it paid (one paid to another
+    took it (``before``: :meth:`_Play.counts` before it), its turn (with what the game knows
+    exactly of the state it was made in, :func:`_game_value`), the rewards it paid (one paid to another
     seat goes to that seat's latest turn), its transcript line."""
     env = play.env
     invalid_before, calls_before = before
@@ -397,7 +418,9 @@ def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[in
                 stop_reason=result.stop_reasons[0],
                 parse=parse,
                 reward=float(env.rewards.get(agent, 0.0)),
-                game_value=value,
+                game_value=valued.value,
+                move_tokens=valued.move_tokens,
+                move_values=valued.move_values,
             )
         )
     for a, rew in env.rewards.items():

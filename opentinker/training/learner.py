@@ -309,7 +309,8 @@ class Learner:
         self._write_live(version_before, before, cut_after=msg.step - 1)
         values = await self._values(trajectories)
         datums, metrics, new_state = assemble(
-            trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values
+            trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values,
+            moves=self.loss_config.get("move_values", 0.0) > 0,
         )
         if msg.datums:
             datums = list(msg.datums) if msg.datums_only else [*datums, *msg.datums]

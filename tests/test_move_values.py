@@ -1,0 +1,201 @@
+"""``train.move_values``: every legal move at each decision a step played, moved by the game's
+exact value of it (tic-tac-toe's ``move_values`` against random and minimax). The values are
+the game's (checked at every live position against an independent expectimax and minimax);
+the term moves each legal move's logit by exactly its weight; the assembly puts the moves at
+the decision positions; a real model's best move gains; a job asks for it only where it can
+work, and a tiny tic-tac-toe job trains with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_exact_gae import _job as exact_gae_job
+from test_games_more import AGENT_OF, live_positions
+
+from games.tictactoe import minimax_moves, move_values, state_value, winner_mark
+from learners import assemble, compute_loss, move_weights
+from opentinker.config import ConfigError, JobConfig
+from opentinker.control.config_checks import check_config
+from opentinker.engine.shared_forward import Hidden, project_move_logprobs
+from protocols.messages import (
+    AdamParams,
+    Datum,
+    LoraSpec,
+    ParseOutcome,
+    PolicyKind,
+    PolicyRef,
+    StopReason,
+    Trajectory,
+    Turn,
+)
+
+
+def _after_vs_random(after: str, me: str) -> float:
+    """``me``'s expected result having moved to ``after``, random to move, best play after
+    (written here apart from the game's own)."""
+    if winner_mark(after) is not None:
+        return 1.0
+    if "." not in after:
+        return 0.0
+    other = "O" if me == "X" else "X"
+    replies = [after[:j] + other + after[j + 1:] for j in range(9) if after[j] == "."]
+    return float(np.mean([-1.0 if winner_mark(r) else 0.0 if "." not in r else state_value(r, AGENT_OF[me], "random")
+                          for r in replies]))
+
+
+def test_each_cells_value_is_its_expected_result_with_best_play_after() -> None:
+    live = live_positions()
+    assert len(live) == 4520
+    for board, mark in live.items():
+        agent = AGENT_OF[mark]
+        empty = [str(i + 1) for i in range(9) if board[i] == "."]
+        vs_random = move_values(board, agent, "random")
+        assert list(vs_random) == empty  # the legal moves, in their order
+        for cell, v in vs_random.items():
+            i = int(cell) - 1
+            assert v == pytest.approx(_after_vs_random(board[:i] + mark + board[i + 1:], mark), abs=1e-12)
+        assert max(vs_random.values()) == state_value(board, agent, "random")
+        vs_minimax = move_values(board, agent, "tictactoe_minimax")
+        assert set(vs_minimax.values()) <= {-1.0, 0.0, 1.0}
+        best = max(vs_minimax.values())
+        assert best == state_value(board, agent, "tictactoe_minimax")
+        assert {str(c) for c in minimax_moves(board, mark)} <= {c for c, v in vs_minimax.items() if v == best}
+    # A win now is worth 1, a missed block loses against minimax.
+    assert move_values("XX.OO....", "player_x", "random")["3"] == 1.0
+    assert move_values("XX..O....", "player_o", "tictactoe_minimax") == {
+        "3": 0.0, "4": -1.0, "6": -1.0, "7": -1.0, "8": -1.0, "9": -1.0}
+    for board, agent, opponent, match in [("XX.OO....", "player_o", "random", "X's move"),
+                                          ("XXXOO....", "player_o", "random", "over"),
+                                          ("XX.OO....", "player_x", "self", "not 'self'")]:
+        with pytest.raises(ValueError, match=match):
+            move_values(board, agent, opponent)
+
+
+def test_the_term_moves_each_legal_moves_logit_by_its_weight() -> None:
+    """``d loss / d z = -coef * w`` on the legal moves' tokens, 0 on every other token and at
+    positions without moves; the metrics count decisions, the legal moves' mass and the best
+    moves' share of it."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+    hidden = Hidden(h_U_H=logits, tokens_U=torch.zeros(3, dtype=torch.long), rows=[], taken=[])
+    tokens = torch.tensor([[2, 5, 7], [-1, -1, -1], [1, 3, -1]], dtype=torch.float32)  # as gathered: float
+    w = torch.tensor([[0.5, -0.25, -0.25], [0.0, 0.0, 0.0], [0.3, -0.3, 0.0]])
+    lp = project_move_logprobs(torch.nn.Identity(), hidden, torch.arange(3), tokens)
+    out = compute_loss("move_values", torch.zeros(3), {"move_logprobs": lp, "move_weights": w, "move_tokens": tokens},
+                       {"coef": 2.0})
+    out.loss_sum.backward()
+    want = torch.zeros(3, 10, dtype=torch.float64)
+    want[0, [2, 5, 7]] = torch.tensor([-1.0, 0.5, 0.5], dtype=torch.float64)
+    want[2, [1, 3]] = torch.tensor([-0.6, 0.6], dtype=torch.float64)
+    torch.testing.assert_close(logits.grad, want)
+    p = torch.softmax(logits.detach(), -1)
+    mass = [p[0, [2, 5, 7]].sum(), p[2, [1, 3]].sum()]
+    assert out.metrics["decisions"] == 2.0
+    assert out.metrics["legal_mass"] == pytest.approx(float(sum(mass) / 2), rel=1e-5)
+    assert out.metrics["best_share"] == pytest.approx(float((p[0, 2] / mass[0] + p[2, 1] / mass[1]) / 2), rel=1e-5)
+    assert move_weights(np.array([1.0, 0.0, -0.5])) == pytest.approx([0.8333333, -0.1666667, -0.6666667])
+
+
+def _turn(obs: int, sampled: int, tokens: list[int] | None = None, values: list[float] | None = None) -> Turn:
+    return Turn(obs_tokens=np.arange(10, 10 + obs, dtype=np.int32), sampled_tokens=np.full(sampled, 7, np.int32),
+                sampler_logprobs=np.full(sampled, -1.0, np.float32), policy=PolicyRef(kind=PolicyKind.ADAPTER, name="p"),
+                stop_reason=StopReason.STOP, parse=ParseOutcome.OK, reward=0.0,
+                move_tokens=None if tokens is None else np.asarray(tokens, np.int32),
+                move_values=None if values is None else np.asarray(values, np.float32))
+
+
+def _trajectory(episode: int, turns: list[Turn], reward: float = 1.0) -> Trajectory:
+    return Trajectory(episode_id=episode, group_id=0, seat="player_x", seed=0, policy="p", turns=turns,
+                      total_reward=reward)
+
+
+def test_the_assembly_puts_each_decisions_moves_at_its_position() -> None:
+    a = _trajectory(0, [_turn(5, 2, [11, 12, 13], [1.0, 0.0, -1.0]), _turn(4, 2)])
+    b = _trajectory(1, [_turn(3, 1, [21, 22], [0.5, 0.5]), _turn(2, 1, [23, 24, 25, 26], [0, 0, 0, 1])], -1.0)
+    out = assemble([b, a], "dr_grpo", {}, moves=True)
+    assert out.metrics["n_move_decisions"] == 3.0
+    da, db = out.datums
+    assert da.loss_inputs["move_tokens"].shape == (13, 4) and db.loss_inputs["move_weights"].shape == (7, 4)
+    rows = np.nonzero((da.loss_inputs["move_tokens"] >= 0).any(axis=1))[0]
+    assert rows.tolist() == [5]  # turn 0's first sampled token; turn 1 has no moves
+    assert da.loss_inputs["move_tokens"][5].tolist() == [11, 12, 13, -1]
+    assert da.loss_inputs["move_weights"][5].tolist() == pytest.approx([1.0, 0.0, -1.0, 0.0])
+    assert np.nonzero((db.loss_inputs["move_tokens"] >= 0).any(axis=1))[0].tolist() == [3, 6]
+    assert db.loss_inputs["move_weights"][6].tolist() == pytest.approx([-0.25, -0.25, -0.25, 0.75])
+    assert "move_tokens" not in assemble([a], "dr_grpo", {}).datums[0].loss_inputs  # only when asked
+    none = assemble([_trajectory(0, [_turn(5, 2)])], "dr_grpo", {}, moves=True)
+    assert none.datums[0].loss_inputs["move_tokens"].shape == (7, 1) and none.metrics["n_move_decisions"] == 0.0
+    bad = _trajectory(0, [_turn(5, 2, [11, 12], [1.0, float("nan")])])
+    with pytest.raises(ValueError, match="episode 0 seat 'player_x' turn 0: move_values must be finite"):
+        assemble([bad], "dr_grpo", {}, moves=True)
+    odd = _trajectory(0, [_turn(5, 2, [11, 12], [1.0])])
+    with pytest.raises(ValueError, match="turn 0: move_tokens of shape"):
+        assemble([odd], "dr_grpo", {}, moves=True)
+
+
+@pytest.mark.parametrize("engine", ["own", "peft"])
+def test_a_models_best_move_gains_and_its_worst_loses(tiny_path, engine):
+    """One step on the term alone (zero advantages: the policy loss has no gradient) raises
+    the log-prob of the best move's token at the decision and lowers the worst's."""
+    from opentinker.engine.host import ModelHost
+
+    host = ModelHost(tiny_path, threads=1, engine=engine)
+    host.create_adapter("p", LoraSpec(seed=1))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(10, 2000, 12).astype(np.int32)
+    mask = np.zeros(12, np.float32)
+    mask[9:] = 1
+    moves = np.full((12, 3), -1, np.int32)
+    moves[9] = [40, 41, 42]
+    weights = np.zeros((12, 3), np.float32)
+    weights[9] = [1.0, 0.0, -1.0]
+    datum = Datum(tokens=tokens, loss_inputs={"mask": mask, "advantages": np.zeros(12, np.float32),
+                                              "sampler_logprobs": -mask, "move_tokens": moves, "move_weights": weights})
+
+    def logp() -> np.ndarray:
+        seqs = [np.concatenate([tokens[:9], [t]]).astype(np.int32) for t in (40, 41, 42)]
+        return np.array([host.logprobs("p", [s])[0][-1] for s in seqs])
+
+    before = logp()
+    _, metrics = host.forward_backward("p", [datum], "importance_sampling", {"move_values": 1.0}, 3.0)
+    assert metrics["move_values/decisions"] == 1.0 and 0 < metrics["move_values/best_share"] < 1
+    host.optim_step("p", AdamParams(lr=0.05))
+    change = logp() - before
+    assert change[0] > 0 > change[2] and change[0] > change[1] > change[2], change
+    with pytest.raises(ValueError, match=r"needs \['move_tokens', 'move_weights'\]"):
+        host.forward_backward("p", [Datum(tokens=tokens, loss_inputs={"mask": mask, "advantages": mask,
+                                                                        "sampler_logprobs": -mask})],
+                              "importance_sampling", {"move_values": 1.0}, 3.0)
+
+
+def _job(tmp_path, **over) -> JobConfig:
+    """test_exact_gae's tiny tic-tac-toe job, trained with the term instead."""
+    train = {"steps": 2, "checkpoint_every": 0, "groups_per_step": 2, "group_size": 2, "lr": 1e-2, "move_values": 1.0}
+    return exact_gae_job(tmp_path, **{"name": "moves", "train": train, **over})
+
+
+def test_move_values_needs_a_game_that_values_moves_against_an_opponent(tmp_path):
+    with pytest.raises(ConfigError, match="train.move_values: kuhn_poker_v0's evaluation hook gives no exact values "
+                                          "of moves"):
+        check_config(_job(tmp_path, game="kuhn_poker_v0", policies=[{"name": "main", "opponents": {"random": 1}}]))
+    with pytest.raises(ConfigError, match="tictactoe_v0 values moves against random, tictactoe_minimax only, and the "
+                                          "policy plays none of them"):
+        check_config(_job(tmp_path, policies=[{"name": "main", "opponents": {"self": 1}}]))
+    check_config(_job(tmp_path, policies=[{"name": "main", "opponents": {"self": 1, "random": 1}}]))
+    check_config(_job(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_tictactoe_job_trains_on_its_moves_values(tmp_path, tiny_path):
+    """Two steps of a real job: the decisions against random and minimax carry their moves, and
+    the term trains on them."""
+    from opentinker.run import run_job
+
+    result = run_job(_job(tmp_path))
+    trains = [r for r in result.rows if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [1, 2]
+    for r in trains:
+        assert r["train/main/n_move_decisions"] >= 4
+        assert r["train/main/loss/move_values/decisions"] == r["train/main/n_move_decisions"]
+        assert 0 < r["train/main/loss/move_values/best_share"] <= 1
