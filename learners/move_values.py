@@ -24,9 +24,13 @@ play after the move (a policy-improvement target, as ``exact_gae``'s critic), no
 policy's own play: the target is the best response to the opponent, which the gradient of the
 sampled episodes estimates only slowly.
 
-The first token stands for the whole reply: the runner records a decision's moves only where
-no two legal replies start with the same token (:class:`protocols.messages.Turn`'s
-``move_tokens``), and the term leaves the tokens after it to the sampled loss.
+A move is its whole reply, not its first token: a policy whose first token learns the best
+cell but goes on with another token than the stop token says "55", which the game refuses,
+and a group that all says it gets no signal from its outcomes. So after the decision the term
+also raises the rest of the sampled move's canonical reply, one token a position, with weight
+1, where the reply so far is that move's (the runner records each legal move's canonical
+reply, :class:`protocols.messages.Turn`'s ``move_tokens``, only where no two start with the
+same token). Rows whose weights sum to 0 are decisions; the others are these continuations.
 """
 
 from __future__ import annotations
@@ -58,13 +62,16 @@ def move_width(trajectories: Sequence[Trajectory]) -> int:
 
 def with_move_inputs(datum: Datum, traj: Trajectory, positions_K: np.ndarray, width: int) -> Datum:
     """``datum`` (``traj``'s, :func:`~learners.assembly.trajectory_to_datum`) plus the term's
-    inputs, each ``[T, width]``: ``move_tokens`` (``int32``, the legal moves' first tokens at
-    each valued turn's decision position ``positions_K[k]``, -1 elsewhere) and
-    ``move_weights`` (``float32``, :func:`move_weights` there, 0 elsewhere).
+    inputs, each ``[T, width]``: at each valued turn's decision position ``positions_K[k]``
+    the legal moves' first tokens (``move_tokens``, ``int32``; -1 pads) and their
+    :func:`move_weights` (``move_weights``, ``float32``); at the positions after it, while the
+    sampled reply follows a legal move's canonical reply, that reply's next token with weight
+    1; -1 and 0 elsewhere.
 
     Raises:
-        ValueError: a turn's move tokens and values differ in length, are not 1-D, exceed
-            ``width``, or its values are not finite; the message names the episode and turn.
+        ValueError: a turn's move tokens are not ``[M, L]`` with ``M`` values, exceed
+            ``width``, have a move without tokens, or its values are not finite; the message
+            names the episode and turn.
     """
     T = len(datum.tokens)
     tokens_T_M = np.full((T, width), -1, np.int32)
@@ -73,14 +80,26 @@ def with_move_inputs(datum: Datum, traj: Trajectory, positions_K: np.ndarray, wi
         if turn.move_tokens is None:
             continue
         where = f"episode {traj.episode_id} seat {traj.seat!r} turn {k}"
-        tok_M, val_M = np.asarray(turn.move_tokens), np.asarray(turn.move_values)
-        if tok_M.ndim != 1 or tok_M.shape != val_M.shape or not 0 < len(tok_M) <= width:
-            raise ValueError(f"{where}: move_tokens of shape {tok_M.shape} and move_values of shape "
-                             f"{val_M.shape} (at most {width} moves)")
+        replies_M_L, val_M = np.asarray(turn.move_tokens), np.asarray(turn.move_values)
+        if replies_M_L.ndim != 2 or val_M.shape != replies_M_L.shape[:1] or not 0 < len(val_M) <= width:
+            raise ValueError(f"{where}: move_tokens of shape {replies_M_L.shape} and move_values of shape "
+                             f"{val_M.shape} (want [M, L] and [M], M at most {width})")
+        if replies_M_L.shape[1] == 0 or np.any(replies_M_L[:, 0] < 0):
+            raise ValueError(f"{where}: a legal move without reply tokens in move_tokens")
         if not np.all(np.isfinite(val_M)):
             raise ValueError(f"{where}: move_values must be finite, got {val_M.tolist()}")
-        tokens_T_M[positions_K[k], : len(tok_M)] = tok_M
-        weights_T_M[positions_K[k], : len(tok_M)] = move_weights(val_M)
+        at = int(positions_K[k])
+        tokens_T_M[at, : len(val_M)] = replies_M_L[:, 0]
+        weights_T_M[at, : len(val_M)] = move_weights(val_M)
+        sampled = np.asarray(turn.sampled_tokens)
+        chosen = np.nonzero(replies_M_L[:, 0] == sampled[0])[0] if len(sampled) else []
+        if len(chosen) == 0:
+            continue  # not a legal move's reply: the sampled loss alone judges it
+        reply = replies_M_L[chosen[0]][replies_M_L[chosen[0]] >= 0]
+        for j in range(1, min(len(reply), len(sampled))):  # position at + j predicts reply[j]
+            if sampled[j - 1] != reply[j - 1]:
+                break
+            tokens_T_M[at + j, 0], weights_T_M[at + j, 0] = reply[j], 1.0
     return Datum(tokens=datum.tokens,
                  loss_inputs={**datum.loss_inputs, "move_tokens": tokens_T_M, "move_weights": weights_T_M})
 
@@ -102,10 +121,11 @@ def move_values(
         config: ``coef`` (default 1.0).
 
     Returns:
-        ``loss_sum``; metrics ``decisions`` (positions with moves), ``legal_mass`` (the mean
-        total probability of the legal moves there) and ``best_share`` (the mean share of the
+        ``loss_sum``; metrics ``decisions`` (rows whose weights sum to 0), ``legal_mass`` (the
+        mean total probability of the legal moves there), ``best_share`` (the mean share of the
         best moves, those of the largest weight, in that total: 1 for a policy that plays only
-        best moves).
+        best moves), ``continuations`` (the other rows: a sampled move's canonical reply going
+        on) and ``continuation_prob`` (the mean probability of its next token there).
     """
     lp = inputs["move_logprobs"].float()
     w = torch.as_tensor(inputs["move_weights"], dtype=torch.float32, device=lp.device)
@@ -114,12 +134,15 @@ def move_values(
         raise ValueError(f"loss 'move_values': move_logprobs {tuple(lp.shape)}, move_weights {tuple(w.shape)} and "
                          f"move_tokens {tuple(valid.shape)} must be [N, M] with N = {logp_N.shape[0]}")
     coef = float(config.get("coef", 1.0))
-    rows = valid.any(dim=1)
-    metrics = {"n_tokens": float(logp_N.numel()), "decisions": float(rows.sum())}
+    metrics = {"n_tokens": float(logp_N.numel())}
     with torch.no_grad():
-        p = lp[rows].exp() * valid[rows]
-        best = valid[rows] & (w[rows] == w[rows].masked_fill(~valid[rows], -torch.inf).amax(dim=1, keepdim=True))
+        used = valid.any(dim=1)
+        decision = used & ((w * valid).sum(dim=1).abs() < 1e-4)
+        rest = used & ~decision
+        p, v, wd = lp[decision].exp() * valid[decision], valid[decision], w[decision]
+        best = v & (wd == wd.masked_fill(~v, -torch.inf).amax(dim=1, keepdim=True))
         mass = p.sum(dim=1)
-        metrics["legal_mass"] = _mean(mass)
-        metrics["best_share"] = _mean((p * best).sum(dim=1) / mass.clamp_min(1e-30))
+        metrics.update(decisions=float(decision.sum()), legal_mass=_mean(mass),
+                       best_share=_mean((p * best).sum(dim=1) / mass.clamp_min(1e-30)),
+                       continuations=float(rest.sum()), continuation_prob=_mean(lp[rest][:, 0].exp()))
     return LossOutput(loss_sum=-coef * (w * lp * valid).sum(), metrics=metrics)

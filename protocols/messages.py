@@ -216,8 +216,9 @@ class Datum(msgspec.Struct, frozen=True, kw_only=True):
     (e.g. ``advantages``, ``sampler_logprobs``). The value loss reads ``value_mask`` (1 where
     the critic is trained, e.g. each turn's first sampled token), ``value_targets`` and
     ``old_values`` at those positions, aligned as :class:`ValuesResult`'s values. The
-    ``move_values`` term reads ``move_tokens`` (token ids, -1 for none) and ``move_weights``
-    at decision positions: each legal move's first token there and its weight.
+    ``move_values`` term reads ``move_tokens`` (token ids, -1 for none) and ``move_weights``:
+    at a decision position each legal move's first token and its weight (summing to 0), after
+    it the rest of the sampled move's canonical reply, one token a position, weight 1.
     """
 
     tokens: np.ndarray
@@ -613,9 +614,10 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     scripted opponent played well from there on (``GameEval.state_values``); None where the
     game does not value it. The critic of the ``exact_gae`` advantage."""
     move_tokens: np.ndarray | None = None
-    """``int32[M]``: the first token of each legal move's canonical reply at this decision,
-    where the game values every legal move here as it does the state (``StateValues.moves``)
-    and no two replies start with the same token; None otherwise."""
+    """``int32[M, L]``: each legal move's canonical reply at this decision as the policy would
+    sample it (its tokens and the stop token, -1 after), where the game values every legal
+    move here as it does the state (``StateValues.moves``) and no two replies start with the
+    same token; None otherwise."""
     move_values: np.ndarray | None = None
     """``float32[M]``: the game's exact value of each of those moves to the seat (the targets
     of ``train.move_values``); None with ``move_tokens``."""

@@ -190,7 +190,7 @@ def test_a_learners_turns_carry_the_games_value_of_their_state(chat_tok, opponen
     assert traj.turns[0].game_value == (0.0 if opponent == "tictactoe_minimax" else pytest.approx(0.9948, abs=1e-4))
     for t, b in zip(traj.turns, boards):  # and every legal move's value, by its reply's first token
         values = move_values(b, "player_x", opponent)
-        assert t.move_tokens.tolist() == [chat_tok.encode(m)[0] for m in values]
+        assert t.move_tokens.tolist() == [[*chat_tok.encode(m), chat_tok.eos_id] for m in values]  # one token each
         assert t.move_values.tolist() == pytest.approx(list(values.values()))
     boards.clear()
     _, trajectories = run(play_episode(*spec(True, {"player_x": main, "player_o": main}), chat_tok, sample))

@@ -73,35 +73,40 @@ def test_each_cells_value_is_its_expected_result_with_best_play_after() -> None:
 
 
 def test_the_term_moves_each_legal_moves_logit_by_its_weight() -> None:
-    """``d loss / d z = -coef * w`` on the legal moves' tokens, 0 on every other token and at
-    positions without moves; the metrics count decisions, the legal moves' mass and the best
-    moves' share of it."""
+    """``d loss / d z = -coef * w`` on a decision's legal moves' tokens, 0 on every other token
+    and at positions without moves; a continuation row (one token, weight 1) is that token's
+    log-likelihood. The metrics count decisions and continuations, the legal moves' mass, the
+    best moves' share of it and the continuation's probability."""
     torch.manual_seed(0)
-    logits = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
-    hidden = Hidden(h_U_H=logits, tokens_U=torch.zeros(3, dtype=torch.long), rows=[], taken=[])
-    tokens = torch.tensor([[2, 5, 7], [-1, -1, -1], [1, 3, -1]], dtype=torch.float32)  # as gathered: float
-    w = torch.tensor([[0.5, -0.25, -0.25], [0.0, 0.0, 0.0], [0.3, -0.3, 0.0]])
-    lp = project_move_logprobs(torch.nn.Identity(), hidden, torch.arange(3), tokens)
-    out = compute_loss("move_values", torch.zeros(3), {"move_logprobs": lp, "move_weights": w, "move_tokens": tokens},
+    logits = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    hidden = Hidden(h_U_H=logits, tokens_U=torch.zeros(4, dtype=torch.long), rows=[], taken=[])
+    tokens = torch.tensor([[2, 5, 7], [-1, -1, -1], [1, 3, -1], [4, -1, -1]], dtype=torch.float32)  # gathered: float
+    w = torch.tensor([[0.5, -0.25, -0.25], [0.0, 0.0, 0.0], [0.3, -0.3, 0.0], [1.0, 0.0, 0.0]])
+    lp = project_move_logprobs(torch.nn.Identity(), hidden, torch.arange(4), tokens)
+    out = compute_loss("move_values", torch.zeros(4), {"move_logprobs": lp, "move_weights": w, "move_tokens": tokens},
                        {"coef": 2.0})
     out.loss_sum.backward()
-    want = torch.zeros(3, 10, dtype=torch.float64)
+    p = torch.softmax(logits.detach(), -1)
+    want = torch.zeros(4, 10, dtype=torch.float64)
     want[0, [2, 5, 7]] = torch.tensor([-1.0, 0.5, 0.5], dtype=torch.float64)
     want[2, [1, 3]] = torch.tensor([-0.6, 0.6], dtype=torch.float64)
+    want[3] = 2.0 * p[3]
+    want[3, 4] -= 2.0
     torch.testing.assert_close(logits.grad, want)
-    p = torch.softmax(logits.detach(), -1)
     mass = [p[0, [2, 5, 7]].sum(), p[2, [1, 3]].sum()]
-    assert out.metrics["decisions"] == 2.0
+    assert (out.metrics["decisions"], out.metrics["continuations"]) == (2.0, 1.0)
     assert out.metrics["legal_mass"] == pytest.approx(float(sum(mass) / 2), rel=1e-5)
     assert out.metrics["best_share"] == pytest.approx(float((p[0, 2] / mass[0] + p[2, 1] / mass[1]) / 2), rel=1e-5)
+    assert out.metrics["continuation_prob"] == pytest.approx(float(p[3, 4]), rel=1e-5)
     assert move_weights(np.array([1.0, 0.0, -0.5])) == pytest.approx([0.8333333, -0.1666667, -0.6666667])
 
 
-def _turn(obs: int, sampled: int, tokens: list[int] | None = None, values: list[float] | None = None) -> Turn:
-    return Turn(obs_tokens=np.arange(10, 10 + obs, dtype=np.int32), sampled_tokens=np.full(sampled, 7, np.int32),
-                sampler_logprobs=np.full(sampled, -1.0, np.float32), policy=PolicyRef(kind=PolicyKind.ADAPTER, name="p"),
-                stop_reason=StopReason.STOP, parse=ParseOutcome.OK, reward=0.0,
-                move_tokens=None if tokens is None else np.asarray(tokens, np.int32),
+def _turn(obs: int, sampled: list[int], replies: list[list[int]] | None = None,
+          values: list[float] | None = None) -> Turn:
+    return Turn(obs_tokens=np.arange(100, 100 + obs, dtype=np.int32), sampled_tokens=np.asarray(sampled, np.int32),
+                sampler_logprobs=np.full(len(sampled), -1.0, np.float32),
+                policy=PolicyRef(kind=PolicyKind.ADAPTER, name="p"), stop_reason=StopReason.STOP, parse=ParseOutcome.OK,
+                reward=0.0, move_tokens=None if replies is None else np.asarray(replies, np.int32),
                 move_values=None if values is None else np.asarray(values, np.float32))
 
 
@@ -110,28 +115,41 @@ def _trajectory(episode: int, turns: list[Turn], reward: float = 1.0) -> Traject
                       total_reward=reward)
 
 
-def test_the_assembly_puts_each_decisions_moves_at_its_position() -> None:
-    a = _trajectory(0, [_turn(5, 2, [11, 12, 13], [1.0, 0.0, -1.0]), _turn(4, 2)])
-    b = _trajectory(1, [_turn(3, 1, [21, 22], [0.5, 0.5]), _turn(2, 1, [23, 24, 25, 26], [0, 0, 0, 1])], -1.0)
-    out = assemble([b, a], "dr_grpo", {}, moves=True)
-    assert out.metrics["n_move_decisions"] == 3.0
-    da, db = out.datums
-    assert da.loss_inputs["move_tokens"].shape == (13, 4) and db.loss_inputs["move_weights"].shape == (7, 4)
-    rows = np.nonzero((da.loss_inputs["move_tokens"] >= 0).any(axis=1))[0]
-    assert rows.tolist() == [5]  # turn 0's first sampled token; turn 1 has no moves
-    assert da.loss_inputs["move_tokens"][5].tolist() == [11, 12, 13, -1]
-    assert da.loss_inputs["move_weights"][5].tolist() == pytest.approx([1.0, 0.0, -1.0, 0.0])
-    assert np.nonzero((db.loss_inputs["move_tokens"] >= 0).any(axis=1))[0].tolist() == [3, 6]
-    assert db.loss_inputs["move_weights"][6].tolist() == pytest.approx([-0.25, -0.25, -0.25, 0.75])
+def _rows(datum: Datum) -> dict[int, tuple[list[int], list[float]]]:
+    """The datum's move rows: position -> (tokens, weights)."""
+    tokens, weights = datum.loss_inputs["move_tokens"], datum.loss_inputs["move_weights"]
+    return {int(t): (tokens[t].tolist(), weights[t].tolist()) for t in np.nonzero((tokens >= 0).any(axis=1))[0]}
+
+
+def test_the_assembly_puts_each_decisions_moves_and_the_replys_rest_at_their_positions() -> None:
+    """Turn k's legal moves at its decision position (its first sampled token) weighted by
+    value minus mean; after it, while the sampled reply is a legal move's canonical reply, that
+    reply's next token with weight 1 (the stop token after "12" even where "9" was sampled);
+    nothing after a reply that is no legal move's or once it leaves the canonical one."""
+    a = _trajectory(0, [_turn(5, [12, 0], [[11, 0], [12, 0], [13, 0]], [1.0, 0.0, -1.0]), _turn(4, [7, 7])])
+    b = _trajectory(1, [_turn(3, [21, 9], [[21, 0], [22, 0]], [0.5, 0.5]),
+                        _turn(2, [99], [[23, 0], [24, 0], [25, 0], [26, 0]], [0, 0, 0, 1])], -1.0)
+    c = _trajectory(2, [_turn(2, [31, 40, 0], [[31, 32, 0], [33, 0, -1]], [0.0, 1.0])])
+    out = assemble([c, b, a], "dr_grpo", {}, moves=True)
+    assert out.metrics["n_move_decisions"] == 4.0
+    da, db, dc = out.datums
+    assert da.loss_inputs["move_tokens"].shape == (13, 4) and db.loss_inputs["move_weights"].shape == (8, 4)
+    assert _rows(da) == {5: ([11, 12, 13, -1], pytest.approx([1.0, 0.0, -1.0, 0.0])), 6: ([0, -1, -1, -1], [1, 0, 0, 0])}
+    assert _rows(db) == {3: ([21, 22, -1, -1], [0, 0, 0, 0]), 4: ([0, -1, -1, -1], [1, 0, 0, 0]),
+                         7: ([23, 24, 25, 26], pytest.approx([-0.25, -0.25, -0.25, 0.75]))}
+    assert _rows(dc) == {2: ([31, 33, -1, -1], [-0.5, 0.5, 0, 0]), 3: ([32, -1, -1, -1], [1, 0, 0, 0])}
     assert "move_tokens" not in assemble([a], "dr_grpo", {}).datums[0].loss_inputs  # only when asked
-    none = assemble([_trajectory(0, [_turn(5, 2)])], "dr_grpo", {}, moves=True)
+    none = assemble([_trajectory(0, [_turn(5, [7, 7])])], "dr_grpo", {}, moves=True)
     assert none.datums[0].loss_inputs["move_tokens"].shape == (7, 1) and none.metrics["n_move_decisions"] == 0.0
-    bad = _trajectory(0, [_turn(5, 2, [11, 12], [1.0, float("nan")])])
+    bad = _trajectory(0, [_turn(5, [11, 0], [[11, 0], [12, 0]], [1.0, float("nan")])])
     with pytest.raises(ValueError, match="episode 0 seat 'player_x' turn 0: move_values must be finite"):
         assemble([bad], "dr_grpo", {}, moves=True)
-    odd = _trajectory(0, [_turn(5, 2, [11, 12], [1.0])])
+    odd = _trajectory(0, [_turn(5, [11, 0], [[11, 0], [12, 0]], [1.0])])
     with pytest.raises(ValueError, match="turn 0: move_tokens of shape"):
         assemble([odd], "dr_grpo", {}, moves=True)
+    empty = _trajectory(0, [_turn(5, [11, 0], [[11, 0], [-1, -1]], [1.0, 0.0])])
+    with pytest.raises(ValueError, match="turn 0: a legal move without reply tokens"):
+        assemble([empty], "dr_grpo", {}, moves=True)
 
 
 @pytest.mark.parametrize("engine", ["own", "peft"])
@@ -189,7 +207,7 @@ def test_move_values_needs_a_game_that_values_moves_against_an_opponent(tmp_path
 @pytest.mark.slow
 def test_a_tictactoe_job_trains_on_its_moves_values(tmp_path, tiny_path):
     """Two steps of a real job: the decisions against random and minimax carry their moves, and
-    the term trains on them."""
+    the term trains on them and on the rest of the replies that are legal moves."""
     from opentinker.run import run_job
 
     result = run_job(_job(tmp_path))
@@ -199,3 +217,4 @@ def test_a_tictactoe_job_trains_on_its_moves_values(tmp_path, tiny_path):
         assert r["train/main/n_move_decisions"] >= 4
         assert r["train/main/loss/move_values/decisions"] == r["train/main/n_move_decisions"]
         assert 0 < r["train/main/loss/move_values/best_share"] <= 1
+        assert r["train/main/loss/move_values/continuations"] > 0  # the explored replies go on canonically

@@ -374,8 +374,9 @@ _NOT_VALUED = _Valued()
 def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> _Valued:
     """The game's exact value of ``agent``'s decision state (its ``info["infostate"]``) in a
     training episode against one scripted opponent the game values (``GameEval.state_values``),
-    and of each legal move there where the game values moves (``StateValues.moves``; the moves'
-    first reply tokens must differ, else none); empty otherwise."""
+    and of each legal move there where the game values moves (``StateValues.moves``), with
+    each move's canonical reply as the policy would sample it (:func:`reply_tokens`; their
+    first tokens must differ, else no moves); empty otherwise."""
     values, spec = play.state_values, play.spec
     if values is None or not spec.train or "infostate" not in info:
         return _NOT_VALUED
@@ -387,11 +388,13 @@ def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> _Valued:
     if values.moves is None:
         return _Valued(value)
     moves = values.moves(state, agent, opponent)
-    firsts = [play.tok.encode(str(m))[:1] for m in moves]
-    tokens = [f[0] for f in firsts if f]
-    if len(tokens) != len(moves) or len(set(tokens)) != len(tokens):
+    replies = [reply_tokens(play.tok, str(m), play.msg.sampling.max_tokens) for m in moves]
+    if not moves or len({int(r[0]) for r in replies}) != len(replies):
         return _Valued(value)
-    return _Valued(value, np.asarray(tokens, np.int32), np.asarray(list(moves.values()), np.float32))
+    tokens = np.full((len(replies), max(len(r) for r in replies)), -1, np.int32)
+    for i, r in enumerate(replies):
+        tokens[i, : len(r)] = r
+    return _Valued(value, tokens, np.asarray(list(moves.values()), np.float32))
 
 
 def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[int, int]], text: str,
