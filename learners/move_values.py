@@ -24,6 +24,13 @@ play after the move (a policy-improvement target, as ``exact_gae``'s critic), no
 policy's own play: the target is the best response to the opponent, which the gradient of the
 sampled episodes estimates only slowly.
 
+Those weights move the legal moves against each other only; what the model says that is no
+legal move (an occupied cell, a word) keeps its probability, and a group whose every game
+forfeits that way gets no signal from its outcomes (a probe said an occupied "1" in every
+game for steps on end). So the term also raises the legal moves' total probability at each
+decision, ``log sum_m p_m`` (the gradient of saying a legal move at all, which leaves the mix
+between them alone), with the same coefficient.
+
 A move is its whole reply, not its first token: a policy whose first token learns the best
 cell but goes on with another token than the stop token says "55", which the game refuses,
 and a group that all says it gets no signal from its outcomes. So after the decision the term
@@ -109,8 +116,9 @@ def move_values(
     logp_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> LossOutput:
     """Neural Replicator Dynamics (Hennes et al. 2020: each action's logit moves by its
-    advantage) on the decisions played: ``loss = -coef * sum_{n,m} w_{n,m} lp_{n,m}`` (the
-    module docstring).
+    advantage) on the decisions played, with the legal moves' total probability raised:
+    ``loss = -coef * (sum_{n,m} w_{n,m} lp_{n,m} + sum_{decisions n} log sum_{legal m}
+    exp(lp_{n,m}))`` (the module docstring).
 
     Args:
         logp_N: ``float[N]`` log-probs of the loss tokens (shape only).
@@ -135,14 +143,15 @@ def move_values(
                          f"move_tokens {tuple(valid.shape)} must be [N, M] with N = {logp_N.shape[0]}")
     coef = float(config.get("coef", 1.0))
     metrics = {"n_tokens": float(logp_N.numel())}
+    used = valid.any(dim=1)
+    decision = used & ((w * valid).sum(dim=1).abs() < 1e-4)
+    rest = used & ~decision
+    legal = lp[decision].masked_fill(~valid[decision], -torch.inf).logsumexp(dim=1)  # log of the legal mass
     with torch.no_grad():
-        used = valid.any(dim=1)
-        decision = used & ((w * valid).sum(dim=1).abs() < 1e-4)
-        rest = used & ~decision
         p, v, wd = lp[decision].exp() * valid[decision], valid[decision], w[decision]
         best = v & (wd == wd.masked_fill(~v, -torch.inf).amax(dim=1, keepdim=True))
         mass = p.sum(dim=1)
         metrics.update(decisions=float(decision.sum()), legal_mass=_mean(mass),
                        best_share=_mean((p * best).sum(dim=1) / mass.clamp_min(1e-30)),
                        continuations=float(rest.sum()), continuation_prob=_mean(lp[rest][:, 0].exp()))
-    return LossOutput(loss_sum=-coef * (w * lp * valid).sum(), metrics=metrics)
+    return LossOutput(loss_sum=-coef * ((w * lp * valid).sum() + legal.sum()), metrics=metrics)

@@ -73,9 +73,9 @@ def test_each_cells_value_is_its_expected_result_with_best_play_after() -> None:
 
 
 def test_the_term_moves_each_legal_moves_logit_by_its_weight() -> None:
-    """``d loss / d z = -coef * w`` on a decision's legal moves' tokens, 0 on every other token
-    and at positions without moves; a continuation row (one token, weight 1) is that token's
-    log-likelihood. The metrics count decisions and continuations, the legal moves' mass, the
+    """``d loss / d z = -coef * w`` on a decision's legal moves' tokens, plus the gradient of
+    ``-coef * log`` of their total probability; 0 at positions without moves; a continuation
+    row (one token, weight 1) is that token's log-likelihood. The metrics count decisions and continuations, the legal moves' mass, the
     best moves' share of it and the continuation's probability."""
     torch.manual_seed(0)
     logits = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
@@ -90,6 +90,9 @@ def test_the_term_moves_each_legal_moves_logit_by_its_weight() -> None:
     want = torch.zeros(4, 10, dtype=torch.float64)
     want[0, [2, 5, 7]] = torch.tensor([-1.0, 0.5, 0.5], dtype=torch.float64)
     want[2, [1, 3]] = torch.tensor([-0.6, 0.6], dtype=torch.float64)
+    for row, legal in ((0, [2, 5, 7]), (2, [1, 3])):  # - log of the legal mass: p - p / mass on the legal
+        want[row] += 2.0 * p[row]
+        want[row, legal] -= 2.0 * p[row, legal] / p[row, legal].sum()
     want[3] = 2.0 * p[3]
     want[3, 4] -= 2.0
     torch.testing.assert_close(logits.grad, want)
