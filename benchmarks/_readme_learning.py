@@ -296,6 +296,7 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                     f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
                     + (", opponent_draws group" if c["opponent_draws"] == "group" else "")
                     + (f", entropy_coef {c['entropy_coef']:g}" if c.get("entropy_coef") else "")
+                    + (f", move_values {c['move_values']:g}" if c.get("move_values") else "")
                     + (f", {c['advantage']}" + (f" lam {c['lam']:g}" if "gae" in c["advantage"] else "")
                        if c.get("advantage", "dr_grpo") != "dr_grpo" else ""))
         curve = ", ".join(f"{e[k + 'score']:+.3f} ({e['step']})" for e in run["curve"])
