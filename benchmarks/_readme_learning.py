@@ -282,6 +282,10 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
             + ("met" if checks["met"] else "not met") + f" ({target['anchor']})")
 
 
+BUNDLED_MIX = {"random": 0.75, "tictactoe_minimax": 0.25}
+"""The bundled tic-tac-toe job's opponents (a run with another mix says so in its settings)."""
+
+
 def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
     """Tic-tac-toe runs (``collect_runs.py``, e.g. ``tictactoe_runs.json``): per run its
     settings, the score against random at every evaluation, the last evaluation against random
@@ -297,6 +301,8 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                     + (", opponent_draws group" if c["opponent_draws"] == "group" else "")
                     + (f", entropy_coef {c['entropy_coef']:g}" if c.get("entropy_coef") else "")
                     + (f", move_values {c['move_values']:g}" if c.get("move_values") else "")
+                    + ("".join(f", {o} {w:g}" for o, w in mix.items()) + " of the games"
+                       if (mix := c.get("opponents", {}).get("main", BUNDLED_MIX)) != BUNDLED_MIX else "")
                     + (f", {c['advantage']}" + (f" lam {c['lam']:g}" if "gae" in c["advantage"] else "")
                        if c.get("advantage", "dr_grpo") != "dr_grpo" else ""))
         curve = ", ".join(f"{e[k + 'score']:+.3f} ({e['step']})" for e in run["curve"])

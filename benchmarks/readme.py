@@ -53,6 +53,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "learning_suite": render_learning_suite,
     "tictactoe_runs": render_tictactoe_runs,
     "tictactoe_exact_gae": lambda results: render_tictactoe_runs(results, "tictactoe_exact_gae"),
+    "tictactoe_move_values": lambda results: render_tictactoe_runs(results, "tictactoe_move_values"),
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
     "learning_suite_n3_20steps": lambda results: render_learning_suite(results, "learning_suite_n3_20steps"),
