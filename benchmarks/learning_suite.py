@@ -208,7 +208,8 @@ def config_sha256(job: str) -> str:
     return hashlib.sha256(("\n".join(lines) + "\n").encode()).hexdigest()
 
 
-NEUTRAL_FIELDS = {("[train]", 'opponent_draws = "episode"'), ("[train]", "all_actions_decisions = 0")}
+NEUTRAL_FIELDS = {("[train]", 'opponent_draws = "episode"'), ("[train]", "all_actions_decisions = 0"),
+                  ("[train]", "move_values = 0.0")}
 """(TOML table, line) of the config fields added after suite results were made, at the value
 that behaves as the code did before them; add a field here when adding it to the config."""
 

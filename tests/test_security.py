@@ -367,6 +367,14 @@ def _inputs(needs: frozenset[str], n: int, gen, scale: float) -> dict:
             out[key] = torch.arange(n) // 2
         elif key == "pair_sign":
             out[key] = torch.tensor([1.0, -1.0]).repeat(n // 2)
+        elif key == "move_tokens":  # [n, 3]: decisions of 1-3 legal moves, continuations, rows without moves
+            out[key] = torch.randint(-1, 50, (n, 3), generator=gen).float()
+        elif key == "move_logprobs":  # the full vocabulary's log-probs of those tokens: <= 0, maybe far below
+            out[key] = -torch.rand(n, 3, generator=gen) * scale * (torch.rand(n, 3, generator=gen) * 10)
+        elif key == "move_weights":  # each decision's values minus their mean; a continuation's 1
+            w = torch.randn(n, 3, generator=gen) * scale
+            out[key] = torch.where(torch.rand(n, 1, generator=gen) < 0.3, torch.tensor([1.0, 0.0, 0.0]),
+                                   w - w.mean(dim=1, keepdim=True))
         else:
             raise AssertionError(f"the property test cannot build input {key!r}: teach it")
     return out
@@ -389,8 +397,9 @@ def test_every_registered_loss_is_finite_with_finite_gradients():
             scale = (1.0, 100.0, 1e4)[trial % 3]
             first = (torch.randn(n, generator=gen) * (scale if spec.kind.value == "value" else 1.0)).requires_grad_()
             # What the runtime differentiates: the first argument (log-probs, or a critic's
-            # values) and the entropies; the other inputs are data.
-            inputs = {k: v.requires_grad_() if k == "entropy" else v for k, v in _inputs(needs, n, gen, scale).items()}
+            # values), the entropies and the moves' log-probs; the other inputs are data.
+            inputs = {k: v.requires_grad_() if k in ("entropy", "move_logprobs") else v
+                      for k, v in _inputs(needs, n, gen, scale).items()}
             wrt = [first, *(v for v in inputs.values() if v.requires_grad)]
             for config in CONFIGS:
                 out = LOSSES[name](first, inputs, config)
