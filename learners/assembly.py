@@ -232,6 +232,7 @@ def assemble(
     role_prefix: str = "",
     values: Sequence[np.ndarray] | None = None,
     moves: bool = False,
+    move_values_against: Mapping[str, float] | None = None,
 ) -> Assembly:
     """Advantages and datums for one policy's trajectories of one step.
 
@@ -256,6 +257,8 @@ def assemble(
             most legal moves of a valued decision here
             (:func:`learners.move_values.with_move_inputs`; all empty where no turn has
             ``move_tokens``).
+        move_values_against: with ``moves``, weigh each move by this weighted sum of its values
+            against the named opponents (``Turn.move_values_by``), not by ``Turn.move_values``.
 
     Returns:
         :class:`Assembly`; metrics: ``reward_mean`` (over trajectories), ``adv_mean`` and
@@ -286,7 +289,8 @@ def assemble(
                   for d, t, v, r in zip(datums, ordered, batch.values, result.value_targets)]
     if moves:
         width = move_width(ordered)
-        datums = [with_move_inputs(d, t, decision_positions(t), width) for d, t in zip(datums, ordered)]
+        datums = [with_move_inputs(d, t, decision_positions(t), width, move_values_against)
+                  for d, t in zip(datums, ordered)]
 
     turns_A = np.concatenate(result.per_turn)
     group_ids_D = batch.group_ids_D

@@ -17,7 +17,7 @@ to 0) and ``p_m`` the model's probability of move ``m``'s first reply token at t
     loss = -coef * sum_s sum_m w_m log p_m,    d loss / d z_m = -coef * w_m
 
 for the logit ``z_m`` of each legal move's first token (the softmax's normaliser cancels since
-the weights sum to 0; no other token's logit moves). A move better than the decision's average
+the weights sum to 0; these weights move no other token's logit). A move better than the decision's average
 gains by how much better, however unlikely it is now, so a policy collapsed onto a few
 favourite cells still learns to take a winning cell or block one. ``Q`` is the value of best
 play after the move (a policy-improvement target, as ``exact_gae``'s critic), not of the
@@ -38,6 +38,16 @@ also raises the rest of the sampled move's canonical reply, one token a position
 1, where the reply so far is that move's (the runner records each legal move's canonical
 reply, :class:`protocols.messages.Turn`'s ``move_tokens``, only where no two start with the
 same token). Rows whose weights sum to 0 are decisions; the others are these continuations.
+
+Against which opponent is a move valued? By default the episode's own: a policy that plays a
+random opponent three games in four and minimax in one is taught the best response to each in
+its own games, two targets that differ at the same kind of state. ``train.move_values_against``
+gives one target for every decision instead, a weighted sum of the values against each named
+opponent (the runner records them all, ``Turn.move_values_by``): ``{minimax = 1, random =
+0.5}`` ranks a move that loses against best play below every move that does not (the minimax
+values step by 1, the random ones are worth at most 1 apart at that weight), and among those
+prefers the one that wins most against random: play that draws against minimax and wins
+against random.
 """
 
 from __future__ import annotations
@@ -49,9 +59,9 @@ import torch
 
 from learners.diagnostics import mean as _mean
 from learners.losses import LossKind, LossOutput, register_loss
-from protocols.messages import MOVE_INPUTS, Datum, Trajectory
+from protocols.messages import MOVE_INPUTS, Datum, Trajectory, Turn
 
-__all__ = ["MOVE_INPUTS", "move_values", "move_weights", "move_width", "with_move_inputs"]
+__all__ = ["MOVE_INPUTS", "move_values", "move_weights", "move_width", "turn_move_values", "with_move_inputs"]
 
 
 def move_weights(values_M: np.ndarray) -> np.ndarray:
@@ -67,13 +77,37 @@ def move_width(trajectories: Sequence[Trajectory]) -> int:
     return max([1, *(len(t.move_tokens) for tr in trajectories for t in tr.turns if t.move_tokens is not None)])
 
 
-def with_move_inputs(datum: Datum, traj: Trajectory, positions_K: np.ndarray, width: int) -> Datum:
+def turn_move_values(turn: Turn, against: Mapping[str, float] | None = None) -> np.ndarray:
+    """``float32[M]``: the values ``turn``'s legal moves are moved by: ``Turn.move_values``
+    (against the episode's own opponent), or with ``against`` the weighted sum
+    ``sum_o against[o] * Turn.move_values_by[o]``.
+
+    Raises:
+        ValueError: ``against`` names an opponent the turn has no values against, or their
+            shapes differ from ``move_values``'.
+    """
+    if not against:
+        return np.asarray(turn.move_values)
+    total = np.zeros(np.shape(turn.move_values), np.float64)
+    for o, w in against.items():
+        if o not in turn.move_values_by:
+            raise ValueError(f"move values against {o!r} wanted, the turn has them against "
+                             f"{', '.join(turn.move_values_by) or 'no opponent'}")
+        v = np.asarray(turn.move_values_by[o], np.float64)
+        if v.shape != total.shape:
+            raise ValueError(f"move values against {o!r} of shape {v.shape}, want {total.shape}")
+        total += w * v
+    return total.astype(np.float32)
+
+
+def with_move_inputs(datum: Datum, traj: Trajectory, positions_K: np.ndarray, width: int,
+                     against: Mapping[str, float] | None = None) -> Datum:
     """``datum`` (``traj``'s, :func:`~learners.assembly.trajectory_to_datum`) plus the term's
     inputs, each ``[T, width]``: at each valued turn's decision position ``positions_K[k]``
     the legal moves' first tokens (``move_tokens``, ``int32``; -1 pads) and their
     :func:`move_weights` (``move_weights``, ``float32``); at the positions after it, while the
     sampled reply follows a legal move's canonical reply, that reply's next token with weight
-    1; -1 and 0 elsewhere.
+    1; -1 and 0 elsewhere. The moves' values are :func:`turn_move_values` (``against``).
 
     Raises:
         ValueError: a turn's move tokens are not ``[M, L]`` with ``M`` values, exceed
@@ -87,7 +121,10 @@ def with_move_inputs(datum: Datum, traj: Trajectory, positions_K: np.ndarray, wi
         if turn.move_tokens is None:
             continue
         where = f"episode {traj.episode_id} seat {traj.seat!r} turn {k}"
-        replies_M_L, val_M = np.asarray(turn.move_tokens), np.asarray(turn.move_values)
+        try:
+            replies_M_L, val_M = np.asarray(turn.move_tokens), turn_move_values(turn, against)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         if replies_M_L.ndim != 2 or val_M.shape != replies_M_L.shape[:1] or not 0 < len(val_M) <= width:
             raise ValueError(f"{where}: move_tokens of shape {replies_M_L.shape} and move_values of shape "
                              f"{val_M.shape} (want [M, L] and [M], M at most {width})")

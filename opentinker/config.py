@@ -241,6 +241,12 @@ class TrainConfig(_Config):
     move's first reply token gains its value minus the decision's mean (Neural Replicator
     Dynamics on the decisions played, :mod:`learners.move_values`), beside the sampled
     episodes' loss; 0 disables it."""
+    move_values_against: Annotated[dict[str, Coef], Meta(max_length=64)] = msgspec.field(default_factory=dict)
+    """With ``move_values``: move each decision's moves by this weighted sum of their values
+    against the named scripted opponents the game values, whichever opponent the episode
+    played (``{minimax = 1.0, random = 0.5}``: a move that loses to best play is worse than
+    any that does not, and among those the one that wins most against random is best), not
+    by their value against the episode's own opponent; empty: the episode's own."""
     record_trajectories: bool = True
     """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
     seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
@@ -251,6 +257,8 @@ class TrainConfig(_Config):
             raise ValueError(f"dual_clip: must be 0 (off) or > 1, got {self.dual_clip}")
         if (self.all_actions_only or self.canonical_coef or self.all_actions_decisions) and not self.all_actions:
             raise ValueError("all_actions_only, all_actions_decisions and canonical_coef need all_actions > 0")
+        if self.move_values_against and not (self.move_values and any(self.move_values_against.values())):
+            raise ValueError("move_values_against needs move_values > 0 and a positive weight")
         if self.all_actions and self.advantage in CRITIC_ADVANTAGES:
             raise ValueError(f"all_actions: not with a critic (advantage {self.advantage!r}): its datums have no "
                              "value targets")

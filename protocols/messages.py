@@ -19,7 +19,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Bumped on any change to a message's fields. Checked when a peer connects (:class:`Hello`)
 and in every frame's header; a peer with another version is refused with ``bad_version``."""
 
@@ -621,6 +621,10 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     move_values: np.ndarray | None = None
     """``float32[M]``: the game's exact value of each of those moves to the seat (the targets
     of ``train.move_values``); None with ``move_tokens``."""
+    move_values_by: dict[str, np.ndarray] = {}
+    """``{opponent: float32[M]}``: the same moves' values against each scripted opponent the
+    game values moves against (the episode's own among them; the targets of
+    ``train.move_values_against``); empty with ``move_tokens`` None."""
 
 
 class Trajectory(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -198,7 +198,7 @@ def run_scoped(body, timeout: float = 60.0) -> None:
 
 
 def test_sample_chunk_round_trips_and_the_protocol_refuses_version_2():
-    assert PROTOCOL_VERSION == 11 and PARTIALS == (SampleChunk,)
+    assert PROTOCOL_VERSION == 12 and PARTIALS == (SampleChunk,)
     c = chunk(4)
     rid, out = decode([bytes(f) for f in encode(c, 99)])
     assert rid == 99 and out == c and out.tokens[1].dtype == np.int32 and out.logprobs[0].dtype == np.float32

@@ -192,7 +192,10 @@ def test_a_learners_turns_carry_the_games_value_of_their_state(chat_tok, opponen
         values = move_values(b, "player_x", opponent)
         assert t.move_tokens.tolist() == [[*chat_tok.encode(m), chat_tok.eos_id] for m in values]  # one token each
         assert t.move_values.tolist() == pytest.approx(list(values.values()))
+        assert set(t.move_values_by) == {"random", "tictactoe_minimax"}  # against every valued opponent
+        for o, v in t.move_values_by.items():
+            assert v.tolist() == pytest.approx(list(move_values(b, "player_x", o).values()))
     boards.clear()
     _, trajectories = run(play_episode(*spec(True, {"player_x": main, "player_o": main}), chat_tok, sample))
     assert trajectories and all(t.game_value is None and t.move_tokens is None and t.move_values is None
-                                for traj in trajectories for t in traj.turns)
+                                and not t.move_values_by for traj in trajectories for t in traj.turns)

@@ -7,6 +7,7 @@ work, and a tiny tic-tac-toe job trains with it."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,7 @@ from test_games_more import AGENT_OF, live_positions
 
 from games.tictactoe import minimax_moves, move_values, state_value, winner_mark
 from learners import assemble, compute_loss, move_weights
+from learners.move_values import turn_move_values
 from opentinker.config import ConfigError, JobConfig
 from opentinker.control.config_checks import check_config
 from opentinker.engine.shared_forward import Hidden, project_move_logprobs
@@ -105,12 +107,13 @@ def test_the_term_moves_each_legal_moves_logit_by_its_weight() -> None:
 
 
 def _turn(obs: int, sampled: list[int], replies: list[list[int]] | None = None,
-          values: list[float] | None = None) -> Turn:
+          values: list[float] | None = None, by: dict[str, list[float]] | None = None) -> Turn:
     return Turn(obs_tokens=np.arange(100, 100 + obs, dtype=np.int32), sampled_tokens=np.asarray(sampled, np.int32),
                 sampler_logprobs=np.full(len(sampled), -1.0, np.float32),
                 policy=PolicyRef(kind=PolicyKind.ADAPTER, name="p"), stop_reason=StopReason.STOP, parse=ParseOutcome.OK,
                 reward=0.0, move_tokens=None if replies is None else np.asarray(replies, np.int32),
-                move_values=None if values is None else np.asarray(values, np.float32))
+                move_values=None if values is None else np.asarray(values, np.float32),
+                move_values_by={o: np.asarray(v, np.float32) for o, v in (by or {}).items()})
 
 
 def _trajectory(episode: int, turns: list[Turn], reward: float = 1.0) -> Trajectory:
@@ -155,6 +158,27 @@ def test_the_assembly_puts_each_decisions_moves_and_the_replys_rest_at_their_pos
         assemble([empty], "dr_grpo", {}, moves=True)
 
 
+def test_move_values_against_weighs_each_opponents_values() -> None:
+    """With ``move_values_against`` a decision's weights come from the weighted sum of its
+    moves' values against the named opponents, not from the episode's own; an opponent the
+    turn has no values against is refused, naming the turn."""
+    by = {"random": [0.9, 0.2, -0.5], "tictactoe_minimax": [-1.0, 0.0, 0.0]}
+    turn = _turn(5, [12, 0], [[11, 0], [12, 0], [13, 0]], by["random"], by)
+    assert turn_move_values(turn).tolist() == pytest.approx(by["random"])
+    mix = {"tictactoe_minimax": 1.0, "random": 0.5}
+    assert turn_move_values(turn, mix).tolist() == pytest.approx([-0.55, 0.1, -0.25])
+    (d,) = assemble([_trajectory(0, [turn])], "dr_grpo", {}, moves=True, move_values_against=mix).datums
+    assert _rows(d)[5][1] == pytest.approx([-0.55 + 0.7 / 3, 0.1 + 0.7 / 3, -0.25 + 0.7 / 3], abs=1e-6)  # the safe cell best
+    (own,) = assemble([_trajectory(0, [turn])], "dr_grpo", {}, moves=True).datums
+    assert _rows(own)[5][1] == pytest.approx([0.7, 0.0, -0.7], abs=1e-6)  # against random alone the unsafe one is
+    with pytest.raises(ValueError, match="episode 0 seat 'player_x' turn 0: move values against 'minimax' wanted, "
+                                         "the turn has them against random, tictactoe_minimax"):
+        assemble([_trajectory(0, [turn])], "dr_grpo", {}, moves=True, move_values_against={"minimax": 1.0})
+    short = _turn(5, [12, 0], [[11, 0], [12, 0], [13, 0]], by["random"], {"random": [0.0, 1.0]})
+    with pytest.raises(ValueError, match="turn 0: move values against 'random' of shape \\(2,\\), want \\(3,\\)"):
+        assemble([_trajectory(0, [short])], "dr_grpo", {}, moves=True, move_values_against={"random": 1.0})
+
+
 @pytest.mark.parametrize("engine", ["own", "peft"])
 def test_a_models_best_move_gains_and_its_worst_loses(tiny_path, engine):
     """One step on the term alone (zero advantages: the policy loss has no gradient) raises
@@ -190,9 +214,10 @@ def test_a_models_best_move_gains_and_its_worst_loses(tiny_path, engine):
                               "importance_sampling", {"move_values": 1.0}, 3.0)
 
 
-def _job(tmp_path, **over) -> JobConfig:
+def _job(tmp_path, train_over: dict | None = None, **over) -> JobConfig:
     """test_exact_gae's tiny tic-tac-toe job, trained with the term instead."""
-    train = {"steps": 2, "checkpoint_every": 0, "groups_per_step": 2, "group_size": 2, "lr": 1e-2, "move_values": 1.0}
+    train = {"steps": 2, "checkpoint_every": 0, "groups_per_step": 2, "group_size": 2, "lr": 1e-2, "move_values": 1.0,
+             **(train_over or {})}
     return exact_gae_job(tmp_path, **{"name": "moves", "train": train, **over})
 
 
@@ -205,15 +230,35 @@ def test_move_values_needs_a_game_that_values_moves_against_an_opponent(tmp_path
         check_config(_job(tmp_path, policies=[{"name": "main", "opponents": {"self": 1}}]))
     check_config(_job(tmp_path, policies=[{"name": "main", "opponents": {"self": 1, "random": 1}}]))
     check_config(_job(tmp_path))
+    with pytest.raises(ConfigError, match="train.move_values_against: 'minimax': tictactoe_v0 values moves against "
+                                          "random, tictactoe_minimax only"):
+        check_config(_job(tmp_path, {"move_values_against": {"minimax": 1.0}}))
+    check_config(_job(tmp_path, {"move_values_against": {"tictactoe_minimax": 1.0, "random": 0.5}}))
+    for bad in ({"move_values": 0.0}, {"move_values_against": {"random": 0.0}}):
+        with pytest.raises(msgspec.ValidationError, match="move_values_against needs move_values > 0 and a positive "
+                                                          "weight"):
+            _job(tmp_path, {"move_values_against": {"random": 1.0}, **bad})
+
+
+def test_the_learner_gets_the_mix_of_move_values(tmp_path):
+    """``train.move_values_against`` reaches the learner, whose assembly weighs by it."""
+    from opentinker.control.runtime import _learner_kwargs
+
+    mix = {"tictactoe_minimax": 1.0, "random": 0.5}
+    kw = _learner_kwargs(_job(tmp_path, {"move_values_against": mix}), "tcp://127.0.0.1:1", "main", "")
+    assert kw["move_values_against"] == mix and kw["loss_config"]["move_values"] == 1.0
+    assert _learner_kwargs(_job(tmp_path), "tcp://127.0.0.1:1", "main", "")["move_values_against"] == {}
 
 
 @pytest.mark.slow
 def test_a_tictactoe_job_trains_on_its_moves_values(tmp_path, tiny_path):
-    """Two steps of a real job: the decisions against random and minimax carry their moves, and
-    the term trains on them and on the rest of the replies that are legal moves."""
+    """Two steps of a real job (each move valued against minimax and random, whichever the
+    episode played: the values against both cross the bus): the decisions against random and
+    minimax carry their moves, and the term trains on them and on the rest of the replies that
+    are legal moves."""
     from opentinker.run import run_job
 
-    result = run_job(_job(tmp_path))
+    result = run_job(_job(tmp_path, {"move_values_against": {"tictactoe_minimax": 1.0, "random": 0.5}}))
     trains = [r for r in result.rows if r["kind"] == "train"]
     assert [r["step"] for r in trains] == [1, 2]
     for r in trains:

@@ -227,7 +227,7 @@ def _check_move_values(cfg: JobConfig, policy: str, hook: GameEval) -> None:
     """A policy trained with ``move_values`` plays a game that values each legal move
     (``StateValues.moves``) against at least one of its opponents (the decisions of its other
     games add nothing to the term), and not with the all-actions term (whose datums carry no
-    moves)."""
+    moves); ``move_values_against`` names only opponents the game values moves against."""
     p = next(q for q in cfg.policies if q.name == policy)
     field = f"policies[{policy}].train.move_values" if "move_values" in p.train else "train.move_values"
     values = hook.state_values
@@ -238,6 +238,9 @@ def _check_move_values(cfg: JobConfig, policy: str, hook: GameEval) -> None:
                                  f"policy plays none of them")
     if cfg.train_for(policy).all_actions > 0:
         raise ConfigError(field, "not with train.all_actions (its datums have no moves); use one or the other")
+    for o in sorted(set(cfg.train_for(policy).move_values_against) - set(values.opponents)):
+        raise ConfigError("train.move_values_against", f"{o!r}: {cfg.game} values moves against "
+                                                       f"{', '.join(values.opponents)} only")
 
 
 def _check_init(cfg: JobConfig, policy: str, init: str) -> None:

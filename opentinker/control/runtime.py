@@ -62,6 +62,7 @@ def _learner_kwargs(cfg: JobConfig, scheduler_ep: str, policy: str, run_dir: str
         "adam": msgspec.to_builtins(AdamParams(lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)),
         "lr_decay_steps": cfg.train.steps if tc.lr_schedule == "linear" else 0,
         "game": cfg.game,
+        "move_values_against": dict(tc.move_values_against),
         "record_path": record,
         "epochs": tc.epochs,
         "minibatches": tc.minibatches,

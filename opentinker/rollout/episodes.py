@@ -366,6 +366,7 @@ class _Valued(NamedTuple):
     value: float | None = None
     move_tokens: np.ndarray | None = None
     move_values: np.ndarray | None = None
+    move_values_by: dict[str, np.ndarray] = {}  # shared default, never mutated
 
 
 _NOT_VALUED = _Valued()
@@ -376,7 +377,8 @@ def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> _Valued:
     training episode against one scripted opponent the game values (``GameEval.state_values``),
     and of each legal move there where the game values moves (``StateValues.moves``), with
     each move's canonical reply as the policy would sample it (:func:`reply_tokens`; their
-    first tokens must differ, else no moves); empty otherwise."""
+    first tokens must differ, else no moves) and its value against each opponent the game
+    values (``move_values_by``, in the same order of moves); empty otherwise."""
     values, spec = play.state_values, play.spec
     if values is None or not spec.train or "infostate" not in info:
         return _NOT_VALUED
@@ -394,7 +396,9 @@ def _game_value(play: _Play, agent: str, info: dict[str, Any]) -> _Valued:
     tokens = np.full((len(replies), max(len(r) for r in replies)), -1, np.int32)
     for i, r in enumerate(replies):
         tokens[i, : len(r)] = r
-    return _Valued(value, tokens, np.asarray(list(moves.values()), np.float32))
+    by = {o: np.asarray([(values.moves(state, agent, o) if o != opponent else moves)[m] for m in moves], np.float32)
+          for o in values.opponents}
+    return _Valued(value, tokens, by[opponent], by)
 
 
 def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[int, int]], text: str,
@@ -424,6 +428,7 @@ def _record(play: _Play, agent: str, ref: PolicyRef, before: tuple[int, tuple[in
                 game_value=valued.value,
                 move_tokens=valued.move_tokens,
                 move_values=valued.move_values,
+                move_values_by=valued.move_values_by,
             )
         )
     for a, rew in env.rewards.items():

@@ -125,6 +125,7 @@ class Learner:
         state_path: str = "",
         restore: bool = False,
         lr_decay_steps: int = 0,
+        move_values_against: Mapping[str, float] | None = None,
     ) -> None:
         check_algorithms(advantage, loss)
         if epochs < 1 or minibatches < 1:
@@ -150,6 +151,8 @@ class Learner:
         self.loss = loss
         self.loss_config = dict(loss_config)
         self.adam = adam
+        self.move_values_against = dict(move_values_against or {})
+        """The ``move_values`` term's weights of each opponent's move values (``{}``: the episode's own)."""
         self.lr_decay_steps = lr_decay_steps
         """> 0: step ``s`` trains at ``adam.lr * (1 - (s - 1) / lr_decay_steps)`` (floored at 0)."""
         self._bind = endpoint
@@ -310,7 +313,7 @@ class Learner:
         values = await self._values(trajectories)
         datums, metrics, new_state = assemble(
             trajectories, self.advantage, self.advantage_config, self.advantage_state, self.game, values,
-            moves=self.loss_config.get("move_values", 0.0) > 0,
+            moves=self.loss_config.get("move_values", 0.0) > 0, move_values_against=self.move_values_against,
         )
         if msg.datums:
             datums = list(msg.datums) if msg.datums_only else [*datums, *msg.datums]
