@@ -298,9 +298,12 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
         m = "eval/main/vs_tictactoe_minimax/"
         settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}, explore {c['explore']:g}, "
                     f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
+                    + (f", temperature {c['temperature']:g}" if c.get("temperature", 1.0) != 1.0 else "")
                     + (", opponent_draws group" if c["opponent_draws"] == "group" else "")
                     + (f", entropy_coef {c['entropy_coef']:g}" if c.get("entropy_coef") else "")
                     + (f", move_values {c['move_values']:g}" if c.get("move_values") else "")
+                    + (" against " + " + ".join(f"{w:g} x {o}" for o, w in c["move_values_against"].items())
+                       if c.get("move_values_against") else "")
                     + ("".join(f", {o} {w:g}" for o, w in mix.items()) + " of the games"
                        if (mix := c.get("opponents", {}).get("main", BUNDLED_MIX)) != BUNDLED_MIX else "")
                     + (f", {c['advantage']}" + (f" lam {c['lam']:g}" if "gae" in c["advantage"] else "")
