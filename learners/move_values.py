@@ -43,8 +43,8 @@ Against which opponent is a move valued? By default the episode's own: a policy 
 random opponent three games in four and minimax in one is taught the best response to each in
 its own games, two targets that differ at the same kind of state. ``train.move_values_against``
 gives one target for every decision instead, a weighted sum of the values against each named
-opponent (the runner records them all, ``Turn.move_values_by``): ``{minimax = 1, random =
-0.5}`` ranks a move that loses against best play below every move that does not (the minimax
+opponent (the runner records them all, ``Turn.move_values_by``): ``{tictactoe_minimax = 1,
+random = 0.5}`` ranks a move that loses against best play below every move that does not (the minimax
 values step by 1, the random ones are worth at most 1 apart at that weight), and among those
 prefers the one that wins most against random: play that draws against minimax and wins
 against random.

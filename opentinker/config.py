@@ -244,8 +244,9 @@ class TrainConfig(_Config):
     move_values_against: Annotated[dict[str, Coef], Meta(max_length=64)] = msgspec.field(default_factory=dict)
     """With ``move_values``: move each decision's moves by this weighted sum of their values
     against the named scripted opponents the game values, whichever opponent the episode
-    played (``{minimax = 1.0, random = 0.5}``: a move that loses to best play is worse than
-    any that does not, and among those the one that wins most against random is best), not
+    played (``{B = 1.0, random = 0.5}`` with ``B`` the game's scripted seat that plays best,
+    e.g. a minimax one: a move that loses to best play is worse than any that does not, and
+    among those the one that wins most against random is best), not
     by their value against the episode's own opponent; empty: the episode's own."""
     record_trajectories: bool = True
     """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
