@@ -323,6 +323,36 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
     return head + table(header, rows)
 
 
+def render_tictactoe_exact(results: Path, name: str = "tictactoe_exact") -> str:
+    """Exact tic-tac-toe results of trained adapters (``tictactoe_exact.py``): per policy the
+    seat-balanced score against minimax and random, each seat's losses, the probability left
+    unresolved, and the decisions where it puts at least half its probability on a cell that
+    loses against best play."""
+    r = load(results, name)
+    rows = []
+    for row in r["rows"]:
+        cells = [row["label"], str(row["version"] if row["version"] is not None else "-")]
+        for opp in ("minimax", "random"):
+            o = row["opponents"].get(opp)
+            if o is None:
+                cells += ["", ""]
+                continue
+            x_, o_ = o["seats"]["player_x"], o["seats"]["player_o"]
+            open_ = (x_["unresolved"] + o_["unresolved"]) / 2
+            cells += [f"{o['score']:+.3f}" + (f" ({pct(open_)} unresolved)" if open_ >= 0.0005 else ""),
+                      f"{pct(x_['loss'])} / {pct(o_['loss'])}"]
+        mm = row["opponents"].get("minimax")
+        cells.append(f"{mm['seats']['player_x']['blunder_decisions']} / {mm['seats']['player_o']['blunder_decisions']}"
+                     if mm else "")
+        rows.append(cells)
+    p = r["provenance"]
+    head = (f"{machine_label(p)}; commit {p['commit'][:7]}; prune {p['config']['prune']:g}"
+            + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
+    header = ["policy", "step", "vs minimax (exact)", "lost as X / as O", "vs random (exact)", "lost as X / as O",
+              "decisions losing to best play vs minimax, X / O"]
+    return head + table(header, rows)
+
+
 def render_league_runs(results: Path, name: str) -> str:
     """A league job's runs (``collect_runs.py``, e.g. ``leduc_league.json``): per run and
     policy the exact measure (the exploitability) before training, every tenth training step

@@ -25,8 +25,8 @@ from pathlib import Path
 from _readme_common import ROOT, ReadmeError
 from _readme_learning import (
     render_compare_learners, render_default_job, render_default_job_sweep, render_default_job_times,
-    render_learning_suite, render_league_runs, render_lora_vs_full, render_tictactoe_runs, render_tools_job,
-    render_tools_warm_start,
+    render_learning_suite, render_league_runs, render_lora_vs_full, render_tictactoe_exact, render_tictactoe_runs,
+    render_tools_job, render_tools_warm_start,
 )
 from _readme_perf import (
     render_bus, render_codec, render_engine_overhead, render_multiplex, render_pipeline_pace, render_rollout,
@@ -54,6 +54,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "tictactoe_runs": render_tictactoe_runs,
     "tictactoe_exact_gae": lambda results: render_tictactoe_runs(results, "tictactoe_exact_gae"),
     "tictactoe_move_values": lambda results: render_tictactoe_runs(results, "tictactoe_move_values"),
+    "tictactoe_exact": render_tictactoe_exact,
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
     "learning_suite_n3_20steps": lambda results: render_learning_suite(results, "learning_suite_n3_20steps"),

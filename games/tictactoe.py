@@ -59,12 +59,19 @@ moves, memoized). `move_values(board, agent, opponent)`: the same for each empty
 (the state's value is their maximum). The critic of the `exact_gae` advantage and the move
 values of `train.move_values` (`EVALUATION.state_values`).
 
+**Exact outcomes of a policy.** `exact_outcomes(agent, opponent, policy)`: a seat's exact win,
+draw and loss probabilities against random or minimax, read from its move probabilities at
+every history it reaches (no sampling noise), and the decisions where it puts probability on
+a cell that loses against best play (`benchmarks/tictactoe_exact.py` scores a trained adapter).
+
 **Version history.** v0: initial release; `brief` added (default off: the messages as before).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -222,6 +229,103 @@ def move_values(board: str, agent: str, opponent: str) -> dict[str, float]:
     if after is None:
         raise ValueError(f"tic-tac-toe values states against {', '.join(VALUED_OPPONENTS)}, not {opponent!r}")
     return {str(i + 1): after(_place(board, i, mark)) for i in range(9) if board[i] == EMPTY}
+
+
+Policy = Callable[[Sequence[tuple[str, ...]]], Sequence[Mapping[str, float]]]
+"""A seat's play for :func:`exact_outcomes`: for each history (the cells played so far, as
+their replies "1"-"9", X first), ``{cell: probability}`` over the empty cells of its board.
+Batched, so a language model scores a whole frontier at once."""
+
+
+@dataclass(frozen=True)
+class ExactOutcomes:
+    """What :func:`exact_outcomes` computes for one seat against one opponent."""
+
+    win: float
+    draw: float
+    loss: float
+    unresolved: float
+    """Probability of the games left out: histories the policy's own choices reach with
+    probability below the threshold."""
+    decisions: tuple[tuple[tuple[str, ...], float, float], ...]
+    """Each decision the seat reaches: ``(history, reach, blunder)``, ``blunder`` the
+    probability it puts on cells that lose against best play where another cell does not
+    (a cell whose :func:`move_values` against minimax is below the best one's)."""
+
+    @property
+    def score(self) -> float:
+        """Expected result per game: wins minus losses (the unresolved games count 0)."""
+        return self.win - self.loss
+
+    def blunders(self, n: int = 10) -> list[tuple[tuple[str, ...], float, float]]:
+        """The ``n`` decisions that cost most: by reach times blunder probability."""
+        return sorted((d for d in self.decisions if d[2] > 0), key=lambda d: -d[1] * d[2])[:n]
+
+
+def board_after(history: Sequence[str]) -> str:
+    """The board after ``history`` (cells "1"-"9" in the order played, X first); ValueError for
+    a cell that is not empty or a move after the game's end."""
+    board = EMPTY * 9
+    for k, cell in enumerate(history):
+        i = int(cell) - 1
+        if not 0 <= i < 9 or board[i] != EMPTY or winner_mark(board) is not None:
+            raise ValueError(f"history {''.join(history)!r}: cell {cell!r} cannot be played on {board!r}")
+        board = _place(board, i, MARKS[k % 2])
+    return board
+
+
+def exact_outcomes(agent: str, opponent: str, policy: Policy, prune: float = 1e-3) -> ExactOutcomes:
+    """The exact win / draw / loss probabilities of ``agent`` playing ``policy`` against
+    ``opponent`` (``random``: a uniform empty cell; ``tictactoe_minimax``: a uniform optimal
+    cell, as the scripted seat plays), from the empty board. Breadth-first over the game tree:
+    each depth's decisions of ``agent`` go to ``policy`` in one batch. A history the policy's
+    own choices reach with probability below ``prune`` (the product of its move probabilities
+    along it, the opponent's left out) is not followed (its probability is ``unresolved``):
+    a sharp policy is scored on the few hundred states it plays into, against every reply of
+    the opponent's. ValueError for another seat or opponent, or a policy that does not give a
+    distribution over the empty cells."""
+    if agent not in AGENTS:
+        raise ValueError(f"agent must be one of {AGENTS}, got {agent!r}")
+    if opponent not in VALUED_OPPONENTS:
+        raise ValueError(f"exact_outcomes plays against {', '.join(VALUED_OPPONENTS)}, not {opponent!r}")
+    mark = MARKS[AGENTS.index(agent)]
+    result = {"win": 0.0, "draw": 0.0, "loss": 0.0, "unresolved": 0.0}
+    decisions: list[tuple[tuple[str, ...], float, float]] = []
+    # history -> (reach, the policy's own share of it, board)
+    frontier: dict[tuple[str, ...], tuple[float, float, str]] = {(): (1.0, 1.0, EMPTY * 9)}
+    while frontier:
+        nxt: dict[tuple[str, ...], tuple[float, float, str]] = {}
+        ours = []
+        for history, (reach, own, board) in frontier.items():
+            w = winner_mark(board)
+            if w is not None or EMPTY not in board:
+                result["draw" if w is None else "win" if w == mark else "loss"] += reach
+            elif own < prune:
+                result["unresolved"] += reach
+            elif to_move(board) == mark:
+                ours.append((history, reach, own, board))
+            else:
+                other = to_move(board)
+                cells = (minimax_moves(board, other) if opponent == "tictactoe_minimax"
+                         else [i + 1 for i in range(9) if board[i] == EMPTY])
+                for c in cells:
+                    nxt[(*history, str(c))] = (reach / len(cells), own, _place(board, c - 1, other))
+        dists = policy([h for h, _, _, _ in ours]) if ours else []
+        if len(dists) != len(ours):
+            raise ValueError(f"the policy gave {len(dists)} distributions for {len(ours)} histories")
+        for (history, reach, own, board), dist in zip(ours, dists):
+            legal = {str(i + 1) for i in range(9) if board[i] == EMPTY}
+            if set(dist) - legal or abs(sum(dist.values()) - 1) > 1e-6 or min(dist.values(), default=0) < 0:
+                raise ValueError(f"the policy's distribution at {board!r} (history {''.join(history)!r}) must sum "
+                                 f"to 1 over its empty cells {sorted(legal)}, got {dict(dist)}")
+            values = move_values(board, agent, "tictactoe_minimax")
+            best = max(values.values())
+            decisions.append((history, reach, sum(p for m, p in dist.items() if values[m] < best)))
+            for m, p in dist.items():
+                if p > 0:
+                    nxt[(*history, m)] = (reach * p, own * p, _place(board, int(m) - 1, mark))
+        frontier = nxt
+    return ExactOutcomes(**result, decisions=tuple(decisions))
 
 
 def render_board(board: str) -> str:
