@@ -70,6 +70,12 @@ against each of 3 opponents); every other job: :data:`DEFAULT_EVAL_GAMES`."""
 DEFAULT_EVAL_GAMES = 34
 
 
+EVAL_TIMEOUT_S = 3600
+"""The final evaluation's longest wait for one batch of games: a batch of connect four games
+against the base model took over the run's 900 s on this 2-core machine (seed 2), where seed 1's
+had taken about 300."""
+
+
 def eval_games(args: Args, job: str) -> int:
     """Final evaluation games per start and seat for ``job``: ``--eval-games`` where given, else
     the job's budget."""
@@ -240,7 +246,7 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
     report_path = folder / "eval.json"
     if not report_path.is_file():
         cmd = opentinker("eval", str(run), "--vs", ",".join(vs), "--games-per-stratum", str(key["eval_games"]),
-                         "--json", str(report_path), "--backend", "local")
+                         "--json", str(report_path), "--backend", "local", "--timeout", str(EVAL_TIMEOUT_S))
         cmd += ["--threads", str(args.threads)] if args.threads else []
         run_logged(cmd, folder / "eval.log", f"{job} seed {seed} eval")
     report = json.loads(report_path.read_text())

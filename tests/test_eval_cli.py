@@ -119,6 +119,7 @@ def test_eval_a_saved_adapter_against_another(kuhn_run, tmp_path, capsys):
     (["{run}", "--vs", "random,wizard"], "unknown opponent 'wizard': not random, base, a scripted seat of"),
     (["{run}", "--vs", "liars_dice_cautious"], "unknown opponent 'liars_dice_cautious'"),
     (["{run}", "--games-per-stratum", "0"], "--games-per-stratum: between 1 and 1000, got 0"),
+    (["{run}", "--timeout", "0"], "bad settings: Expected `float` > 0.0 - at `$.runtime.timeout_s`"),
 ])
 def test_eval_errors_are_one_line(kuhn_run, tmp_path, capsys, argv, message):
     fill = {"tmp": str(tmp_path), "run": str(kuhn_run), "adapter": str(kuhn_run / "adapters" / "main")}
@@ -131,3 +132,13 @@ def test_eval_refuses_a_model_that_is_not_here(kuhn_run, capsys):
     assert main(["eval", str(kuhn_run), "--model", "/nowhere/model", "--games-per-stratum", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("opentinker eval: bad settings: model.base") and err.count("\n") == 1
+
+
+def test_eval_timeout_is_the_runs_unless_given(kuhn_run, tmp_path):
+    from opentinker.control.sources import job_config, read_source
+
+    source = read_source(str(kuhn_run), set())
+    run_timeout = source.config.runtime.timeout_s
+    assert job_config(source, "kuhn_poker_v0", "tiny-random", None, None, None, str(tmp_path)).runtime.timeout_s == run_timeout
+    cfg = job_config(source, "kuhn_poker_v0", "tiny-random", None, None, None, str(tmp_path), timeout_s=3600.0)
+    assert cfg.runtime.timeout_s == 3600.0 != run_timeout

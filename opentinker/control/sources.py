@@ -124,11 +124,13 @@ def source_game(source: Source, game: str | None, path: str) -> tuple[str, games
 
 def job_config(source: Source | None, game: str, model: str, seed: int | None, threads: int | None,
                device: str | None, out_dir: str, backend: str = "local", scheduler: str = "",
-               **tables: Any) -> JobConfig:
+               timeout_s: float | None = None, **tables: Any) -> JobConfig:
     """A job on ``game`` with the run's game kwargs, system prompt, model and sampling settings
     when ``source`` is a run of that game, the defaults otherwise; ``tables`` replace
     top-level fields (``policies``, ``eval``...); ``scheduler``: a shared scheduler to run on
-    (never the one the run used, which may be gone). Checked whole (``check_config``)."""
+    (never the one the run used, which may be gone); ``timeout_s``: the longest wait for one
+    request (``runtime.timeout_s``; None: the run's, else the default). Checked whole
+    (``check_config``)."""
     run = source.config if source is not None else None
     raw: dict[str, Any] = {"name": "eval", "game": game, "out_dir": out_dir}
     if run is not None:
@@ -139,6 +141,8 @@ def job_config(source: Source | None, game: str, model: str, seed: int | None, t
     raw.setdefault("model", {})["base"] = model
     raw["model"].update({k: v for k, v in (("threads", threads), ("device", device)) if v is not None})
     raw.setdefault("runtime", {}).update(backend=backend, scheduler=scheduler)
+    if timeout_s is not None:
+        raw["runtime"]["timeout_s"] = timeout_s
     raw["train"] = {"steps": 0, "record_trajectories": False}
     raw.update({k: v for k, v in (("seed", seed),) if v is not None}, **tables)
     try:

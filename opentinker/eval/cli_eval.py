@@ -85,7 +85,7 @@ def evaluate(args: argparse.Namespace, on_episodes: OnEpisodes | None = None) ->
     model = base_model(source, args.model)
     with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
         cfg = job_config(source, game, model, args.seed, args.threads, args.device, tmp, args.backend,
-                         args.scheduler, policies=policies,
+                         args.scheduler, timeout_s=args.timeout, policies=policies,
                          eval={"hands_per_stratum": n, "head_to_head_per_stratum": n if "base" in opponents else 0,
                                "cross_play_per_stratum": n if opp_adapters else 0})
         try:
@@ -185,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads of the scheduler (default: every core)")
     parser.add_argument("--device", help="torch device (default: the run's, else cpu)")
     parser.add_argument("--json", metavar="FILE", help="also write the metrics and their provenance as JSON")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="longest wait for one batch of games (runtime.timeout_s; default: the run's, else "
+                             "900): long games against the base model on a slow machine can need more")
     parser.add_argument("--backend", choices=["local", "ray"], default="local",
                         help="local (default): every component in this process; ray: one actor each")
     parser.add_argument("--scheduler", metavar="ADDRESS", default="",
