@@ -326,8 +326,8 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
 def render_tictactoe_exact(results: Path, name: str = "tictactoe_exact") -> str:
     """Exact tic-tac-toe results of trained adapters (``tictactoe_exact.py``): per policy the
     seat-balanced score against minimax and random, each seat's losses, the probability left
-    unresolved, and the decisions where it puts at least half its probability on a cell that
-    loses against best play."""
+    unresolved, and the decisions where it puts at least half its probability on cells worth
+    less against best play than the best one (a win or a draw given away)."""
     r = load(results, name)
     rows = []
     for row in r["rows"]:
@@ -349,7 +349,7 @@ def render_tictactoe_exact(results: Path, name: str = "tictactoe_exact") -> str:
     head = (f"{machine_label(p)}; commit {p['commit'][:7]}; prune {p['config']['prune']:g}"
             + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
     header = ["policy", "step", "vs minimax (exact)", "lost as X / as O", "vs random (exact)", "lost as X / as O",
-              "decisions losing to best play vs minimax, X / O"]
+              "decisions giving away value vs minimax, X / O"]
     return head + table(header, rows)
 
 

@@ -1,7 +1,7 @@
 """Exact tic-tac-toe results of trained adapters, without sampling noise: each seat's win, draw
 and loss probabilities against random and against minimax, read from the policy's own move
 probabilities at every history it reaches (:func:`games.tictactoe.exact_outcomes`), and the
-decisions where it puts probability on a cell that loses against best play.
+decisions where it puts probability on a cell worth less against best play than the best one.
 
 A sampled evaluation of 120 games a side has a 95% interval of about ±0.13 and cannot say
 whether a policy that drew 92 of 120 games against minimax loses as X, as O, or where. Here

@@ -62,7 +62,8 @@ values of `train.move_values` (`EVALUATION.state_values`).
 **Exact outcomes of a policy.** `exact_outcomes(agent, opponent, policy)`: a seat's exact win,
 draw and loss probabilities against random or minimax, read from its move probabilities at
 every history it reaches (no sampling noise), and the decisions where it puts probability on
-a cell that loses against best play (`benchmarks/tictactoe_exact.py` scores a trained adapter).
+a cell worth less against best play than the best one: a won game given away, or a drawn one
+(`benchmarks/tictactoe_exact.py` scores a trained adapter).
 
 **Version history.** v0: initial release; `brief` added (default off: the messages as before).
 """
@@ -249,8 +250,9 @@ class ExactOutcomes:
     probability below the threshold."""
     decisions: tuple[tuple[tuple[str, ...], float, float], ...]
     """Each decision the seat reaches: ``(history, reach, blunder)``, ``blunder`` the
-    probability it puts on cells that lose against best play where another cell does not
-    (a cell whose :func:`move_values` against minimax is below the best one's)."""
+    probability it puts on cells worth less against best play than the best one (a cell whose
+    :func:`move_values` against minimax is below the best one's: a won game given away to a
+    draw or a loss, or a drawn one to a loss)."""
 
     @property
     def score(self) -> float:
