@@ -274,3 +274,10 @@ def test_an_evaluation_larger_than_the_schedulers_bound_plays_in_waves(tiny_path
     assert seen[-1] == (1200, 1200, False)
     assert {total for _, total, _ in seen} <= {600, 1200}  # one runner's part, then both: never a wave's
     assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+
+
+def test_env_runners_wait_for_a_reply_as_long_as_the_job_does(job):
+    """A runner's wait for one sample is ``runtime.timeout_s`` (120 here), not a fixed 900 s: a
+    final evaluation given ``--timeout 3600`` failed on a runner's 900 s wait."""
+    assert job._runner_kwargs(0)["sample_timeout_s"] == 120
+    assert job._handles["env_runner0"].obj.sample_timeout_s == 120  # the local backend builds it in-process

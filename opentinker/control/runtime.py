@@ -214,13 +214,14 @@ class Job:
         return handle
 
     def _runner_kwargs(self, i: int) -> dict[str, Any]:
-        """An env runner's arguments: it may play the registered games and the job's own, and
-        sends each policy's requests to that policy's scheduler."""
+        """An env runner's arguments: it may play the registered games and the job's own, sends
+        each policy's requests to that policy's scheduler, and waits for one as long as the job
+        waits for any request (``runtime.timeout_s``)."""
         from opentinker.rollout.env_runner import runner_share
 
         return {"name": f"runner{i}", "scheduler_endpoint": self.scheduler_endpoint, "model_path": self.model_path,
                 "games": (self.cfg.game,), "max_episodes": runner_share(self.cfg.runtime.env_runners),
-                "scheduler_auth": self._auth, "routes": self.routes}
+                "scheduler_auth": self._auth, "routes": self.routes, "sample_timeout_s": self.cfg.runtime.timeout_s}
 
     # --------------------------------------------------------------------------- ray
 
