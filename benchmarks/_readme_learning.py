@@ -325,31 +325,29 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
 
 def render_tictactoe_exact(results: Path, name: str = "tictactoe_exact") -> str:
     """Exact tic-tac-toe results of trained adapters (``tictactoe_exact.py``): per policy the
-    seat-balanced score against minimax and random, each seat's losses, the probability left
-    unresolved, and the decisions where it puts at least half its probability on cells worth
-    less against best play than the best one (a win or a draw given away)."""
+    games drawn against minimax (in all and per seat) and its score there, the score against
+    random where it was scored, and the decisions where it puts at least half its probability
+    on cells worth less against best play than the best one (a win or a draw given away)."""
     r = load(results, name)
+    with_random = any("random" in row["opponents"] for row in r["rows"])
     rows = []
     for row in r["rows"]:
-        cells = [row["label"], str(row["version"] if row["version"] is not None else "-")]
-        for opp in ("minimax", "random"):
-            o = row["opponents"].get(opp)
-            if o is None:
-                cells += ["", ""]
-                continue
-            x_, o_ = o["seats"]["player_x"], o["seats"]["player_o"]
-            open_ = (x_["unresolved"] + o_["unresolved"]) / 2
-            cells += [f"{o['score']:+.3f}" + (f" ({pct(open_)} unresolved)" if open_ >= 0.0005 else ""),
-                      f"{pct(x_['loss'])} / {pct(o_['loss'])}"]
-        mm = row["opponents"].get("minimax")
-        cells.append(f"{mm['seats']['player_x']['blunder_decisions']} / {mm['seats']['player_o']['blunder_decisions']}"
-                     if mm else "")
+        mm = row["opponents"]["minimax"]
+        x_, o_ = mm["seats"]["player_x"], mm["seats"]["player_o"]
+        open_ = (x_["unresolved"] + o_["unresolved"]) / 2
+        cells = [row["label"], str(row["version"] if row["version"] is not None else "-"),
+                 pct(mm["draw"]) + (f" ({pct(open_)} unresolved)" if open_ >= 0.0005 else ""),
+                 f"{pct(x_['draw'])} / {pct(o_['draw'])}", f"{mm['score']:+.3f}"]
+        if with_random:
+            rnd = row["opponents"].get("random")
+            cells.append("" if rnd is None else f"{rnd['score']:+.3f}")
+        cells.append(f"{x_['blunder_decisions']} / {o_['blunder_decisions']}")
         rows.append(cells)
     p = r["provenance"]
     head = (f"{machine_label(p)}; commit {p['commit'][:7]}; prune {p['config']['prune']:g}"
             + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
-    header = ["policy", "step", "vs minimax (exact)", "lost as X / as O", "vs random (exact)", "lost as X / as O",
-              "decisions giving away value vs minimax, X / O"]
+    header = ["policy", "step", "drawn vs minimax (exact)", "as X / as O", "score vs minimax",
+              *(["score vs random (exact)"] if with_random else []), "decisions giving away value vs minimax, X / O"]
     return head + table(header, rows)
 
 
