@@ -126,8 +126,10 @@ def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str,
     reaches it once, through this script, and it gets SIGTERM when this script dies otherwise
     (SIGKILL, a closed terminal: ``PR_SET_PDEATHSIG``) or fails while it runs, so no job is
     left running unwatched. Raises ``RuntimeError`` naming the log when it fails or was
-    stopped (a job that finished although a signal came is a success)."""
+    stopped (a job that finished although a signal came is a success). An earlier attempt's
+    ``log`` is kept as ``log.N``."""
     t0 = time.perf_counter()
+    _keep_earlier(log)
     with log.open("w", buffering=1) as f, forward_signals() as forward:  # line-buffered: a run shows its lines
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, process_group=0,

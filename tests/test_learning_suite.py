@@ -418,3 +418,17 @@ def test_a_job_stopped_by_ctrl_c_goes_on_from_its_checkpoint_the_next_time(tmp_p
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5]
     assert "stopped with the checkpoint" in (root / "job.log.1").read_text()  # the first attempt's output kept
     assert "resumed from" in (root / "job.log").read_text()
+
+
+def test_a_logged_command_keeps_the_earlier_attempts_log(tmp_path) -> None:
+    """A final evaluation that failed and ran again keeps the failure's output (``eval.log.1``)."""
+    from _jobs import run_logged
+
+    log = tmp_path / "eval.log"
+    log.write_text("the first attempt's traceback\n")
+    run_logged([sys.executable, "-c", "print('second')"], log, "job")
+    with pytest.raises(RuntimeError, match="exited 3; its output: .*eval.log"):
+        run_logged([sys.executable, "-c", "print('third'); raise SystemExit(3)"], log, "job")
+    assert log.read_text() == "third\n"
+    assert (tmp_path / "eval.log.1").read_text() == "the first attempt's traceback\n"
+    assert (tmp_path / "eval.log.2").read_text() == "second\n"
