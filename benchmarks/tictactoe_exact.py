@@ -34,8 +34,10 @@ from rich.console import Console
 from rich.table import Table
 
 from games import tictactoe
+from games.evaluation import record_decision
 from opentinker.engine.model_specs import resolve_model
-from opentinker.rollout.render import ChatTokenizer, SeatRenderer
+from opentinker.eval.evaluation import decision_prompt
+from opentinker.rollout.render import ChatTokenizer
 
 OPPONENTS = {"random": "random", "minimax": "tictactoe_minimax"}
 
@@ -101,23 +103,21 @@ class ModelPolicy:
             raise SystemExit("the tokenizer does not spell each cell digit as one token")
         self.legal_mass: list[float] = []
 
-    def prompt(self, history: tuple[str, ...]) -> np.ndarray:
-        """``int32[T]``: the seat's conversation up to its decision after ``history``."""
+    def prompt(self, history: tuple[str, ...], board: str) -> np.ndarray:
+        """``int32[T]``: the seat's conversation up to its decision after ``history`` (``board``
+        the board it leads to)."""
         env = tictactoe.env(brief=True)
         env.reset(seed=0)
-        r = SeatRenderer(self.tok, self.system_prompt)
-        for cell in history:
-            if env.agent_selection == self.agent:
-                r.observe(env.observe(self.agent)["text"])
-                r.add_reply(self.tok.encode(cell) + [self.tok.eos_id], stopped=True)
-            env.step(cell)
-        if env.agent_selection != self.agent:
-            raise ValueError(f"history {''.join(history)!r} is not {self.agent}'s decision")
-        r.observe(env.observe(self.agent)["text"])
-        return r.prompt()
+        legal = [str(c + 1) for c in range(9) if board[c] == tictactoe.EMPTY]
+        try:
+            decision = record_decision(env, board, self.agent, 0, history, legal)
+        except AssertionError as e:
+            raise ValueError(f"history {''.join(history)!r} is not {self.agent}'s decision: {e}") from None
+        return decision_prompt(self.tok, self.system_prompt, decision)
 
     def __call__(self, histories: Sequence[tuple[str, ...]]) -> list[dict[str, float]]:
-        prompts = [self.prompt(h) for h in histories]
+        boards = [tictactoe.board_after(h) for h in histories]
+        prompts = [self.prompt(h, b) for h, b in zip(histories, boards)]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding per batch
         out: list[dict[str, float] | None] = [None] * len(histories)
         for k in range(0, len(order), self.batch):
@@ -133,9 +133,8 @@ class ModelPolicy:
                 logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
             probs = torch.softmax(logits.float() / self.temperature, dim=-1)
             for row, i in enumerate(part):
-                board = tictactoe.board_after(histories[i])
                 raw = {str(c + 1): float(probs[row, self.digits[str(c + 1)][0]])
-                       for c in range(9) if board[c] == tictactoe.EMPTY}
+                       for c in range(9) if boards[i][c] == tictactoe.EMPTY}
                 total = sum(raw.values())
                 self.legal_mass.append(total)
                 out[i] = {m: v / total for m, v in raw.items()}

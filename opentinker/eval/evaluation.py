@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -87,6 +87,18 @@ BARE = ("{}",)
 """The canonical reply alone: a quarter of the cost, for a best response at every step."""
 
 
+def decision_prompt(tok: ChatTokenizer, system_prompt: str, d: DecisionPoint) -> np.ndarray:
+    """``int32[T]``: the seat's conversation up to decision ``d`` as the runner renders it (each
+    earlier observation, then the seat's reply closed by the stop token), ending with the
+    generation prompt of its next reply."""
+    r = SeatRenderer(tok, system_prompt)
+    for obs, reply in zip(d.observations[:-1], d.replies):
+        r.observe(obs)
+        r.add_reply(tok.encode(reply) + [tok.eos_id], stopped=True)
+    r.observe(d.observations[-1])
+    return r.prompt()
+
+
 def policy_sequences(
     tok: ChatTokenizer, system_prompt: str, decisions: Sequence[DecisionPoint],
     spellings: Sequence[str] = SPELLINGS,
@@ -96,12 +108,7 @@ def policy_sequences(
     trailing reply tokens that score it."""
     seqs, n_reply = [], []
     for d in decisions:
-        r = SeatRenderer(tok, system_prompt)
-        for obs, reply in zip(d.observations[:-1], d.replies):
-            r.observe(obs)
-            r.add_reply(tok.encode(reply) + [tok.eos_id], stopped=True)
-        r.observe(d.observations[-1])
-        prefix = r.prompt()
+        prefix = decision_prompt(tok, system_prompt, d)
         for move in d.legal_moves:
             for form in spellings:
                 text = form.format(move, cap=move.capitalize())
