@@ -96,6 +96,18 @@ async def until(predicate, what: str, n: int = 500) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def offer(sock: zmq.Socket, frames: list[bytes]) -> bool:
+    """Queue ``frames`` on a stranger's socket without waiting: True when queued, False when it
+    has no connection to queue on. A socket whose handshake a server refused can be left with
+    none (libzmq drops the connection and may not reconnect), and a blocking send on it would
+    wait for ever: under load the refusal can come before the stranger's first send."""
+    try:
+        zmq.Socket.shadow(sock.underlying).send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 async def with_client(server, body, name: str = "test"):
     """``await body(client)`` with a fresh bus client of ``server.endpoint`` (its own ZeroMQ
     context), closed afterwards whatever happens."""

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import run, until
+from conftest import offer, run, until
 
 from opentinker.bus import Client, CurveKeys, Puller, Pusher, Server, auth
 from opentinker.bus.auth import SECRET_ENV, USERNAME, run_secret
@@ -45,9 +45,9 @@ def test_peers_without_the_secret_get_nothing_decoded(caplog):
         server = Server(_echo, heartbeat_s=None, name="guarded")
         ep = await server.start(ctx)
         strangers = [_stranger(ctx, ep, how) for how in ("none", "wrong", "curve")]
-        for s in strangers:
-            await s.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="stranger"), 1))
-            await s.send_multipart(encode(OptimStep(adapter="a", params=AdamParams()), 2))
+        for s in strangers:  # queued where the connection is not refused yet
+            offer(s, encode(Hello(version=PROTOCOL_VERSION, peer="stranger"), 1))
+            offer(s, encode(OptimStep(adapter="a", params=AdamParams()), 2))
         good = Client(ctx, ep, name="good", heartbeat_s=None)
         assert isinstance(await good.request(OptimStep(adapter="b", params=AdamParams()), 10), Ack)
         await until(lambda: server.counters["auth_denied"] >= 1, "the wrong secret refused")
@@ -79,7 +79,7 @@ def test_a_puller_takes_only_authenticated_pushes():
         bad.setsockopt(zmq.LINGER, 0)
         bad.plain_username, bad.plain_password = USERNAME.encode(), b"y" * 40
         bad.connect(puller.endpoint)
-        await bad.send_multipart(encode(_trajectory(1), 0))
+        offer(bad, encode(_trajectory(1), 0))
         good = Pusher(ctx, puller.endpoint)
         await good.send(_trajectory(2))
         got = await asyncio.wait_for(puller.recv(), 10)
@@ -193,7 +193,7 @@ def test_a_run_on_curve_takes_only_its_own_key(run_on_curve):
         other.curve_serverkey = run_on_curve[0].encode()
         other.connect(ep)
         for s in (plain, other):
-            await s.send_multipart(encode(Hello(version=PROTOCOL_VERSION, peer="stranger"), 1))
+            offer(s, encode(Hello(version=PROTOCOL_VERSION, peer="stranger"), 1))
         good = Client(ctx, ep, name="good", heartbeat_s=None)
         assert isinstance(await good.request(OptimStep(adapter="b", params=AdamParams()), 10), Ack)
         await until(lambda: server.counters["auth_denied"] >= 1, "the other key refused")
