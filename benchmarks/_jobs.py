@@ -6,6 +6,7 @@ finished run, reading a run's metrics, and the statistics over seeds."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import shlex
 import signal
@@ -193,6 +194,22 @@ def stopped_run(root: Path, name: str, seed: int, config: bytes | None = None,
     return None
 
 
+@contextlib.contextmanager
+def claimed(lock: Path, label: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``lock`` (made where missing) while the body runs, so
+    a second invocation making the same run stops with a clear error instead of taking the run
+    in progress for a stopped one and resuming it beside itself. The lock goes with the
+    process (a killed one leaves none behind). Raises ``RuntimeError`` when it is held."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{label}: another invocation is making this run now (it holds {lock}); "
+                               "let it finish or stop it first") from None
+        yield
+
+
 def run_or_reuse(cmd: list[str], root: Path, name: str, seed: int, log: Path, label: str,
                  config: bytes | None = None) -> tuple[Path, dict[str, Any]]:
     """The finished run of job ``name`` and ``seed`` under ``root`` (given ``config``, one whose
@@ -205,7 +222,14 @@ def run_or_reuse(cmd: list[str], root: Path, name: str, seed: int, log: Path, la
     checkpoint it resumed from), the peak memory of the last attempt, the command line (the
     first attempt's), the step it resumed from and the command that did (``{}`` for a run made
     without this helper). Raises
-    ``RuntimeError`` when the command fails or leaves no finished run."""
+    ``RuntimeError`` when the command fails or leaves no finished run, or when another
+    invocation is making this run now (:func:`claimed`)."""
+    with claimed(root / f".{name}-seed{seed}.lock", label):
+        return _run_or_reuse(cmd, root, name, seed, log, label, config)
+
+
+def _run_or_reuse(cmd: list[str], root: Path, name: str, seed: int, log: Path, label: str,
+                  config: bytes | None) -> tuple[Path, dict[str, Any]]:
     run = finished_run(root, name, seed, config)
     if run is not None:
         print(f"  [{label}] reusing {run}", flush=True)

@@ -10,7 +10,9 @@ evaluated without running it again, and a stopped one goes on from its newest ch
 (``resumed_from_step`` in its row; its wall time counts the time up to that checkpoint, its
 peak memory is the last attempt's), so the suite can be run a few jobs at a time and stopped at
 any point: Ctrl-C (SIGINT) stops the run in progress after its step with a checkpoint of it,
-SIGTERM at once with its newest. The rows of the JSON at ``--json`` (the committed one by default) that were made
+SIGTERM at once with its newest. Invocations may share ``--out``: a seed another one is making
+now (its run or its evaluation, under a lock in its folder) fails with an error for that seed and
+the others go on. The rows of the JSON at ``--json`` (the committed one by default) that were made
 with their job's config as it stands are written back under ``OUT`` first, so a fresh checkout
 adds seeds to the committed results instead of running them all again.
 
@@ -43,6 +45,7 @@ from typing import Any
 from _args import parse_args
 from _jobs import (
     PEAK_KEYS,
+    claimed,
     finished_run,
     opentinker,
     read_rows,
@@ -235,9 +238,15 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
         if portable(row.get("key", {})) == portable(key):
             print(f"  [{job} seed {seed}] reused {result}")
             return row
-    folder.mkdir(parents=True, exist_ok=True)
+    with claimed(folder / ".seed.lock", f"{job} seed {seed}"):  # its run and its evaluation
+        return _run_seed(args, job, seed, cfg.name, folder, key)
+
+
+def _run_seed(args: Args, job: str, seed: int, name: str, folder: Path, key: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_seed`'s run, evaluation and row, under its lock; the row goes to
+    ``folder/result.json``."""
     sets = [x for s in overrides(args, seed, folder) for x in ("--set", s)]
-    run, info = run_or_reuse(opentinker("run", job, *sets), folder, cfg.name, seed, folder / "run.log", f"{job} seed {seed}")
+    run, info = run_or_reuse(opentinker("run", job, *sets), folder, name, seed, folder / "run.log", f"{job} seed {seed}")
     mem = {k: info[k] for k in PEAK_KEYS if k in info}
     run_cfg = tomllib.loads((run / "config.toml").read_text())
     game = run_cfg["game"]
@@ -271,7 +280,7 @@ def run_seed(args: Args, job: str, seed: int) -> dict[str, Any]:
         "ratings": [{"step": h["step"], "ratings": {p: list(h["ratings"][p]) for p in policies if p in h["ratings"]}}
                     for h in rating_history(rows)],
     }
-    result.write_text(json.dumps(row, indent=1))
+    (folder / "result.json").write_text(json.dumps(row, indent=1))
     return row
 
 

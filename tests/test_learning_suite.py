@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import learning_suite as ls
-from _jobs import finished_run, stopped_run
+from _jobs import claimed, finished_run, run_or_reuse, stopped_run
 from test_interrupt import _config
 
 
@@ -260,6 +260,28 @@ def test_a_fresh_checkout_reuses_the_seeds_of_the_committed_json(tmp_path, capsy
     earlier.write_text('{"rows": [{"job": "default"}]}')
     with pytest.raises(SystemExit, match="not a learning suite JSON"):
         ls.restore(tmp_path / "other", earlier)
+
+
+def test_a_seed_another_invocation_is_making_is_left_to_it(tmp_path, monkeypatch) -> None:
+    """Two invocations on one ``--out``: a seed whose lock the other holds (for its run and its
+    evaluation) stops with an error that says so, and nothing is run or resumed beside it; once
+    the lock is gone the seed is made. ``run_or_reuse`` holds its own lock per job and seed."""
+    out = tmp_path / "suite"
+    folder = out / "default" / f"seed0-{ls.config_sha256('default')[:8]}"
+
+    def made(*a, **k):
+        raise RuntimeError("made")
+
+    monkeypatch.setattr(ls, "run_or_reuse", made)
+    with (claimed(folder / ".seed.lock", "the other invocation"),
+          pytest.raises(RuntimeError, match=r"default seed 0: another invocation is making this run now \(it holds ")):
+        ls.run_seed(ls.Args(out=str(out)), "default", 0)
+    with pytest.raises(RuntimeError, match="made"):
+        ls.run_seed(ls.Args(out=str(out)), "default", 0)
+    with (claimed(tmp_path / ".ctrlc-seed0.lock", "the other invocation"),
+          pytest.raises(RuntimeError, match="job: another invocation is making this run now")):
+        run_or_reuse([sys.executable, "-c", "raise SystemExit('ran')"], tmp_path, "ctrlc", 0, tmp_path / "job.log", "job")
+    assert not (tmp_path / "job.log").exists()
 
 
 _SCRIPT = """
