@@ -103,21 +103,18 @@ class ModelPolicy:
             raise SystemExit("the tokenizer does not spell each cell digit as one token")
         self.legal_mass: list[float] = []
 
-    def prompt(self, history: tuple[str, ...], board: str) -> np.ndarray:
+    def prompt(self, history: tuple[str, ...], board: str, legal: Sequence[str]) -> np.ndarray:
         """``int32[T]``: the seat's conversation up to its decision after ``history`` (``board``
-        the board it leads to)."""
+        the board it leads to, ``legal`` its empty cells as replies)."""
         env = tictactoe.env(brief=True)
         env.reset(seed=0)
-        legal = [str(c + 1) for c in range(9) if board[c] == tictactoe.EMPTY]
-        try:
-            decision = record_decision(env, board, self.agent, 0, history, legal)
-        except AssertionError as e:
-            raise ValueError(f"history {''.join(history)!r} is not {self.agent}'s decision: {e}") from None
-        return decision_prompt(self.tok, self.system_prompt, decision)
+        return decision_prompt(self.tok, self.system_prompt,
+                               record_decision(env, board, self.agent, 0, history, legal))
 
     def __call__(self, histories: Sequence[tuple[str, ...]]) -> list[dict[str, float]]:
         boards = [tictactoe.board_after(h) for h in histories]
-        prompts = [self.prompt(h, b) for h, b in zip(histories, boards)]
+        legal = [[str(c) for c in tictactoe.empty_cells(b)] for b in boards]
+        prompts = [self.prompt(h, b, cells) for h, b, cells in zip(histories, boards, legal)]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding per batch
         out: list[dict[str, float] | None] = [None] * len(histories)
         for k in range(0, len(order), self.batch):
@@ -133,8 +130,7 @@ class ModelPolicy:
                 logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
             probs = torch.softmax(logits.float() / self.temperature, dim=-1)
             for row, i in enumerate(part):
-                raw = {str(c + 1): float(probs[row, self.digits[str(c + 1)][0]])
-                       for c in range(9) if boards[i][c] == tictactoe.EMPTY}
+                raw = {m: float(probs[row, self.digits[m][0]]) for m in legal[i]}
                 total = sum(raw.values())
                 self.legal_mass.append(total)
                 out[i] = {m: v / total for m, v in raw.items()}

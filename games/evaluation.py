@@ -67,7 +67,8 @@ def record_decision(env: Any, infostate: str, agent: str, deal: int, replies: Se
                     legal_moves: Sequence[str]) -> Decision:
     """Step ``replies`` on ``env`` (reset, dealt ``deal``) for whoever is to act, recording what
     ``agent`` reads and says; then ``agent`` must be to act at ``infostate`` (its
-    ``infos[agent]["infostate"]``) with ``legal_moves`` (in the order the measure reads them)."""
+    ``infos[agent]["infostate"]``) with ``legal_moves`` (in the order the measure reads them),
+    else ValueError naming where ``replies`` lead instead."""
     observations: list[str] = []
     own: list[str] = []
     for reply in replies:
@@ -77,7 +78,7 @@ def record_decision(env: Any, infostate: str, agent: str, deal: int, replies: Se
         env.step(reply)
     info = env.infos[agent]
     if env.agent_selection != agent or info["infostate"] != infostate or set(info["legal_moves"]) != set(legal_moves):
-        raise AssertionError(f"replies {list(replies)} lead to {info['infostate']!r} ({info['legal_moves']}), "
+        raise ValueError(f"replies {list(replies)} lead to {info['infostate']!r} ({info['legal_moves']}), "
                              f"not {agent}'s {infostate!r} ({list(legal_moves)})")
     observations.append(env.observe(agent)["text"])
     return Decision(infostate, agent, deal, tuple(observations), tuple(own), tuple(legal_moves))

@@ -113,6 +113,11 @@ def parse_reply(reply: object, board: str) -> int | None:
     return cell if board[cell - 1] == EMPTY else None
 
 
+def empty_cells(board: str) -> list[int]:
+    """The empty cells (1-9, ascending) of ``board`` (9 characters ``X``/``O``/``.``)."""
+    return [i + 1 for i, c in enumerate(board) if c == EMPTY]
+
+
 def winner_mark(board: str) -> str | None:
     """The mark ("X" or "O") with three in a row on `board`, else None."""
     for a, b, c in LINES:
@@ -146,7 +151,7 @@ def _value(board: str) -> int:
     if EMPTY not in board:
         return 0
     player = to_move(board)
-    return max(-_value(_place(board, i, player)) for i in range(9) if board[i] == EMPTY)
+    return max(-_value(_place(board, c - 1, player)) for c in empty_cells(board))
 
 
 def _place(board: str, index: int, mark: str) -> str:
@@ -161,7 +166,7 @@ def minimax_moves(board: str, player: str) -> tuple[int, ...]:
     when it is not `player`'s move.
     """
     _check_board(board, player)
-    scores = {i + 1: -_value(_place(board, i, player)) for i in range(9) if board[i] == EMPTY}
+    scores = {c: -_value(_place(board, c - 1, player)) for c in empty_cells(board)}
     best = max(scores.values())
     return tuple(cell for cell, score in scores.items() if score == best)
 
@@ -177,7 +182,7 @@ def _vs_random(board: str) -> float:
     """The mover's expected result on a live ``board`` when it plays best and the other seat
     plays a uniformly random empty cell (expectimax)."""
     player = to_move(board)
-    return max(_after_vs_random(_place(board, i, player)) for i in range(9) if board[i] == EMPTY)
+    return max(_after_vs_random(_place(board, c - 1, player)) for c in empty_cells(board))
 
 
 def _after_vs_random(after: str) -> float:
@@ -189,10 +194,9 @@ def _after_vs_random(after: str) -> float:
         return 0.0
     other = to_move(after)
     replies = []
-    for j in range(9):
-        if after[j] == EMPTY:
-            last = _place(after, j, other)
-            replies.append(-1.0 if winner_mark(last) is not None else 0.0 if EMPTY not in last else _vs_random(last))
+    for c in empty_cells(after):
+        last = _place(after, c - 1, other)
+        replies.append(-1.0 if winner_mark(last) is not None else 0.0 if EMPTY not in last else _vs_random(last))
     return sum(replies) / len(replies)
 
 
@@ -229,7 +233,7 @@ def move_values(board: str, agent: str, opponent: str) -> dict[str, float]:
     after = {"random": _after_vs_random, "tictactoe_minimax": _after_vs_minimax}.get(opponent)
     if after is None:
         raise ValueError(f"tic-tac-toe values states against {', '.join(VALUED_OPPONENTS)}, not {opponent!r}")
-    return {str(i + 1): after(_place(board, i, mark)) for i in range(9) if board[i] == EMPTY}
+    return {str(c): after(_place(board, c - 1, mark)) for c in empty_cells(board)}
 
 
 Policy = Callable[[Sequence[tuple[str, ...]]], Sequence[Mapping[str, float]]]
@@ -309,14 +313,14 @@ def exact_outcomes(agent: str, opponent: str, policy: Policy, prune: float = 1e-
             else:
                 other = to_move(board)
                 cells = (minimax_moves(board, other) if opponent == "tictactoe_minimax"
-                         else [i + 1 for i in range(9) if board[i] == EMPTY])
+                         else empty_cells(board))
                 for c in cells:
                     nxt[(*history, str(c))] = (reach / len(cells), own, _place(board, c - 1, other))
         dists = policy([h for h, _, _, _ in ours]) if ours else []
         if len(dists) != len(ours):
             raise ValueError(f"the policy gave {len(dists)} distributions for {len(ours)} histories")
         for (history, reach, own, board), dist in zip(ours, dists):
-            legal = {str(i + 1) for i in range(9) if board[i] == EMPTY}
+            legal = {str(c) for c in empty_cells(board)}
             if set(dist) - legal or abs(sum(dist.values()) - 1) > 1e-6 or min(dist.values(), default=0) < 0:
                 raise ValueError(f"the policy's distribution at {board!r} (history {''.join(history)!r}) must sum "
                                  f"to 1 over its empty cells {sorted(legal)}, got {dict(dist)}")
@@ -402,7 +406,7 @@ class raw_env(TextAECEnv):
 
     def _update_infos(self) -> None:
         done = self._done()
-        legal = [str(i + 1) for i, c in enumerate(self._board) if c == EMPTY]
+        legal = [str(c) for c in empty_cells(self._board)]
         for agent in self.agents:
             to_act = not done and agent == self.agent_selection
             info: dict[str, Any] = {

@@ -92,3 +92,16 @@ def test_pairing_metrics_count_the_opponents_invalid_replies_beside_the_policys(
     assert (m["wins"], m["draws"], m["losses"]) == (3.0, 0.0, 0.0)
     assert m["invalid_rate"] == pytest.approx(1 / 9)  # the policy's seat: 1 invalid of 3 + 2 + 4 turns
     assert m["opponent_invalid_rate"] == pytest.approx(2 / 8)  # the base's: 1 + 1 of 3 + 2 + 3
+
+
+def test_record_decision_refuses_replies_that_lead_elsewhere():
+    from games import tictactoe
+    from games.evaluation import record_decision
+
+    env = tictactoe.env(brief=True)
+    env.reset(seed=0)
+    d = record_decision(env, "X...O....", "player_x", 0, ("1", "5"), [str(c) for c in range(2, 10) if c != 5])
+    assert d.replies == ("1",) and len(d.observations) == 2 and d.infostate == "X...O...."
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match=r"replies \['1'\] lead to 'X\.\.\.\.\.\.\.\.'.*not player_x's"):
+        record_decision(env, "X........", "player_x", 0, ("1",), ["2"])
