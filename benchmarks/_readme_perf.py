@@ -134,12 +134,15 @@ def render_rollout(results: Path) -> str:
 
 
 def render_shared_forward(results: Path) -> str:
-    """One ``forward_backward``: plain padded batch against the shared one."""
-    d = load(results, "shared_forward")
-    return table(["method", "median s", "ratio"], [
-        ["plain padded batch (what a PEFT training loop does)", f"{d['plain_s']:.2f}", "1.00"],
-        ["shared prefix, shared contexts, deduplicated sequences, loss positions only",
-         f"{d['shared_s']:.2f}", f"{d['speedup']:.2f}x faster"]])
+    """One ``forward_backward`` per batch: the plain padded batch, the three shared levels and
+    the prefix tree."""
+    rows = []
+    for b in load(results, "shared_forward")["batches"]:
+        for m in b["methods"].values():
+            rows.append([(f"{b['batch']} ({b['rows']} sequences, {b['tokens']:,} tokens, "
+                          f"{b['tree_tokens']:,} distinct prefixes)"), m["label"], f"{m['median_s']:.2f}",
+                         f"{m['speedup']:.2f}x"])
+    return table(["batch", "method", "median s", "vs plain"], rows)
 
 
 BUS_KINDS = {

@@ -21,10 +21,18 @@ def _run(args, tmp_path):
 
 
 def test_shared_forward_benchmark(tmp_path, tiny_path):
-    r = _run(["benchmarks/shared_forward.py", "--model", "tiny-random", "--rows", "12", "--repeats", "1"], tmp_path)
+    r = _run(["benchmarks/shared_forward.py", "--model", "tiny-random", "--rows", "12", "--groups", "2",
+              "--repeats", "1"], tmp_path)
     check_provenance(r, "shared_forward.py")
-    assert r["rows"] == 12 and r["max_grad_rel_diff"] < 1e-3  # the shared forward's gradients are the plain one's
-    assert r["speedup"] == pytest.approx(r["plain_s"] / r["shared_s"])
+    kuhn, ttt = r["batches"]
+    assert (kuhn["batch"], kuhn["rows"], ttt["batch"], ttt["rows"]) == ("kuhn", 12, "tictactoe", 8)
+    for b in (kuhn, ttt):
+        assert list(b["methods"]) == ["plain", "levels", "tree"]
+        for m in b["methods"].values():  # every method's gradients are the plain batch's
+            assert m["max_grad_rel_diff"] < 1e-3
+            assert m["speedup"] == pytest.approx(b["methods"]["plain"]["median_s"] / m["median_s"])
+    # episodes of a group share their start and some of their turns: the tree computes under half the tokens
+    assert 0 < ttt["tree_tokens"] < ttt["tokens"] / 2
 
 
 PHASES = ("median_s", "rollout_s", "learn_s", "compute_s", "comm_s", "eval_s", "cpu_total_s", "cpu_util")

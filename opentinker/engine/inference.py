@@ -27,6 +27,7 @@ from opentinker.engine.sequence import Sequence
 from opentinker.engine.shared_forward import (
     Hidden,
     Selected,
+    TreeFn,
     project_logprobs,
     selected_hidden,
     selected_logprobs,
@@ -53,6 +54,10 @@ class Inference:
         """The step loop that samples (the engine's own forward); ``None``: PEFT's mixed batches."""
         self.share_prefix = True
         """Run shared prefixes and duplicate sequences once in log-prob computations (exact)."""
+        self.tree: TreeFn | None = getattr(registry, "hidden_tree", None)
+        """The engine's own decoder runs a batch as one prefix tree (every distinct prefix token
+        once, :func:`~opentinker.engine.shared_forward.token_tree`); ``None`` (PEFT's model, or
+        set so): shared prefix, contexts and tails."""
         self.interrupt = threading.Event()
         """Set when the owner stops: a PEFT sampling call then ends at its next token with
         :class:`Interrupted` (the engine's step loop stops between steps on its own)."""
@@ -122,12 +127,12 @@ class Inference:
         :func:`opentinker.engine.shared_forward.selected_logprobs`)."""
         return selected_logprobs(self.registry.hidden, scaled(self.registry.lm_head, temperature), seqs, masks,
                                  self.registry.pad_id, self.device, share, entropy=entropy,
-                                 entropy_grad=entropy_grad)
+                                 entropy_grad=entropy_grad, tree=self.tree)
 
     def hidden_at(self, seqs: Seq[np.ndarray], masks: Seq[np.ndarray]) -> Hidden:
         """Final hidden states before the masked positions, with the active adapter."""
         return selected_hidden(self.registry.hidden, seqs, masks, self.registry.pad_id, self.device,
-                               self.share_prefix)
+                               self.share_prefix, self.tree)
 
     @torch.no_grad()
     def _along(

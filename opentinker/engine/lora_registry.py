@@ -37,6 +37,7 @@ from opentinker.engine.model import (
     LoraWeights,
 )
 from opentinker.engine.model.lora_slots import LoraSlots
+from opentinker.engine.model.tree_attention import TreeAttention
 from opentinker.engine.registry import AdapterState, AdapterTable
 from protocols.messages import LoraSpec
 
@@ -213,6 +214,14 @@ class LoraRegistry(AdapterTable):
         lora = None if weights is None else LoraBatch([weights], [B * L])
         h_N_H = decoder(input_ids_B_L.reshape(-1), position_ids_B_L.reshape(-1), attn, lora)
         return h_N_H.view(B, L, -1), attn.cache if use_cache else None
+
+    def hidden_tree(self, ids_N: torch.Tensor, pos_N: torch.Tensor, attn: TreeAttention) -> torch.Tensor:
+        """Final hidden states ``h_N_H`` of the active adapter's decoder on ``N`` flat tokens
+        of a prefix tree (``attn`` places them: :func:`~opentinker.engine.shared_forward.token_tree`),
+        the trainer's forward when sequences share prefixes at several depths."""
+        decoder, _, weights = self.decoder_for(self.active)
+        lora = None if weights is None else LoraBatch([weights], [ids_N.shape[0]])
+        return decoder(ids_N, pos_N, attn, lora)
 
     # ----------------------------------------------------------------------------- files
 

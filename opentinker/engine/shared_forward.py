@@ -16,6 +16,12 @@ row in full; a test checks it):
 the 49k-row vocabulary projection then runs only on those that predict a loss token
 (:func:`project_logprobs`), and a value head only on those at value positions. Cache copies
 are ``index_select`` s, so gradients flow back into the shared levels.
+
+With the engine's own decoder (a ``tree`` body) the batch is instead laid out as a whole prefix
+tree (:func:`token_tree`): every distinct prefix token once, at any depth (episodes of a group
+that made the same first moves share those turns as well), in one flat forward whose attention
+reads each token's own path (:class:`~opentinker.engine.model.tree_attention.TreeAttention`).
+The three levels remain for PEFT's model.
 """
 
 from __future__ import annotations
@@ -29,10 +35,15 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from opentinker.engine.model import DenseCache
+from opentinker.engine.model.tree_attention import TreeAttention, query_buckets
 
 HiddenFn = Callable[..., tuple[torch.Tensor, Any]]
 """A registry's ``hidden(input_ids_B_L, attention_mask_B_T=None, position_ids_B_L=None,
 cache=None, use_cache=False) -> (h_B_L_H, cache)``."""
+TreeFn = Callable[[torch.Tensor, torch.Tensor, TreeAttention], torch.Tensor]
+"""A registry's ``hidden_tree(ids_N, pos_N, attention) -> h_N_H``: final hidden states of ``N``
+flat tokens whose attention :class:`~opentinker.engine.model.tree_attention.TreeAttention`
+places in a prefix tree (the engine's own decoder; PEFT's model has none)."""
 
 
 def _lcp(seqs: Sequence[np.ndarray]) -> int:
@@ -55,22 +66,6 @@ def _unique(keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
             reps.append(i)
         inverse.append(first[k])
     return reps, inverse
-
-
-def _buckets(lengths: Sequence[int], waste: float = 0.25) -> list[list[int]]:
-    """Indices grouped by length (ascending) so that padding a bucket to its longest member
-    adds at most ``waste`` of its real tokens (and never splits rows of equal length)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    buckets: list[list[int]] = []
-    for i in order:
-        if buckets:
-            b = buckets[-1]
-            real = sum(lengths[j] for j in b) + lengths[i]
-            if lengths[i] * (len(b) + 1) <= (1 + waste) * real:
-                b.append(i)
-                continue
-        buckets.append([i])
-    return buckets
 
 
 class Selected(NamedTuple):
@@ -156,19 +151,24 @@ def selected_hidden(
     pad_id: int,
     device: torch.device,
     share: bool = True,
+    tree: TreeFn | None = None,
 ) -> Hidden:
     """Final hidden states before the positions where ``masks[i]`` is nonzero (position 0
     never counts: nothing precedes it), running the shared prefix, contexts and tails once.
 
     ``body`` is a registry's ``hidden``: the engine's own decoder called directly
     (:meth:`~opentinker.engine.lora_registry.LoraRegistry.hidden`), or PEFT's model for the
-    families it does not run. ``share=False`` runs every row in full.
+    families it does not run. ``share=False`` runs every row in full. With ``tree`` (and
+    ``share``) every distinct prefix token runs once instead, in one forward (:func:`token_tree`).
     """
     taken = [np.nonzero(np.asarray(m)[1:])[0] + 1 for m in masks]
     useqs, upos, row_index = _distinct_rows(seqs, taken, share)
     if len(useqs) == 0 or sum(len(p) for p in upos) == 0:
         return Hidden(torch.zeros((0, 0), device=device), torch.zeros(0, dtype=torch.long, device=device),
                       row_index, taken)
+    if share and tree is not None:
+        h_N, targets = _tree_hidden(tree, useqs, upos, device)
+        return Hidden(h_N, targets, row_index, taken)
     shared = _shared_levels(body, useqs, upos, pad_id, device, share)
     h3 = _tails(body, useqs, shared, pad_id, device)
     h_N, targets = _gather_hidden(useqs, upos, shared, h3, device)
@@ -192,6 +192,64 @@ def _distinct_rows(
     starts = np.concatenate([[0], np.cumsum([len(p) for p in upos])]).astype(np.int64)
     row_index = [np.arange(starts[u], starts[u + 1], dtype=np.int64) for u in inverse]
     return useqs, upos, row_index
+
+
+class TokenTree(NamedTuple):
+    """Sequences as a prefix tree: each distinct prefix is one node (its last token)."""
+
+    ids_N: np.ndarray
+    """``int64[N]``: each node's token."""
+    pos_N: np.ndarray
+    """``int64[N]``: each node's position (its depth)."""
+    paths: list[np.ndarray]
+    """Per sequence, ``int64[T_i]``: the node of each of its positions."""
+    blocks: list[tuple[np.ndarray, np.ndarray]]
+    """Per sequence that adds nodes: ``(its new nodes, its path)``, the new nodes a contiguous
+    run of indices and the last entries of the path (:class:`TreeAttention`'s blocks)."""
+
+
+def token_order(tokens: np.ndarray) -> bytes:
+    """A sort key that orders token sequences lexicographically, token by token (a prefix
+    before its continuations): in that order each sequence shares with its predecessor the
+    longest prefix it shares with any sequence before it."""
+    return np.asarray(tokens, np.int64).astype(">u8").tobytes()
+
+
+def token_tree(seqs: Sequence[np.ndarray]) -> TokenTree:
+    """The prefix tree of ``seqs`` (``int[T_i]`` each, non-negative). In lexicographic order a
+    sequence's longest prefix shared with any sequence before it is the one it shares with its
+    predecessor: it adds the nodes after that, and its path is the predecessor's up to there,
+    then its own new nodes."""
+    as64 = [np.asarray(s, dtype=np.int64) for s in seqs]
+    order = sorted(range(len(as64)), key=lambda i: token_order(as64[i]))
+    ids: list[np.ndarray] = []
+    paths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(as64)
+    blocks: list[tuple[np.ndarray, np.ndarray]] = []
+    n, prev = 0, -1
+    for i in order:
+        s = as64[i]
+        shared = _lcp([as64[prev], s]) if prev >= 0 else 0
+        new = np.arange(n, n + len(s) - shared, dtype=np.int64)
+        paths[i] = np.concatenate([paths[prev][:shared] if shared else new[:0], new])
+        if len(new):
+            ids.append(s[shared:])
+            blocks.append((new, paths[i]))
+        n, prev = n + len(new), i
+    ids_N = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    pos_N = np.concatenate([np.arange(len(k) - len(q), len(k)) for q, k in blocks]) if blocks else np.zeros(0)
+    return TokenTree(ids_N, pos_N.astype(np.int64), paths, blocks)
+
+
+def _tree_hidden(tree: TreeFn, useqs: Sequence[np.ndarray], upos: Sequence[np.ndarray],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`_gather_hidden` returns, from one forward of the prefix tree of ``useqs``."""
+    t = token_tree(useqs)
+    attn = TreeAttention(t.blocks, len(t.ids_N), device)
+    h_N_H = tree(torch.as_tensor(t.ids_N, device=device), torch.as_tensor(t.pos_N, device=device), attn)
+    node = np.concatenate([t.paths[u][np.asarray(p, np.int64) - 1] for u, p in enumerate(upos)])
+    targets = np.concatenate([useqs[u][np.asarray(p, np.int64)] for u, p in enumerate(upos)])
+    return (h_N_H.index_select(0, torch.as_tensor(node.astype(np.int64), device=device)),
+            torch.as_tensor(targets.astype(np.int64), device=device))
 
 
 class _Shared(NamedTuple):
@@ -263,7 +321,7 @@ def _tails(body: HiddenFn, useqs: Sequence[np.ndarray], shared: _Shared, pad_id:
     two-turn sequence's tail holds a whole turn)."""
     tails = [s[c:] for s, c in zip(useqs, shared.split)]
     h3: list[torch.Tensor] = [torch.empty(0)] * len(useqs)
-    for bucket in _buckets([len(t) for t in tails]):
+    for bucket in query_buckets([len(t) for t in tails]):
         ids, m = _padded([tails[u] for u in bucket], pad_id)
         Lt = ids.shape[1]
         ctx_rows = torch.as_tensor([shared.cinv[u] for u in bucket], dtype=torch.long)
@@ -358,15 +416,16 @@ def selected_logprobs(
     share: bool = True,
     entropy: bool = False,
     entropy_grad: bool = False,
+    tree: TreeFn | None = None,
 ) -> Selected:
     """``logp_N`` of the tokens at positions where ``masks[i]`` is nonzero (position 0 never
     counts), in (row, position) order, and each row's positions.
 
-    ``body`` and ``share`` as in :func:`selected_hidden`; ``lm_head`` maps hidden states to
+    ``body``, ``share`` and ``tree`` as in :func:`selected_hidden`; ``lm_head`` maps hidden states to
     logits. ``entropy``: also return the full-vocabulary entropy at each selected position; it
     costs one more ``N x V`` elementwise pass over logits that exist anyway (differentiable
     only with ``entropy_grad``, e.g. for an entropy bonus; else a detached diagnostic).
     """
-    hidden = selected_hidden(body, seqs, masks, pad_id, device, share)
+    hidden = selected_hidden(body, seqs, masks, pad_id, device, share, tree)
     logp_N, entropy_N = project_logprobs(lm_head, hidden, hidden.at(), entropy, entropy_grad)
     return Selected(logp_N, hidden.taken, entropy_N)
