@@ -135,9 +135,9 @@ def render_rollout(results: Path) -> str:
 
 def render_shared_forward(results: Path) -> str:
     """One ``forward_backward`` per batch: the plain padded batch, the three shared levels and
-    the prefix tree."""
+    the prefix tree, on the synthetic batches and a recorded step's (``shared_forward_recorded.json``)."""
     rows = []
-    for b in load(results, "shared_forward")["batches"]:
+    for b in load(results, "shared_forward")["batches"] + load(results, "shared_forward_recorded")["batches"]:
         for m in b["methods"].values():
             rows.append([(f"{b['batch']} ({b['rows']} sequences, {b['tokens']:,} tokens, "
                           f"{b['tree_tokens']:,} distinct prefixes)"), m["label"], f"{m['median_s']:.2f}",

@@ -208,7 +208,8 @@ def main() -> None:
             datums = tictactoe_batch(tok, args.groups, args.group_size, args.seed)
         else:
             raise SystemExit(f"unknown batch {name!r}: kuhn or tictactoe")
-        r = measure(host, name, datums, args.repeats)
+        r = measure(host, f"{name}, recorded step {args.step}" if name == "tictactoe" and args.trajectories else name,
+                    datums, args.repeats)
         results.append(r)
         table = Table(title=f"forward_backward on {r['rows']} {name} sequences ({r['tokens']} tokens, "
                             f"{r['tree_tokens']} distinct prefixes), {args.model}")
