@@ -81,14 +81,20 @@ VERSIONED = ("torch", "transformers", "peft", "ray", "pyzmq", "msgspec", "numpy"
 """Distributions whose versions a result records."""
 
 
+RESULTS = "benchmarks/results"
+"""Where the benchmarks write their committed JSON and plots (relative to the checkout)."""
+
+
 def git_commit(root: Path | None = None, dirty: bool = True) -> tuple[str, bool]:
     """The checkout's commit (``"unknown"`` outside a git checkout) and whether tracked files
     differ from it (a result from uncommitted code says so); ``dirty=False`` skips that
-    question (``git status``) and answers False."""
+    question (``git status``) and answers False. Files under :data:`RESULTS` are outputs, not
+    code: a benchmark that rewrites its own committed JSON is not dirty for it."""
     root = root or Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=root, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, cwd=root,
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 f":(exclude){RESULTS}"], check=False, cwd=root,
                                 capture_output=True, text=True, timeout=10) if dirty else None
     except (OSError, subprocess.TimeoutExpired):
         return "unknown", False

@@ -267,3 +267,25 @@ def test_a_game_without_a_hook_that_pays_seats_alike_is_scored_as_cooperative(tm
 
     assert games.evaluation("coordinate:env").competitive is False  # no wins, losses or P(beats random)
     assert games.evaluation("pettingzoo.classic.connect_four_v3").competitive is True
+
+
+def test_a_rewritten_result_file_does_not_make_the_code_dirty(tmp_path):
+    """A benchmark writes its committed JSON while it records its provenance: only code counts."""
+    import subprocess
+
+    from opentinker.machine import RESULTS, git_commit
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / RESULTS).mkdir(parents=True)
+    (tmp_path / RESULTS / "b.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    assert git_commit(tmp_path)[1] is False
+    (tmp_path / RESULTS / "b.json").write_text("")  # opened for writing, provenance not yet in
+    assert git_commit(tmp_path)[1] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(tmp_path)[1] is True
