@@ -225,6 +225,25 @@ class Datum(msgspec.Struct, frozen=True, kw_only=True):
     loss_inputs: dict[str, np.ndarray]
 
 
+def token_order(tokens: np.ndarray) -> bytes:
+    """A sort key that orders token sequences lexicographically, token by token (a prefix
+    before its continuations): in that order each sequence shares with its predecessor the
+    longest prefix it shares with any sequence before it."""
+    return np.asarray(tokens, np.int64).astype(">u8").tobytes()
+
+
+def datum_order(datums: list[Datum] | tuple[Datum, ...]) -> list[Datum]:
+    """The order a scheduler computes a ``ForwardBackward``'s datums in: token order
+    (:func:`token_order`), so that the parts it cuts hold the most shared prefixes; the loss is
+    a sum over datums, so the order changes nothing else. Datums with preference pairs
+    (``pair_id``) keep the order they came in. A sender that splits a request sorts it so
+    first: each slice then holds the datums the whole request's parts would (bit-identical
+    results for slices of whole engine batches)."""
+    if any("pair_id" in d.loss_inputs for d in datums):
+        return list(datums)
+    return sorted(datums, key=lambda d: token_order(d.tokens))
+
+
 class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
     rank: int = 8
     alpha: float = 16.0

@@ -100,18 +100,19 @@ def test_the_tree_forward_equals_every_sequence_alone(tiny_path, checkpointed):
         torch.testing.assert_close(grad, ref[4], atol=1e-5, rtol=1e-4)
 
 
-def test_parts_are_cut_from_datums_in_tree_order():
+def test_parts_are_cut_from_datums_in_datum_order():
     """In token order each datum computes only what its tree adds: the whole batch as one part
     counts exactly the tree's distinct prefixes, whatever order the datums came in; preference
     pairs keep theirs."""
-    from opentinker.engine.train_batches import computed_tokens, tree_order
+    from opentinker.engine.train_batches import computed_tokens
+    from protocols.messages import datum_order
 
     rng = np.random.default_rng(2)
     seqs = _episodes(rng)
     datums = _datums([seqs[i] for i in rng.permutation(len(seqs))], rng)
     nodes = len(token_tree(seqs).ids_N)
     assert computed_tokens(datums) > nodes  # arrival order misses prefixes shared further apart
-    assert computed_tokens(tree_order(datums)) == nodes
+    assert computed_tokens(datum_order(datums)) == nodes
     pairs = [Datum(tokens=d.tokens, loss_inputs={**d.loss_inputs, "pair_id": d.loss_inputs["mask"] * (i // 2)})
              for i, d in enumerate(datums)]
-    assert [d.tokens.tobytes() for d in tree_order(pairs)] == [d.tokens.tobytes() for d in pairs]
+    assert [d.tokens.tobytes() for d in datum_order(pairs)] == [d.tokens.tobytes() for d in pairs]

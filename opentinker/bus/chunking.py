@@ -18,7 +18,10 @@ margin, so a receiver with the default limits always takes it.
 Requests the engine serves in batches of :data:`ENGINE_ROWS` rows are cut at multiples of
 that many items (when a slice holds that many): the engine then forms the same batches as
 for the whole request, and the results (log-probs, values, accumulated gradients) are the
-same to the bit; a cut elsewhere changes them only by float rounding (~1 ulp).
+same to the bit; a cut elsewhere changes them only by float rounding (~1 ulp). A
+``ForwardBackward``'s datums are sliced in the order the scheduler computes them in
+(:func:`protocols.messages.datum_order`), so each slice holds the parts the whole request's
+would.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from protocols.messages import (
     RunEpisodes,
     ValuesRequest,
     ValuesResult,
+    datum_order,
 )
 
 T = TypeVar("T")
@@ -183,7 +187,10 @@ def split_request(msg: M, limits: Limits | None = None, unit: int = 1, margin: f
     def make(part: list[Any]) -> M:
         return msgspec.structs.replace(msg, **{field: part})
 
-    parts = split(getattr(msg, field), make, limits, unit=unit, align=align, margin=margin)
+    items = getattr(msg, field)
+    if isinstance(msg, ForwardBackward):  # in the order the scheduler computes them: its parts fall in one slice
+        items = datum_order(items)
+    parts = split(items, make, limits, unit=unit, align=align, margin=margin)
     return [msg] if len(parts) == 1 else [make(p) for p in parts]
 
 

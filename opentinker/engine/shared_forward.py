@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from opentinker.engine.model import DenseCache
 from opentinker.engine.model.tree_attention import TreeAttention, query_buckets
+from protocols.messages import token_order
 
 HiddenFn = Callable[..., tuple[torch.Tensor, Any]]
 """A registry's ``hidden(input_ids_B_L, attention_mask_B_T=None, position_ids_B_L=None,
@@ -206,13 +207,6 @@ class TokenTree(NamedTuple):
     blocks: list[tuple[np.ndarray, np.ndarray]]
     """Per sequence that adds nodes: ``(its new nodes, its path)``, the new nodes a contiguous
     run of indices and the last entries of the path (:class:`TreeAttention`'s blocks)."""
-
-
-def token_order(tokens: np.ndarray) -> bytes:
-    """A sort key that orders token sequences lexicographically, token by token (a prefix
-    before its continuations): in that order each sequence shares with its predecessor the
-    longest prefix it shares with any sequence before it."""
-    return np.asarray(tokens, np.int64).astype(">u8").tobytes()
 
 
 def token_tree(seqs: Sequence[np.ndarray]) -> TokenTree:

@@ -8,7 +8,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from opentinker.engine.shared_forward import token_order
 from protocols.messages import Datum
 
 VALUE_INPUTS = ("value_mask", "value_targets", "old_values")
@@ -66,18 +65,6 @@ def _new_tokens(d: Datum, before: Datum) -> int:
     n = min(len(a), len(b))
     same = np.flatnonzero(a[:n] != b[:n])
     return len(a) - (int(same[0]) if len(same) else n)
-
-
-def tree_order(datums: Sequence[Datum]) -> list[Datum]:
-    """``datums`` in token-wise lexicographic order (:func:`~opentinker.engine.shared_forward.token_order`),
-    so that each shares with the one before it the longest prefix it shares with any: the
-    parts :func:`chunks` cuts then hold the most shared prefixes (a step's groups that start
-    alike, episodes that open alike), and each computes its prefix tree's tokens. The loss is a
-    sum over datums, so the order changes nothing else. Preference pairs (``pair_id``) keep
-    the order they came in."""
-    if any("pair_id" in d.loss_inputs for d in datums):
-        return list(datums)
-    return sorted(datums, key=lambda d: token_order(d.tokens))
 
 
 def computed_tokens(part: Sequence[Datum]) -> int:

@@ -34,8 +34,8 @@ from opentinker.engine.registry import AdapterRegistry, AdapterState
 from opentinker.engine.inference import Inference, scaled
 from opentinker.engine.shared_forward import HEAD_ROWS, project_logprobs, project_move_logprobs
 from opentinker.engine.model import layer_checkpointing
-from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, computed_tokens, gather, tree_order
-from protocols.messages import AdamParams, Datum
+from opentinker.engine.train_batches import VALUE_INPUTS, MetricSums, chunks, computed_tokens, gather
+from protocols.messages import AdamParams, Datum, datum_order
 
 T = TypeVar("T")
 
@@ -201,7 +201,7 @@ class Trainer:
         a generator that yields between parts (a shared scheduler runs other work there) and
         returns the normalised loss and metrics (:func:`drain` runs it whole). The loss is a sum over the parts, so the
         gradient is the same however the datums are cut; they are cut in token order
-        (:func:`~opentinker.engine.train_batches.tree_order`), and each part runs as one prefix tree.
+        (:func:`protocols.messages.datum_order`), and each part runs as one prefix tree.
 
         ``loss`` is a name in ``learners.LOSSES``. Terms ride in ``loss_config`` under their
         own names with their coefficients (:func:`learners.losses.split_terms`): penalties
@@ -227,7 +227,7 @@ class Trainer:
         seen = _Seen()
         plan.state.pending_grad = True  # from the first part on: a call cut short leaves gradients to discard
         limit = min(max_tokens, self.part_tokens) if max_tokens > 0 else self.part_tokens
-        for i, part in enumerate(chunks(tree_order(datums), chunk, limit)):
+        for i, part in enumerate(chunks(datum_order(datums), chunk, limit)):
             if i:
                 yield  # between parts
             self._part_backward(plan, part, acc, seen)
