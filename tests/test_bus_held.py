@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import struct
+import threading
 
 import msgspec
 import numpy as np
@@ -389,3 +390,32 @@ def test_a_puller_closes_from_another_thread_while_its_loop_runs():
     assert lt.run(asyncio.sleep(0, result="alive"), timeout=10) == "alive"
     assert puller.counters["error/internal"] == 0
     lt.stop()
+
+
+def test_stop_lets_every_cancelled_task_finish():
+    """A task cancelled at shutdown while it awaits a gather must finish before the loop stops:
+    else it is destroyed pending ("Task was destroyed but it is pending!" on stderr at exit)."""
+    lt = LoopThread("stopping")
+    started = threading.Event()
+
+    async def inner() -> None:
+        await asyncio.sleep(100)
+
+    async def outer() -> None:
+        started.set()
+        try:
+            await asyncio.gather(inner(), inner())
+        finally:  # cleanup that takes a few turns of the loop, as a coordinator's step does
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+    asyncio.run_coroutine_threadsafe(outer(), lt.loop)
+    assert started.wait(5)
+
+    async def tasks() -> set:
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    pending = lt.run(tasks(), timeout=5)
+    assert len(pending) == 3
+    lt.stop()
+    assert all(t.done() for t in pending), [t for t in pending if not t.done()]

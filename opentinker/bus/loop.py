@@ -255,10 +255,15 @@ class LoopThread:
 
     def stop(self) -> None:
         async def _cancel_all() -> None:
+            # Cancel, then let each task run its cancellation out (its finally blocks, the gather
+            # it awaited) before the loop stops, as asyncio.run does: a task still cancelling
+            # when the loop stops is destroyed pending ("Task was destroyed but it is pending!").
             me = asyncio.current_task()
-            for t in asyncio.all_tasks():
-                if t is not me:
-                    t.cancel()
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            for t in others:
+                t.cancel()
+            if others:
+                await asyncio.wait(others, timeout=4)
 
         if self.loop.is_running():
             try:
