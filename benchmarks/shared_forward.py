@@ -125,15 +125,11 @@ def tictactoe_batch(tok: ChatTokenizer, groups: int, group_size: int, seed: int)
 
 def recorded_batch(path: str, step: int, seed: int) -> list[Datum]:
     """A recorded step's episodes (``trajectories/<policy>.jsonl``), random advantages."""
-    import msgspec
-
     from learners.assembly import trajectory_to_datum
-    from opentinker.training.trajectory_log import TrajectoryRecord, from_record
+    from opentinker.training.trajectory_log import from_record, read
 
     rng = np.random.default_rng(seed)
-    with open(path, "rb") as f:
-        trajs = [t for t in (from_record(msgspec.json.decode(line, type=TrajectoryRecord)) for line in f)
-                 if t.step == step]
+    trajs = [from_record(r) for r in read(path) if r.step == step]
     if not trajs:
         raise SystemExit(f"{path} holds no episodes of step {step}")
     return [trajectory_to_datum(t, float(rng.normal())) for t in trajs]
