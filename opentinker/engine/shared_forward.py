@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from opentinker.engine.model import DenseCache
 from opentinker.engine.model.tree_attention import TreeAttention, query_buckets
+from opentinker.engine.train_batches import common_prefix
 from protocols.messages import token_order
 
 HiddenFn = Callable[..., tuple[torch.Tensor, Any]]
@@ -45,15 +46,6 @@ TreeFn = Callable[[torch.Tensor, torch.Tensor, TreeAttention], torch.Tensor]
 """A registry's ``hidden_tree(ids_N, pos_N, attention) -> h_N_H``: final hidden states of ``N``
 flat tokens whose attention :class:`~opentinker.engine.model.tree_attention.TreeAttention`
 places in a prefix tree (the engine's own decoder; PEFT's model has none)."""
-
-
-def _lcp(seqs: Sequence[np.ndarray]) -> int:
-    n = min(len(s) for s in seqs)
-    for s in seqs[1:]:
-        neq = np.nonzero(s[:n] != seqs[0][:n])[0]
-        if len(neq):
-            n = int(neq[0])
-    return n
 
 
 def _unique(keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
@@ -222,7 +214,7 @@ def token_tree(seqs: Sequence[np.ndarray]) -> TokenTree:
     n, prev = 0, -1
     for i in order:
         s = as64[i]
-        shared = _lcp([as64[prev], s]) if prev >= 0 else 0
+        shared = common_prefix([as64[prev], s]) if prev >= 0 else 0
         new = np.arange(n, n + len(s) - shared, dtype=np.int64)
         paths[i] = np.concatenate([paths[prev][:shared] if shared else new[:0], new])
         if len(new):
@@ -283,7 +275,7 @@ def _shared_levels(body: HiddenFn, useqs: Sequence[np.ndarray], upos: Sequence[n
     U = len(useqs)
     # The prefix stops one token short of the shortest sequence: a sequence that is a prefix
     # of all the others must keep a non-empty tail of its own.
-    P = min(_lcp(useqs), min(len(s) for s in useqs) - 1) if share and U > 1 else 0
+    P = min(common_prefix(useqs), min(len(s) for s in useqs) - 1) if share and U > 1 else 0
     split = [max(P, int(p.min()) - 1) if len(p) else len(s) for s, p in zip(useqs, upos)]
     if share:
         creps, cinv = _unique([s[P:c].tobytes() for s, c in zip(useqs, split)])

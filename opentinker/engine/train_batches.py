@@ -59,12 +59,20 @@ class MetricSums:
         return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
 
 
+def common_prefix(seqs: Sequence[np.ndarray]) -> int:
+    """Length of the longest prefix every one of ``seqs`` (1-D token arrays) shares."""
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        neq = np.flatnonzero(s[:n] != seqs[0][:n])
+        if len(neq):
+            n = int(neq[0])
+    return n
+
+
 def _new_tokens(d: Datum, before: Datum) -> int:
     """Tokens of ``d`` beyond the prefix it shares with the datum ``before`` it (computed once)."""
-    a, b = np.asarray(d.tokens), np.asarray(before.tokens)
-    n = min(len(a), len(b))
-    same = np.flatnonzero(a[:n] != b[:n])
-    return len(a) - (int(same[0]) if len(same) else n)
+    a = np.asarray(d.tokens)
+    return len(a) - common_prefix([a, np.asarray(before.tokens)])
 
 
 def computed_tokens(part: Sequence[Datum]) -> int:
