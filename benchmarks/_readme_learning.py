@@ -282,6 +282,8 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
             + ("met" if checks["met"] else "not met") + f" ({target['anchor']})")
 
 
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+"""The default LoRA target modules (a run that adapts others says so in its settings)."""
 BUNDLED_MIX = {"random": 0.75, "tictactoe_minimax": 0.25}
 """The bundled tic-tac-toe job's opponents (a run with another mix says so in its settings)."""
 
@@ -304,6 +306,8 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                     + (f", move_values {c['move_values']:g}" if c.get("move_values") else "")
                     + (" against " + " + ".join(f"{w:g} x {o}" for o, w in c["move_values_against"].items())
                        if c.get("move_values_against") else "")
+                    + (", LoRA on " + "/".join(m.removesuffix("_proj") for m in mods)
+                       if (mods := c.get("target_modules", {}).get("main")) and set(mods) != ATTENTION else "")
                     + ("".join(f", {o} {w:g}" for o, w in mix.items()) + " of the games"
                        if (mix := c.get("opponents", {}).get("main", BUNDLED_MIX)) != BUNDLED_MIX else "")
                     + (f", {c['advantage']}" + (f" lam {c['lam']:g}" if "gae" in c["advantage"] else "")
@@ -317,7 +321,9 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                      str(run["steps"]), time])
     machines = sorted({machine_label(run["machine"]) for run in r["runs"] if run.get("machine")})
     machines = machines or ["machine not recorded (a stopped run)"]
-    head = (f"{'; '.join(machines)}; seed 0" + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
+    seeds = sorted({run["seed"] for run in r["runs"]})
+    head = (f"{'; '.join(machines)}; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+            + (f"; {r['note']}" if r.get("note") else "") + "\n\n")
     header = ["settings", "score vs random at each evaluation (step)", "last vs random (95% CI)", "invalid",
               "drawn vs minimax", "steps", "time"]
     return head + table(header, rows)

@@ -75,7 +75,9 @@ def run_row(folder: Path) -> dict:
                        "all_actions_decisions": cfg["train"].get("all_actions_decisions", 0),
                        "move_values": cfg["train"].get("move_values", 0.0),
                        "move_values_against": cfg["train"].get("move_values_against", {}),
-                       "opponents": {p["name"]: p.get("opponents", {}) for p in cfg.get("policies", [])}},
+                       "opponents": {p["name"]: p.get("opponents", {}) for p in cfg.get("policies", [])},
+                       "target_modules": {p["name"]: p["target_modules"] for p in cfg.get("policies", [])
+                                          if "target_modules" in p}},
             "wall_s": summary["wall_s"],
             # Training and evaluation time by the run's own timers (startup left out): a stopped
             # run's time too.
