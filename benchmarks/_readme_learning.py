@@ -10,6 +10,8 @@ from typing import Any
 
 from _readme_common import ROOT, load, machine_label, pct, table, x
 
+from protocols.messages import LoraSpec
+
 # --- the default job ---------------------------------------------------------------------
 
 EVAL = "eval/main/"
@@ -282,7 +284,7 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
             + ("met" if checks["met"] else "not met") + f" ({target['anchor']})")
 
 
-ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+ATTENTION = set(LoraSpec().target_modules)
 """The default LoRA target modules (a run that adapts others says so in its settings)."""
 BUNDLED_MIX = {"random": 0.75, "tictactoe_minimax": 0.25}
 """The bundled tic-tac-toe job's opponents (a run with another mix says so in its settings)."""
