@@ -356,9 +356,10 @@ class SamplingConfig(_Config):
     explore: Annotated[float, Meta(ge=0, le=0.5)] = 0.0
     """Exploration: the probability that a training decision replies with a legal move drawn
     uniformly (the game's ``info["legal_moves"]``, with the stop token) instead of a sample.
-    The reply is scored by the policy (its teacher-forced log-probs at the sampling
-    temperature stand for the sampler's), so the loss's importance ratio is the policy's own;
-    a move the policy has stopped sampling still gets an advantage. Evaluations never explore."""
+    The reply is scored by the policy (its log-probs at the sampling temperature stand for the
+    sampler's: an engine row with the reply forced, ``SampleRequest.forced``, in the batch
+    beside the drawn ones), so the loss's importance ratio is the policy's own; a move the
+    policy has stopped sampling still gets an advantage. Evaluations never explore."""
 
 
 class EvalConfig(_Config):

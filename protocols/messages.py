@@ -127,6 +127,12 @@ class SampleRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     stream: bool = False
     """Also send :class:`SampleChunk` partials while the rows are drawn (the final
     :class:`SampleResult` carries the whole result either way)."""
+    forced: list[np.ndarray] | None = None
+    """One ``int32[F]`` reply per row (``1 <= F <= max_tokens``), given instead of drawn: the
+    row takes these tokens in turn, each with its log-prob under ``params``' distribution, and
+    ends after them (``STOP`` if the last is a stop token, else ``LENGTH``). A reply scored
+    where its prompt is computed: the engine reuses the prompt's cached prefix and caches the
+    reply for the next turn (an exploring move; ``LogprobsRequest`` scores whole sequences)."""
 
 
 class SampleChunk(msgspec.Struct, frozen=True, kw_only=True, tag=True):

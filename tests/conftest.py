@@ -1,5 +1,6 @@
-"""Shared fixtures: the tiny-random model folder, a scheduler on the bus, and one Ray
-session for the few tests that go through Ray (../shared/DESIGN.md §7)."""
+"""Shared fixtures: the tiny-random model folder, the engine's and the PEFT host on it, a
+scheduler on the bus, and one Ray session for the few tests that go through Ray
+(../shared/DESIGN.md §7)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,29 @@ def tiny_path() -> str:
     from opentinker.engine.model_specs import resolve_model
 
     return os.environ.get("OPENTINKER_TEST_MODEL") or resolve_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_path):
+    """The engine's host and the PEFT host on the tiny model, with the same adapter ``"pol"``
+    (rank 4, its B weights nonzero)."""
+    import torch
+
+    from opentinker.engine.host import ModelHost
+    from protocols.messages import LoraSpec
+
+    own = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
+                    engine_options={"kv_budget_bytes": 16 << 20, "block_size": 4})
+    peft = ModelHost(tiny_path, threads=1, device=DEVICE, engine="peft")
+    for h in (own, peft):
+        h.create_adapter("pol", LoraSpec(rank=4, seed=5))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, p in own.adapters["pol"].named.items():
+            if "lora_B" in k:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            peft.adapters["pol"].named[k].copy_(p)
+    return own, peft
 
 
 @pytest.fixture(scope="session")

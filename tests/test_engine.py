@@ -27,25 +27,6 @@ def _prompts(n: int, seed: int = 0, lo: int = 6, hi: int = 40) -> list[np.ndarra
     return [rng.integers(10, 4000, size=int(rng.integers(lo, hi))).astype(np.int32) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def hosts(tiny_path):
-    """The engine's host and the PEFT host, with the same adapter weights (B nonzero)."""
-    from opentinker.engine.host import ModelHost
-
-    own = ModelHost(tiny_path, threads=1, device=DEVICE, engine="own",
-                    engine_options={"kv_budget_bytes": 16 << 20, "block_size": 4})
-    peft = ModelHost(tiny_path, threads=1, device=DEVICE, engine="peft")
-    for h in (own, peft):
-        h.create_adapter("pol", SPEC)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for k, p in own.adapters["pol"].named.items():
-            if "lora_B" in k:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            peft.adapters["pol"].named[k].copy_(p)
-    return own, peft
-
-
 def test_engine_host_matches_the_peft_host(hosts):
     """Same base fingerprint, same initial adapter, log-probs within 1e-5, forward_backward
     gradients equal, saved adapters load across the two paths."""

@@ -126,8 +126,9 @@ class ModelHost:
 
     # Compute.
     def sample(self, adapters: Sequence[str | None], prompts: Sequence[np.ndarray],
-               params: Sequence[SamplingParams], seeds: Sequence[int]) -> list[SampledRow]:
-        return self.inference.sample(adapters, prompts, params, seeds)
+               params: Sequence[SamplingParams], seeds: Sequence[int],
+               forced: Sequence[np.ndarray | None] | None = None) -> list[SampledRow]:
+        return self.inference.sample(adapters, prompts, params, seeds, forced)
 
     def logprobs(self, adapter: str | None, seqs: Sequence[np.ndarray], chunk: int = 64,
                  temperature: float = 1.0, tail: int = 0) -> list[np.ndarray]:

@@ -32,7 +32,7 @@ from opentinker.engine.shared_forward import (
     selected_hidden,
     selected_logprobs,
 )
-from protocols.messages import SamplingParams
+from protocols.messages import SamplingParams, StopReason
 
 if TYPE_CHECKING:
     from opentinker.engine.lora_registry import LoraRegistry
@@ -70,18 +70,27 @@ class Inference:
         prompts: Seq[np.ndarray],
         params: Seq[SamplingParams],
         seeds: Seq[int],
+        forced: Seq[np.ndarray | None] | None = None,
     ) -> list[SampledRow]:
         """One reply per row; each row with its own adapter (``None``: base), in one batch
-        (the engine's step loop when there is one, to completion)."""
+        (the engine's step loop when there is one, to completion). A row with a ``forced``
+        reply (``int32[F]``) takes it instead of drawing, with its log-probs: in the engine's
+        step loop, or, without the engine, teacher-forced (:meth:`logprobs`)."""
         reg = self.registry
         self.check_sample(adapters, prompts, params)
+        forced = list(forced) if forced is not None else [None] * len(prompts)
         if self.engine is not None:
-            seqs = [self.engine.add(a, p, q, s) for a, p, q, s in zip(adapters, prompts, params, seeds)]
+            seqs = [self.engine.add(a, p, q, s, forced=f) for a, p, q, s, f in zip(adapters, prompts, params, seeds, forced)]
             self.engine.run_until_done(seqs)
             for s in seqs:
                 if s.error is not None:
                     raise s.error
             return [sampled_row(s) for s in seqs]
+        if any(f is not None for f in forced):
+            free = [i for i, f in enumerate(forced) if f is None]
+            drawn = iter(self.sample(*([x[i] for i in free] for x in (adapters, prompts, params, seeds))) if free else [])
+            return [next(drawn) if f is None else self._scored_row(a, p, f, q)
+                    for a, p, q, f in zip(adapters, prompts, params, forced)]
         names = [BASE if a is None else a for a in adapters]
         # PEFT's mixed batches split every LoRA layer by adapter; one adapter needs no split.
         mixed = reg.model is not reg.base and len(set(names)) > 1
@@ -100,6 +109,16 @@ class Inference:
 
         with (reg.select(adapters[0]) if not mixed else contextlib.nullcontext()):
             return sample_rows(forward, prompts, params, seeds, reg.pad_id, self.device, keys=names)
+
+    def _scored_row(self, adapter: str | None, prompt: np.ndarray, reply: np.ndarray, params: SamplingParams
+                    ) -> SampledRow:
+        """A forced reply (``int32[F]``) as a sampled row: its teacher-forced log-probs after
+        ``prompt`` at ``params``' temperature."""
+        reply = np.asarray(reply, dtype=np.int32)
+        lp = self.logprobs(adapter, [np.concatenate([np.asarray(prompt, np.int32), reply])],
+                           temperature=params.temperature, tail=len(reply))[0]
+        stop = StopReason.STOP if int(reply[-1]) in params.stop_token_ids else StopReason.LENGTH
+        return SampledRow(tokens=reply, logprobs=lp[-len(reply):], stop_reason=stop)
 
     def check_sample(self, adapters: Seq[str | None], prompts: Seq[np.ndarray], params: Seq[SamplingParams]) -> None:
         """Raise ``ValueError`` (an unknown adapter: ``UnknownAdapterError``) naming what is

@@ -14,13 +14,14 @@ tokens; this runner (nano-vllm's ``ModelRunner``, vLLM v1's ``GPUModelRunner`` w
 * **The forward**: the decoder over the flat tokens, :class:`~.model.paged_step.StepAttention`
   reading each row's context through its block table, :class:`~.model.slot_lora.SlotLora`
   reading every token's adapter in place from the LoRA slot store, the vocabulary projection
-  at the drawing rows only, and one :func:`~opentinker.engine.sampling.draw` over them all.
+  at the drawing rows only, and one :func:`~opentinker.engine.sampling.draw` over them all
+  (a row with a forced reply, ``SampleRequest.forced``, takes its given token there).
   The ops of a decode step are a function of the model's layers, not of its rows or adapters
   (``tests/test_engine_ops.py`` counts them).
 * **CUDA graphs** (:class:`DecodeGraphs`): on CUDA with triton, a decode step whose rows all
-  draw (no twin, no top-k / top-p) replays a graph captured for the smallest batch-size bucket
-  that holds it, with LoRA and sampling inside; padding rows write to the pool's scratch slot
-  and attend to nothing. Prefill stays eager. The one host-device sync of a step is the read
+  draw (no twin, no top-k / top-p, no forced reply) replays a graph captured for the smallest
+  batch-size bucket that holds it, with LoRA and sampling inside; padding rows write to the
+  pool's scratch slot and attend to nothing. Prefill stays eager. The one host-device sync of a step is the read
   of the drawn tokens.
 """
 
@@ -163,7 +164,7 @@ class ModelRunner:
         drawing = batch.drawing
         if (self.graphs is not None and batch.copy_key == "base" and batch.decode and not batch.twins
                 and len(batch.samples) == len(batch.rows) and len(batch.rows) <= self.graphs.max_batch
-                and all(s.params.top_k == 0 and s.params.top_p >= 1 for s in drawing)):
+                and all(s.params.top_k == 0 and s.params.top_p >= 1 and s.forced is None for s in drawing)):
             return self.graphs.run(batch)
         return self._eager(batch)
 
@@ -181,25 +182,28 @@ class ModelRunner:
         drawing = batch.drawing
         draw_slot = np.array([s.row_slot for s in drawing], dtype=np.int64)
         draw_pos = np.array([len(s.tokens) for s in drawing], dtype=np.int64)
+        forced = np.array([s.forced_next for s in drawing], dtype=np.int64)
+        forced = forced if (forced >= 0).any() else forced[:0]
         token_slot = np.repeat(np.asarray(batch.adapter_slots, dtype=np.int64), n)
         lora_kind = self._lora_kind(batch)
         plan = chunk_plan(token_slot, self.registry.slots.rank) if lora_kind == "torch" else None
         lora_fields = ([token_slot] if lora_kind == "triton" else [plan.index_T, plan.chunk_slot_C]
                        if plan is not None else [])
         fields = [ids, pos, slot_map, row_slot, end, q_end[samples] - 1 if len(samples) else samples,
-                  logit_row, draw_slot, draw_pos, *lora_fields]
+                  logit_row, draw_slot, draw_pos, forced, *lora_fields]
         sizes = [len(f) for f in fields]
         packed = self.to_device(np.concatenate(fields).astype(np.int64, copy=False))
         parts = list(packed.split(sizes))
-        ids_N, pos_N, slot_map_N, row_slot_B, ctx_len_B, sample_idx_R, logit_row_D, draw_slot_D, draw_pos_D = parts[:9]
+        (ids_N, pos_N, slot_map_N, row_slot_B, ctx_len_B, sample_idx_R, logit_row_D, draw_slot_D, draw_pos_D,
+         forced_D) = parts[:10]
         decoder = self.registry.decoder_for(rows[0].adapter)[0]
         attn = StepAttention(self.pool.k, self.pool.v, self.block_size, slot_map_N,
                              self.block_table_P_M.index_select(0, row_slot_B), ctx_len_B, n, end, self.triton)
         lora = None
         if lora_kind == "triton":
-            lora = SlotLora.per_token(self.registry.slots, self.scales(), parts[9])
+            lora = SlotLora.per_token(self.registry.slots, self.scales(), parts[10])
         elif lora_kind == "torch":
-            lora = SlotLora.chunked(self.registry.slots, self.scales(), plan, parts[9], parts[10],
+            lora = SlotLora.chunked(self.registry.slots, self.scales(), plan, parts[10], parts[11],
                                    self.registry.dtype)
         elif lora_kind == "legacy":
             adapters = [self.registry.decoder_for(s.adapter)[2] for s in rows]
@@ -212,7 +216,7 @@ class ModelRunner:
         tokens_D, logp_D = sampling.draw(
             logits_D_V, self.temperature_P.index_select(0, draw_slot_D), self.top_k_P.index_select(0, draw_slot_D),
             self.top_p_P.index_select(0, draw_slot_D), self.seed_P.index_select(0, draw_slot_D), draw_pos_D,
-            max(p.top_k for p in params), any(p.top_p < 1 for p in params))
+            max(p.top_k for p in params), any(p.top_p < 1 for p in params), forced_D if len(forced) else None)
         return _read(tokens_D, logp_D)
 
     def _lora_kind(self, batch: ScheduledBatch) -> str | None:

@@ -53,6 +53,14 @@ def check_request(msg: Message, vocab_size: int, max_context: int | None = None,
                              f"of {max_context} tokens")
         for i, p in enumerate(msg.prompts):
             check_tokens(p, f"SampleRequest.prompts[{i}]", vocab_size, room)
+        if msg.forced is not None:
+            if len(msg.forced) != len(msg.prompts):
+                raise ValueError(f"SampleRequest.forced has {len(msg.forced)} replies for {len(msg.prompts)} prompts")
+            for i, f in enumerate(msg.forced):
+                check_tokens(f, f"SampleRequest.forced[{i}]", vocab_size, n)
+                early = np.isin(f[:-1], msg.params.stop_token_ids).nonzero()[0]
+                if len(early):
+                    raise ValueError(f"SampleRequest.forced[{i}] has a stop token at {int(early[0])}, before its end")
     elif isinstance(msg, (LogprobsRequest, ValuesRequest)):
         if isinstance(msg, LogprobsRequest) and not (math.isfinite(msg.temperature) and msg.temperature > 0):
             raise ValueError(f"LogprobsRequest.temperature must be finite and > 0, got {msg.temperature}")

@@ -247,8 +247,12 @@ def _gumbel_max_torch(logits_B_V: torch.Tensor, temperature_B1: torch.Tensor,
 
 def draw(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
          top_p_B: torch.Tensor, seed_B: torch.Tensor, position_B: torch.Tensor,
-         max_top_k: int, any_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         max_top_k: int, any_top_p: bool, forced_B: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without validation: ``(tokens_B int64, logprobs_B float32)``.
+
+    ``forced_B`` (``int64[B]``, optional): a row's token where ``>= 0`` instead of the drawn
+    one, with its log-prob under the same distribution (a reply scored, not sampled).
 
     ``max_top_k`` (>= every ``top_k_B``; 0: no row uses top-k) and ``any_top_p`` (some
     ``top_p_B < 1``) are host-side flags (see :func:`truncate`). Every row is drawn at once:
@@ -268,6 +272,8 @@ def draw(logits_B_V: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.T
         x_B_V = _tempered(logits_B_V, T_B1)
         kept_B_V = truncate(x_B_V, top_k_B, top_p_B.float(), max_top_k, any_top_p)
     tokens_B, lse_B = gumbel_max(logits_B_V, temperature_B, seed_B, position_B, x_B_V, kept_B_V)
+    if forced_B is not None:
+        tokens_B = torch.where(forced_B >= 0, forced_B, tokens_B)
     x_tok_B = _tempered(logits_B_V.gather(1, tokens_B[:, None]), T_B1)[:, 0]  # x_B_V's bits
     return tokens_B, x_tok_B - lse_B
 

@@ -205,12 +205,16 @@ class Scheduler:
                 f"({self.blocks.num_blocks * self.bytes_per_block} bytes): raise the KV budget or lower max_tokens")
 
     def add(self, adapter: str | None, prompt: np.ndarray, params: SamplingParams, seed: int,
-            owner: object = None) -> Sequence:
-        """Queue one row; it joins the running batch at a coming step."""
+            owner: object = None, forced: np.ndarray | None = None) -> Sequence:
+        """Queue one row; it joins the running batch at a coming step. With ``forced``
+        (``int32[F]``, ``F <= max_tokens``) it takes those tokens instead of drawing."""
         self.check(prompt, params)
+        if forced is not None and not 1 <= len(forced) <= params.max_tokens:
+            raise ValueError(f"a forced reply of {len(forced)} tokens: want 1 to max_tokens ({params.max_tokens})")
         if adapter is not None:
             self.registry.get(adapter)
-        seq = Sequence(next(self._ids), adapter, np.asarray(prompt, dtype=np.int32), params, int(seed), owner)
+        seq = Sequence(next(self._ids), adapter, np.asarray(prompt, dtype=np.int32), params, int(seed), owner,
+                       forced=None if forced is None else np.asarray(forced, dtype=np.int32))
         self.waiting.append(seq)
         return seq
 
@@ -526,7 +530,8 @@ class Scheduler:
         return progressed, finished
 
     def _take(self, seq: Sequence, tok: int, lp: float, progressed: list[Sequence], finished: list[Sequence]) -> None:
-        """Append the drawn token to a running row; it ends on a stop token or at ``max_tokens``."""
+        """Append the drawn token to a running row; it ends on a stop token, at ``max_tokens``,
+        or after its forced reply."""
         seq.tokens.append(tok)
         seq.out_tokens.append(tok)
         seq.out_logprobs.append(lp)
@@ -535,7 +540,7 @@ class Scheduler:
         reason = None
         if tok in seq.params.stop_token_ids:
             reason = StopReason.STOP
-        elif len(seq.out_tokens) >= seq.params.max_tokens:
+        elif len(seq.out_tokens) >= (seq.params.max_tokens if seq.forced is None else len(seq.forced)):
             reason = StopReason.LENGTH
         if reason is not None:
             self.running.remove(seq)

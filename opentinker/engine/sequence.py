@@ -42,6 +42,9 @@ class Sequence:
     """The row's seed: its randomness is a function of (seed, position) alone."""
     owner: Any = None
     """Whoever submitted it (the scheduler service: its request and row index)."""
+    forced: np.ndarray | None = None
+    """``int32[F]``: the reply given instead of drawn (``SampleRequest.forced``): the row takes
+    ``forced[k]`` as its ``k``-th token, with its log-prob, and ends after the last."""
     tokens: list[int] = field(default_factory=list)
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
@@ -88,6 +91,12 @@ class Sequence:
     def pending(self) -> int:
         """Tokens still to be computed before the next draw (1 for a decoding row)."""
         return len(self.tokens) - self.num_computed
+
+    @property
+    def forced_next(self) -> int:
+        """The token this row takes at its next draw instead of drawing one (-1: it draws)."""
+        k = len(self.out_tokens)
+        return int(self.forced[k]) if self.forced is not None and k < len(self.forced) else -1
 
     @property
     def finished(self) -> bool:

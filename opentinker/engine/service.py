@@ -439,7 +439,7 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
                 job.loop.call_soon_threadsafe(_set_result, job.future, reply)
 
     def _sample(self, jobs: list[_Job]) -> list[SampleResult]:
-        adapters, prompts, params, seeds, owners = [], [], [], [], []
+        adapters, prompts, params, seeds, owners, forced = [], [], [], [], [], []
         for j, job in enumerate(jobs):
             m: SampleRequest = job.msg  # type: ignore[assignment]
             for i, p in enumerate(m.prompts):
@@ -448,8 +448,9 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
                 params.append(m.params)
                 seeds.append(m.params.seed + i)
                 owners.append(j)
+                forced.append(m.forced[i] if m.forced is not None else None)
         try:
-            rows = self.host.sample(adapters, prompts, params, seeds)
+            rows = self.host.sample(adapters, prompts, params, seeds, forced)
         except (ValueError, TypeError, KeyError):
             if len(jobs) == 1:
                 raise

@@ -104,9 +104,10 @@ class Engine:
         self.scheduler.check(prompt, params)
 
     def add(self, adapter: str | None, prompt: np.ndarray, params: SamplingParams, seed: int,
-            owner: object = None) -> Sequence:
-        """Queue one row; it joins the running batch at a coming step."""
-        return self.scheduler.add(adapter, prompt, params, seed, owner)
+            owner: object = None, forced: np.ndarray | None = None) -> Sequence:
+        """Queue one row; it joins the running batch at a coming step (with ``forced``, a
+        reply given instead of drawn: :attr:`Sequence.forced`)."""
+        return self.scheduler.add(adapter, prompt, params, seed, owner, forced)
 
     def cancel(self, seqs: Iterable[Sequence]) -> None:
         """Mark rows cancelled: they leave at the next step, their blocks freed."""

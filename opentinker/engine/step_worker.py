@@ -248,7 +248,9 @@ class StepWorker:
         host = self.s.host
         try:
             host.inference.check_sample([m.adapter] * len(m.prompts), m.prompts, [m.params] * len(m.prompts))
-            seqs = [self.engine.add(m.adapter, p, m.params, m.params.seed + i, owner=job) for i, p in enumerate(m.prompts)]
+            seqs = [self.engine.add(m.adapter, p, m.params, m.params.seed + i, owner=job,
+                                    forced=m.forced[i] if m.forced is not None else None)
+                    for i, p in enumerate(m.prompts)]
         except (ValueError, KeyError) as e:  # one bad request never fails its batch-mates
             self.s._reply(job, e)
             return

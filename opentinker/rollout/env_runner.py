@@ -27,8 +27,6 @@ from protocols.messages import (
     EpisodesDone,
     EpisodeSpec,
     EpisodeSummary,
-    LogprobsRequest,
-    LogprobsResult,
     Message,
     Metrics,
     PolicyKind,
@@ -209,11 +207,17 @@ class EnvRunner:
 
     async def _score(self, ref: PolicyRef, tokens: np.ndarray, temperature: float, tail: int) -> tuple[np.ndarray, int]:
         """Teacher-forced log-probs of the last ``tail`` of ``tokens`` under ``ref``'s adapter
-        (an exploring reply)."""
-        req = LogprobsRequest(adapter=ref.name, sequences=[tokens], temperature=temperature, tail=tail)
+        (an exploring reply): the reply given to the engine as a forced sample
+        (``SampleRequest.forced``), so its prompt's cached prefix serves it and the reply is
+        cached for the seat's next turn, in the running batch beside the drawn replies."""
+        params = SamplingParams(temperature=temperature, max_tokens=tail)
+        req = SampleRequest(adapter=ref.name, prompts=[tokens[:-tail]], params=params, client=self.name,
+                            forced=[np.asarray(tokens[-tail:], dtype=np.int32)])
         reply = await self.schedulers[self.routes(ref.name)].request(req, timeout=self.sample_timeout_s)
-        assert isinstance(reply, LogprobsResult)
-        return reply.logprobs[0], reply.adapter_version
+        assert isinstance(reply, SampleResult)
+        logprobs = np.zeros(len(tokens), np.float32)
+        logprobs[-tail:] = reply.logprobs[0]
+        return logprobs, reply.adapter_version
 
     def stop(self) -> None:
         if hasattr(self, "loop"):
