@@ -112,9 +112,10 @@ class PolicyConfig(_Config):
     lora_rank: Annotated[int, Meta(ge=1, le=MAX_LORA_RANK)] = 8
     lora_alpha: PosCoef = 16.0
     target_modules: Annotated[list[str], Meta(max_length=MAX_ITEMS)] = msgspec.field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Projections that get LoRA weights; checked against the model's architecture where it
-    is known (:func:`opentinker.control.config_checks.check_config`)."""
+        default_factory=lambda: list(LoraSpec().target_modules))
+    """Projections that get LoRA weights (by default ``LoraSpec``'s, the attention's); checked
+    against the model's architecture where it is known
+    (:func:`opentinker.control.config_checks.check_config`)."""
     frozen: bool = False
     """Play and record trajectories but never train: the adapter stays as it started (the
     base model, or ``init``). Data collection at a given episode budget for an offline SFT or
