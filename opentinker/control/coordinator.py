@@ -286,7 +286,10 @@ class Coordinator:
             metrics["league/snapshots"] = float(sum(len(v) for v in self.league.values()))
         t2 = time.perf_counter()
         done = (await self._stats()).counters
-        for key in ("SampleRequest", "ForwardBackward", "OptimStep"):
+        # The scheduler's compute by kind of request (sampling, learning, scoring, ...).
+        kinds = {"SampleRequest", "ForwardBackward", "OptimStep"} | {
+            k.split("/", 1)[1] for k in done if k.startswith("compute_ms/")}
+        for key in sorted(kinds):
             k = f"compute_ms/{key}"
             metrics[f"perf/compute_s/{key}"] = (done.get(k, 0) - before.get(k, 0)) / 1000
         metrics.update({"timing_s/rollout": t1 - t0, "timing_s/learn": t2 - t1, "train/episodes": len(specs)})
