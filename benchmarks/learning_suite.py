@@ -484,6 +484,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
     return titles
 
 
+def _peaks(row: dict) -> str:
+    """A row's peaks as the console says them (a row moved in from another folder may lack the
+    run helper's)."""
+    parts = [f"{label} {row[k]:.0f} MB" for label, k in (("peak", "peak_rss_total_mb"),
+                                                          ("scheduler peak", "scheduler_peak_rss_mb"))
+             if row.get(k) is not None]
+    return ", ".join(parts) or "peak not recorded"
+
+
 def main() -> None:
     args, _ = parse_args(Args, __doc__, QUICK)
     jobs = [j for j in args.jobs.split(",") if j]
@@ -519,7 +528,7 @@ def main() -> None:
             vs = ", ".join(f"{o} {m[r['unit']]:+.3f} ± {m['ci95']:.3f}" for o, m in fin.items())
             ok = r["learned"].get(p, {})
             print(f"{r['job']} seed {r['seed']} {p}: {vs}; gain over untrained {ok.get('gain_vs_untrained', float('nan')):+.3f}"
-                  f" ± {ok.get('gain_ci95', float('nan')):.3f}; {r['wall_s']:.0f} s, peak {r.get('peak_rss_total_mb', 0):.0f} MB")
+                  f" ± {ok.get('gain_ci95', float('nan')):.3f}; {r['wall_s']:.0f} s, {_peaks(r)}")
     for line in unfinished(Path(args.out)):
         print(f"not gathered yet: {line}")
 
