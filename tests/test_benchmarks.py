@@ -35,6 +35,20 @@ def test_shared_forward_benchmark(tmp_path, tiny_path):
     assert 0 < ttt["tree_tokens"] < ttt["tokens"] / 2
 
 
+def test_exploring_replies_benchmark(tmp_path, tiny_path):
+    r = _run(["benchmarks/exploring_replies.py", "--model", "tiny-random", "--groups", "2", "--group_size", "2",
+              "--threads", "1"], tmp_path)
+    check_provenance(r, "exploring_replies.py")
+    res = r["result"]
+    assert list(res["ways"]) == ["dense", "forced", "forced_turn"] and res["max_logprob_diff"] < 1e-4
+    assert res["replies"] >= 4 * 3 and res["turns"] >= 3  # every episode's seat replies at least three times
+    dense, forced = res["ways"]["dense"], res["ways"]["forced"]
+    # the forced rows find their earlier turns cached: they compute well under half the dense tokens
+    assert 0 < forced["tokens_computed"] < dense["tokens_computed"] / 2
+    for w in res["ways"].values():
+        assert w["speedup"] == pytest.approx(dense["total_s"] / w["total_s"])
+
+
 PHASES = ("median_s", "rollout_s", "learn_s", "compute_s", "comm_s", "eval_s", "cpu_total_s", "cpu_util")
 
 
