@@ -99,7 +99,7 @@ def test_a_forced_twin_takes_its_reply_and_its_leader_draws_as_alone(hosts):
     np.testing.assert_allclose(twin.out_logprobs, teacher[-2:], atol=1e-5)
 
 
-def test_bad_forced_replies_are_refused_by_name():
+def test_bad_forced_replies_are_refused_by_name(hosts):
     prompts = [_prompt(10, 1), _prompt(12, 2)]
     p = SamplingParams(max_tokens=3, stop_token_ids=(2,))
     ok = np.array([5, 2], np.int32)
@@ -115,6 +115,16 @@ def test_bad_forced_replies_are_refused_by_name():
     for forced, why in cases:
         with pytest.raises(ValueError, match=why):
             check_request(SampleRequest(adapter=None, prompts=prompts, params=p, forced=forced), VOCAB)
+    # In process too (no bus): the host names the reply, and the engine keeps serving.
+    own, peft = hosts
+    for host in (own, peft):
+        with pytest.raises(ValueError, match=r"forced\[0\]: token id 49152 out of range"):
+            host.sample([None], prompts[:1], [p], [0], forced=[np.array([VOCAB], np.int32)])
+        with pytest.raises(ValueError, match=r"forced has 2 replies for 1 prompts"):
+            host.sample([None], prompts[:1], [p], [0], forced=[ok, ok])
+        with pytest.raises(ValueError, match=r"forced\[0\] has 4 tokens, more than 3"):
+            host.sample([None], prompts[:1], [p], [0], forced=[np.array([1, 3, 4, 5], np.int32)])
+    assert len(own.sample([None], prompts[:1], [p], [0], forced=[ok])[0].tokens) == 2
 
 
 def test_the_scheduler_serves_forced_replies_and_refuses_a_bad_one(tiny_path):

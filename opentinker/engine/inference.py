@@ -23,6 +23,7 @@ import torch
 from opentinker.engine import value_head
 from opentinker.engine.peft_sampler import SampledRow, sample_rows, validate_params
 from opentinker.engine.registry import BASE, AdapterRegistry
+from opentinker.engine.request_checks import check_forced
 from opentinker.engine.sequence import Sequence
 from opentinker.engine.shared_forward import (
     Hidden,
@@ -77,7 +78,7 @@ class Inference:
         reply (``int32[F]``) takes it instead of drawing, with its log-probs: in the engine's
         step loop, or, without the engine, teacher-forced (:meth:`logprobs`)."""
         reg = self.registry
-        self.check_sample(adapters, prompts, params)
+        self.check_sample(adapters, prompts, params, forced)
         forced = list(forced) if forced is not None else [None] * len(prompts)
         if self.engine is not None:
             seqs = [self.engine.add(a, p, q, s, forced=f) for a, p, q, s, f in zip(adapters, prompts, params, seeds, forced)]
@@ -120,11 +121,14 @@ class Inference:
         stop = StopReason.STOP if int(reply[-1]) in params.stop_token_ids else StopReason.LENGTH
         return SampledRow(tokens=reply, logprobs=lp[-len(reply):], stop_reason=stop)
 
-    def check_sample(self, adapters: Seq[str | None], prompts: Seq[np.ndarray], params: Seq[SamplingParams]) -> None:
+    def check_sample(self, adapters: Seq[str | None], prompts: Seq[np.ndarray], params: Seq[SamplingParams],
+                     forced: Seq[np.ndarray | None] | None = None) -> None:
         """Raise ``ValueError`` (an unknown adapter: ``UnknownAdapterError``) naming what is
         wrong with a sample request: its parameters, adapters, token arrays (1-D integers in
-        the vocabulary), or a row the engine can never run (longer than the context or the
-        KV budget)."""
+        the vocabulary; forced replies too, one per row at most), or a row the engine can
+        never run (longer than the context or the KV budget)."""
+        if forced is not None:
+            check_forced(forced, len(prompts), params, self.registry.vocab_size)
         for p in set(params):
             validate_params(p)
         for a in set(adapters):

@@ -25,6 +25,7 @@ from protocols.messages import (
     Message,
     OptimStep,
     SampleRequest,
+    SamplingParams,
     ValuesRequest,
 )
 
@@ -54,13 +55,7 @@ def check_request(msg: Message, vocab_size: int, max_context: int | None = None,
         for i, p in enumerate(msg.prompts):
             check_tokens(p, f"SampleRequest.prompts[{i}]", vocab_size, room)
         if msg.forced is not None:
-            if len(msg.forced) != len(msg.prompts):
-                raise ValueError(f"SampleRequest.forced has {len(msg.forced)} replies for {len(msg.prompts)} prompts")
-            for i, f in enumerate(msg.forced):
-                check_tokens(f, f"SampleRequest.forced[{i}]", vocab_size, n)
-                early = np.isin(f[:-1], msg.params.stop_token_ids).nonzero()[0]
-                if len(early):
-                    raise ValueError(f"SampleRequest.forced[{i}] has a stop token at {int(early[0])}, before its end")
+            check_forced(msg.forced, len(msg.prompts), [msg.params] * len(msg.prompts), vocab_size)
     elif isinstance(msg, (LogprobsRequest, ValuesRequest)):
         if isinstance(msg, LogprobsRequest) and not (math.isfinite(msg.temperature) and msg.temperature > 0):
             raise ValueError(f"LogprobsRequest.temperature must be finite and > 0, got {msg.temperature}")
@@ -124,6 +119,22 @@ def check_probe(probe: str, text: str, roots: list[str]) -> None:
         where = root or (roots[0] if roots else probe)
         raise ValueError(f"OpenJob.probe: this scheduler does not see {where} as the job wrote it: a job on another "
                          "machine needs its out_dir on a file system both machines share, at the same path")
+
+
+def check_forced(forced: Sequence[Any], rows: int, params: Sequence[SamplingParams], vocab_size: int) -> None:
+    """Raise ``ValueError`` naming ``SampleRequest.forced[i]`` unless there is one entry per
+    row (``None``: the row draws) and each reply is token ids (:func:`check_tokens`) of 1 to
+    its row's ``max_tokens``, with a stop token, if any, only at its end (a row ends at its
+    first stop token)."""
+    if len(forced) != rows:
+        raise ValueError(f"SampleRequest.forced has {len(forced)} replies for {rows} prompts")
+    for i, (f, q) in enumerate(zip(forced, params)):
+        if f is None:
+            continue
+        check_tokens(f, f"SampleRequest.forced[{i}]", vocab_size, q.max_tokens)
+        early = np.isin(f[:-1], q.stop_token_ids).nonzero()[0]
+        if len(early):
+            raise ValueError(f"SampleRequest.forced[{i}] has a stop token at {int(early[0])}, before its end")
 
 
 def check_tokens(arr: Any, where: str, vocab_size: int, max_len: int | None = None) -> None:

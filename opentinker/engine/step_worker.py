@@ -247,7 +247,7 @@ class StepWorker:
         m: SampleRequest = job.msg  # type: ignore[assignment]
         host = self.s.host
         try:
-            host.inference.check_sample([m.adapter] * len(m.prompts), m.prompts, [m.params] * len(m.prompts))
+            host.inference.check_sample([m.adapter] * len(m.prompts), m.prompts, [m.params] * len(m.prompts), m.forced)
             seqs = [self.engine.add(m.adapter, p, m.params, m.params.seed + i, owner=job,
                                     forced=m.forced[i] if m.forced is not None else None)
                     for i, p in enumerate(m.prompts)]
