@@ -145,6 +145,18 @@ def render_shared_forward(results: Path) -> str:
     return table(["batch", "method", "median s", "vs plain"], rows)
 
 
+def render_exploring_replies(results: Path) -> str:
+    """An exploring reply scored the old way (a dense ``LogprobsRequest``) against a forced
+    engine row, alone and with its turn's rows (``exploring_replies.json``)."""
+    r = load(results, "exploring_replies")["result"]
+    labels = {"dense": "`LogprobsRequest` of the whole conversation (before)",
+              "forced": "forced engine row, alone", "forced_turn": "forced engine rows, a turn's together"}
+    rows = [[labels[w], f"{m['total_s']:.2f}", f"{1000 * m['median_per_reply_s']:.0f}", f"{m['tokens_computed']:,}",
+             f"{m['speedup']:.2f}x"] for w, m in r["ways"].items()]
+    return table([f"way ({r['replies']} replies, {r['batch']})", "total s", "median ms / reply", "tokens computed",
+                  "vs before"], rows)
+
+
 BUS_KINDS = {
     "raw_zmq": "raw pyzmq DEALER/ROUTER echo, same frames, no security (baseline)",
     "raw_zmq_plain": "raw pyzmq echo behind PLAIN + a ZAP handler",

@@ -29,8 +29,8 @@ from _readme_learning import (
     render_tools_job, render_tools_warm_start,
 )
 from _readme_perf import (
-    render_bus, render_codec, render_engine_overhead, render_multiplex, render_pipeline_pace, render_rollout,
-    render_shared_forward, render_threads,
+    render_bus, render_codec, render_engine_overhead, render_exploring_replies, render_multiplex, render_pipeline_pace,
+    render_rollout, render_shared_forward, render_threads,
 )
 
 __all__ = ["BLOCK", "README", "RENDERERS", "RESULTS", "ReadmeError", "check", "render", "write"]
@@ -71,6 +71,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "engine_overhead": render_engine_overhead,
     "rollout": render_rollout,
     "shared_forward": render_shared_forward,
+    "exploring_replies": render_exploring_replies,
     "bus": render_bus,
     "codec": render_codec,
 }
