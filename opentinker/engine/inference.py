@@ -81,7 +81,8 @@ class Inference:
         self.check_sample(adapters, prompts, params, forced)
         forced = list(forced) if forced is not None else [None] * len(prompts)
         if self.engine is not None:
-            seqs = [self.engine.add(a, p, q, s, forced=f) for a, p, q, s, f in zip(adapters, prompts, params, seeds, forced)]
+            seqs = [self.engine.add(a, p, q, s, forced=f)
+                    for a, p, q, s, f in zip(adapters, prompts, params, seeds, forced)]
             self.engine.run_until_done(seqs)
             for s in seqs:
                 if s.error is not None:

@@ -21,8 +21,8 @@ tokens; this runner (nano-vllm's ``ModelRunner``, vLLM v1's ``GPUModelRunner`` w
 * **CUDA graphs** (:class:`DecodeGraphs`): on CUDA with triton, a decode step whose rows all
   draw (no twin, no top-k / top-p, no forced reply) replays a graph captured for the smallest
   batch-size bucket that holds it, with LoRA and sampling inside; padding rows write to the
-  pool's scratch slot and attend to nothing. Prefill stays eager. The one host-device sync of a step is the read
-  of the drawn tokens.
+  pool's scratch slot and attend to nothing. Prefill stays eager. The one host-device sync of
+  a step is the read of the drawn tokens.
 """
 
 from __future__ import annotations
