@@ -218,7 +218,7 @@ def config_sha256(job: str) -> str:
 
 
 NEUTRAL_FIELDS = {("[train]", 'opponent_draws = "episode"'), ("[train]", "all_actions_decisions = 0"),
-                  ("[train]", "move_values = 0.0"),
+                  ("[train]", "move_values = 0.0"), ("[train]", "move_values_settled = 0.0"),
                   ("[train.move_values_against]", "[train.move_values_against]"), ("[train.move_values_against]", "")}
 """(TOML table, line) of the config fields added after suite results were made, at the value
 that behaves as the code did before them; add a field here when adding it to the config (an

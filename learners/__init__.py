@@ -56,6 +56,7 @@ from learners.losses import (
     losses_of_kind,
     register_loss,
     split_terms,
+    term_config,
 )
 from learners.move_values import MOVE_INPUTS, move_weights, with_move_inputs
 from learners.offline import pair_datums, preference_pairs, sft_datums
@@ -99,6 +100,7 @@ __all__ = [
     "sft_datums",
     "sort_trajectories",
     "split_terms",
+    "term_config",
     "standardize",
     "token_sum",
     "trajectory_to_datum",

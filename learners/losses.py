@@ -124,8 +124,9 @@ def split_terms(loss_config: Mapping[str, float]) -> tuple[dict[str, float], dic
 
     A key naming a :attr:`LossKind.PENALTY` loss (``kl_k3``, ``entropy``) or the
     :attr:`LossKind.VALUE` loss (``value``: the critic's loss, for an adapter with a value
-    head) is that term's coefficient (terms with coefficient 0 are dropped); every other key
-    belongs to the main loss (and is passed to the terms too, e.g. ``value_clip``).
+    head) is that term's coefficient (terms with coefficient 0 are dropped); a key
+    ``<term>/<setting>`` is that term's own setting (:func:`term_config`); every other key
+    belongs to the main loss (and is passed to the value term too, e.g. ``value_clip``).
 
     Returns:
         ``(config, {term name: coefficient})``.
@@ -136,9 +137,22 @@ def split_terms(loss_config: Mapping[str, float]) -> tuple[dict[str, float], dic
         if spec is not None and spec.kind in TERM_KINDS:
             if float(value) != 0.0:
                 terms[key] = float(value)
-        else:
+        elif not _term_setting(key):
             config[key] = value
     return config, terms
+
+
+def _term_setting(key: str) -> bool:
+    """Whether ``key`` is ``<term>/<setting>``: a setting of a term's own."""
+    head, sep, _ = key.partition("/")
+    return bool(sep) and head in LOSSES and LOSSES[head].kind in TERM_KINDS
+
+
+def term_config(loss_config: Mapping[str, float], term: str, coef: float) -> dict[str, float]:
+    """A penalty term's config: ``coef`` and its own settings (``loss_config``'s keys
+    ``<term>/<setting>``, e.g. ``move_values/settled``), without the prefix."""
+    prefix = f"{term}/"
+    return {"coef": coef, **{k[len(prefix):]: v for k, v in loss_config.items() if k.startswith(prefix)}}
 
 
 def _require(

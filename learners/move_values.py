@@ -61,7 +61,8 @@ from learners.diagnostics import mean as _mean
 from learners.losses import LossKind, LossOutput, register_loss
 from protocols.messages import MOVE_INPUTS, Datum, Trajectory, Turn
 
-__all__ = ["MOVE_INPUTS", "move_values", "move_weights", "move_width", "turn_move_values", "with_move_inputs"]
+__all__ = ["MOVE_INPUTS", "move_values", "move_weights", "move_width", "settled_weights", "turn_move_values",
+           "with_move_inputs"]
 
 
 def move_weights(values_M: np.ndarray) -> np.ndarray:
@@ -163,14 +164,18 @@ def move_values(
             first tokens at each loss position, 0 where there is no move; the caller computes
             them from the full vocabulary), ``move_weights`` ``float[N, M]`` and
             ``move_tokens`` ``[N, M]`` (-1: no move).
-        config: ``coef`` (default 1.0).
+        config: ``coef`` (default 1.0); ``settled`` (default 0: off): moves the policy
+            already agrees with are left alone, every move of a decision whose best moves
+            hold more than ``1 - settled`` of the legal moves' probability, and elsewhere a
+            worse-than-average move below ``settled`` (:func:`settled_weights`).
 
     Returns:
         ``loss_sum``; metrics ``decisions`` (rows whose weights sum to 0), ``legal_mass`` (the
         mean total probability of the legal moves there), ``best_share`` (the mean share of the
         best moves, those of the largest weight, in that total: 1 for a policy that plays only
         best moves), ``continuations`` (the other rows: a sampled move's canonical reply going
-        on) and ``continuation_prob`` (the mean probability of its next token there).
+        on), ``continuation_prob`` (the mean probability of its next token there) and, with
+        ``settled``, ``settled_share`` (the share of the decisions' weighted moves left alone).
     """
     lp = inputs["move_logprobs"].float()
     w = torch.as_tensor(inputs["move_weights"], dtype=torch.float32, device=lp.device)
@@ -191,4 +196,33 @@ def move_values(
         metrics.update(decisions=float(decision.sum()), legal_mass=_mean(mass),
                        best_share=_mean((p * best).sum(dim=1) / mass.clamp_min(1e-30)),
                        continuations=float(rest.sum()), continuation_prob=_mean(lp[rest][:, 0].exp()))
-    return LossOutput(loss_sum=-coef * ((w * lp * valid).sum() + legal.sum()), metrics=metrics)
+    settled = float(config.get("settled", 0.0))
+    if not settled:
+        return LossOutput(loss_sum=-coef * ((w * lp * valid).sum() + legal.sum()), metrics=metrics)
+    # The moves' log-shares of the legal mass: only the mix between them moves, so leaving a
+    # move alone (its weight 0, the rest no longer summing to 0) moves nothing else.
+    log_q = lp[decision] - legal[:, None]
+    with torch.no_grad():
+        kept = settled_weights(w[decision], log_q.exp(), v, settled)
+        weighted = v & (w[decision] != 0)
+        metrics["settled_share"] = float(((kept == 0) & weighted).sum() / weighted.sum().clamp_min(1))
+    moves = (kept * log_q * v).sum() + (w[rest] * lp[rest] * valid[rest]).sum()
+    return LossOutput(loss_sum=-coef * (moves + legal.sum()), metrics=metrics)
+
+
+def settled_weights(w_D_M: torch.Tensor, q_D_M: torch.Tensor, valid_D_M: torch.Tensor, settled: float
+                    ) -> torch.Tensor:
+    """``float[D, M]``: the decisions' move weights with those the policy already agrees with
+    set to 0: every move of a decision whose best moves (the largest weight) hold more than
+    ``1 - settled`` of the legal moves' probability ``q``, and elsewhere each move worse than
+    the decision's average (``w < 0``) whose share is below ``settled``.
+
+    NeuRD moves a logit by its advantage however far the policy has gone already, so a
+    decision the policy plays right keeps pushing its bad moves down as hard as a decision it
+    plays wrong pushes them; leaving settled moves alone (NeuRD's logit thresholding, Hennes
+    et al. 2020, here on the moves' shares) spends the update on the decisions still wrong.
+    """
+    best = valid_D_M & (w_D_M == w_D_M.masked_fill(~valid_D_M, -torch.inf).amax(dim=1, keepdim=True))
+    right = (q_D_M * best).sum(dim=1, keepdim=True) > 1 - settled
+    done = right | ((w_D_M < 0) & (q_D_M < settled))
+    return w_D_M.masked_fill(done | ~valid_D_M, 0.0)

@@ -249,6 +249,13 @@ class TrainConfig(_Config):
     e.g. a minimax one: a move that loses to best play is worse than any that does not, and
     among those the one that wins most against random is best), not
     by their value against the episode's own opponent; empty: the episode's own."""
+    move_values_settled: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0
+    """With ``move_values``: leave alone the moves the policy already agrees with, every move of
+    a decision whose best moves hold more than ``1 -`` this of the legal moves' probability,
+    and elsewhere a worse-than-average move holding less than this (NeuRD's logit
+    thresholding, on the moves' shares: a decision played right stops pushing its bad moves
+    down ever further, so the update goes to the decisions still wrong;
+    :func:`learners.move_values.settled_weights`); 0: never."""
     record_trajectories: bool = True
     """Write every training trajectory (token ids, masks, sampler log-probs, rewards, group,
     seed, seat) to ``<run>/trajectories/<policy>.jsonl``: data for offline SFT and DPO jobs."""
@@ -261,6 +268,8 @@ class TrainConfig(_Config):
             raise ValueError("all_actions_only, all_actions_decisions and canonical_coef need all_actions > 0")
         if self.move_values_against and not (self.move_values and any(self.move_values_against.values())):
             raise ValueError("move_values_against needs move_values > 0 and a positive weight")
+        if self.move_values_settled and not self.move_values:
+            raise ValueError("move_values_settled needs move_values > 0")
         if self.all_actions and self.advantage in CRITIC_ADVANTAGES:
             raise ValueError(f"all_actions: not with a critic (advantage {self.advantage!r}): its datums have no "
                              "value targets")
@@ -288,6 +297,8 @@ class TrainConfig(_Config):
             out["entropy"] = self.entropy_coef
         if self.move_values:
             out["move_values"] = self.move_values
+            if self.move_values_settled:
+                out["move_values/settled"] = self.move_values_settled
         if self.critic:
             out.update(value=self.value_coef, value_clip=self.value_clip)
         return out

@@ -106,6 +106,48 @@ def test_the_term_moves_each_legal_moves_logit_by_its_weight() -> None:
     assert move_weights(np.array([1.0, 0.0, -0.5])) == pytest.approx([0.8333333, -0.1666667, -0.6666667])
 
 
+def test_settled_moves_are_left_alone_and_the_rest_move_only_the_mix() -> None:
+    """``settled``: a decision whose best move holds more than ``1 - settled`` of the legal
+    mass loses every weight, and elsewhere a worse-than-average move under ``settled``; the
+    others move the legal moves' log-shares (``d / d z_j = -coef * (k_j - q_j sum k)`` on the
+    legal moves, nothing elsewhere), so a decision with nothing settled moves as the plain
+    term does, and one wholly settled moves only its legal mass."""
+    logits = torch.tensor([[4.5, 0.5, -3.0, 1.0, 0.5, 0.2],    # q about (0.981, 0.018, 0.0005): played right
+                           [0.3, 0.1, -0.2, 0.0, 0.4, 0.6],    # nothing settled
+                           [0.0, 1.0, -5.0, 0.3, 0.1, 0.0]],   # q about (0.27, 0.73, 0.002): move 2 settled
+                          dtype=torch.float64, requires_grad=True)
+    hidden = Hidden(h_U_H=logits, tokens_U=torch.zeros(3, dtype=torch.long), rows=[], taken=[])
+    tokens = torch.tensor([[0, 1, 2]] * 3, dtype=torch.float32)
+    w = torch.tensor([[0.6, -0.1, -0.5]] * 3)
+    q = torch.softmax(logits.detach()[:, :3], -1)
+    assert q[0, 0] > 0.98 and q[2, 2] < 0.02 < q[2, 0] < q[2, 1] and (q[1] > 0.02).all()
+
+    def grad(settled: float) -> tuple[torch.Tensor, dict]:
+        logits.grad = None
+        lp = project_move_logprobs(torch.nn.Identity(), hidden, torch.arange(3), tokens)
+        out = compute_loss("move_values", torch.zeros(3), {"move_logprobs": lp, "move_weights": w,
+                                                            "move_tokens": tokens}, {"coef": 2.0, "settled": settled})
+        out.loss_sum.backward()
+        return logits.grad.clone(), out.metrics
+
+    plain, m0 = grad(0.0)
+    assert "settled_share" not in m0
+    got, m = grad(0.02)
+    assert m["settled_share"] == pytest.approx(4 / 9)  # row 0's three moves, row 2's worst
+    torch.testing.assert_close(got[1], plain[1])  # nothing settled in row 1: the plain term
+    p = torch.softmax(logits.detach(), -1)
+    for row, kept in ((0, [0.0, 0.0, 0.0]), (2, [0.6, -0.1, 0.0])):
+        want = 2.0 * p[row]  # - log of the legal mass, as in the plain term
+        want[:3] -= 2.0 * p[row, :3] / p[row, :3].sum()
+        k = torch.tensor(kept, dtype=torch.float64)
+        want[:3] += -2.0 * (k - q[row] * k.sum())
+        torch.testing.assert_close(got[row], want, atol=1e-6, rtol=1e-5)  # the term computes in float32
+    from learners.move_values import settled_weights
+
+    k = settled_weights(w, q.float(), torch.ones(3, 3, dtype=torch.bool), 0.02)
+    torch.testing.assert_close(k, torch.tensor([[0.0, 0.0, 0.0], [0.6, -0.1, -0.5], [0.6, -0.1, 0.0]]))
+
+
 def _turn(obs: int, sampled: list[int], replies: list[list[int]] | None = None,
           values: list[float] | None = None, by: dict[str, list[float]] | None = None) -> Turn:
     return Turn(obs_tokens=np.arange(100, 100 + obs, dtype=np.int32), sampled_tokens=np.asarray(sampled, np.int32),
@@ -234,6 +276,10 @@ def test_move_values_needs_a_game_that_values_moves_against_an_opponent(tmp_path
                                           "random, tictactoe_minimax only"):
         check_config(_job(tmp_path, {"move_values_against": {"minimax": 1.0}}))
     check_config(_job(tmp_path, {"move_values_against": {"tictactoe_minimax": 1.0, "random": 0.5}}))
+    with pytest.raises(msgspec.ValidationError, match="move_values_settled needs move_values > 0"):
+        _job(tmp_path, {"move_values": 0.0, "move_values_settled": 0.02})
+    with pytest.raises(msgspec.ValidationError, match="move_values_settled"):
+        _job(tmp_path, {"move_values_settled": 0.5})
     for bad in ({"move_values": 0.0}, {"move_values_against": {"random": 0.0}}):
         with pytest.raises(msgspec.ValidationError, match="move_values_against needs move_values > 0 and a positive "
                                                           "weight"):
@@ -248,6 +294,14 @@ def test_the_learner_gets_the_mix_of_move_values(tmp_path):
     kw = _learner_kwargs(_job(tmp_path, {"move_values_against": mix}), "tcp://127.0.0.1:1", "main", "")
     assert kw["move_values_against"] == mix and kw["loss_config"]["move_values"] == 1.0
     assert _learner_kwargs(_job(tmp_path), "tcp://127.0.0.1:1", "main", "")["move_values_against"] == {}
+    # ``move_values_settled`` rides as the term's own setting: the main loss never sees it.
+    from learners import split_terms, term_config
+
+    lc = _learner_kwargs(_job(tmp_path, {"move_values_settled": 0.02}), "tcp://127.0.0.1:1", "main", "")["loss_config"]
+    assert lc["move_values/settled"] == 0.02
+    config, terms = split_terms(lc)
+    assert "move_values/settled" not in config and terms["move_values"] == 1.0
+    assert term_config(lc, "move_values", 1.0) == {"coef": 1.0, "settled": 0.02}
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from learners import (
     explained_variance,
     logprob_mismatch,
     split_terms,
+    term_config,
 )
 from opentinker.engine import value_head
 from opentinker.engine.registry import AdapterRegistry, AdapterState
@@ -259,8 +260,8 @@ class Trainer:
         norms = {LossKind.VALUE: value_normalizer or normalizer}
         # The main loss, then each term.
         jobs = [_LossJob(loss, config, "", norms.get(spec.kind, normalizer))] + [
-            _LossJob(t, {**config, "coef": c} if LOSSES[t].kind is LossKind.VALUE else {"coef": c}, f"{t}/",
-                     norms.get(LOSSES[t].kind, normalizer)) for t, c in terms.items()]
+            _LossJob(t, {**config, "coef": c} if LOSSES[t].kind is LossKind.VALUE else term_config(loss_config, t, c),
+                     f"{t}/", norms.get(LOSSES[t].kind, normalizer)) for t, c in terms.items()]
         on_values = [j for j in jobs if LOSSES[j.name].kind is LossKind.VALUE]
         on_logp = [j for j in jobs if LOSSES[j.name].kind is not LossKind.VALUE]
         named = state.critic(adapter, "forward_backward with the 'value' loss") if on_values else {}
