@@ -308,6 +308,7 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                     + (f", move_values {c['move_values']:g}" if c.get("move_values") else "")
                     + (" against " + " + ".join(f"{w:g} x {o}" for o, w in c["move_values_against"].items())
                        if c.get("move_values_against") else "")
+                    + (f", settled {c['move_values_settled']:g}" if c.get("move_values_settled") else "")
                     + (", LoRA on " + "/".join(m.removesuffix("_proj") for m in mods)
                        if (mods := c.get("target_modules", {}).get("main")) and set(mods) != ATTENTION else "")
                     + ("".join(f", {o} {w:g}" for o, w in mix.items()) + " of the games"

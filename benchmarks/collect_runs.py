@@ -75,6 +75,7 @@ def run_row(folder: Path) -> dict:
                        "all_actions_decisions": cfg["train"].get("all_actions_decisions", 0),
                        "move_values": cfg["train"].get("move_values", 0.0),
                        "move_values_against": cfg["train"].get("move_values_against", {}),
+                       "move_values_settled": cfg["train"].get("move_values_settled", 0.0),
                        "opponents": {p["name"]: p.get("opponents", {}) for p in cfg.get("policies", [])},
                        "target_modules": {p["name"]: p["target_modules"] for p in cfg.get("policies", [])
                                           if "target_modules" in p}},
