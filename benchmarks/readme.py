@@ -56,6 +56,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "tictactoe_move_values": lambda results: render_tictactoe_runs(results, "tictactoe_move_values"),
     "tictactoe_tree_forward": lambda results: render_tictactoe_runs(results, "tictactoe_tree_forward"),
     "tictactoe_seed1_probes": lambda results: render_tictactoe_runs(results, "tictactoe_seed1_probes"),
+    "tictactoe_seed2_probes": lambda results: render_tictactoe_runs(results, "tictactoe_seed2_probes"),
     "tictactoe_exact": render_tictactoe_exact,
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
