@@ -310,3 +310,52 @@ def test_the_trainer_scores_at_the_sampling_temperature(tiny_path, chat_tok):
     assert at_1["logp_diff_mean"] > 0.1
     with pytest.raises(ValueError, match="temperature must be > 0"):
         host.forward_backward("t", datums, "ppo", {"temperature": 0.0}, 24.0)
+
+
+def test_the_scheduler_loads_and_computes_on_one_thread_and_a_failed_load_raises(tiny_path, monkeypatch, tmp_path):
+    """Every torch call of a scheduler runs on its compute thread, the model's load included
+    (a second thread pool beside the caller's slows each parallel op: benchmarks/compute_thread.py);
+    a load that fails raises from ``start()`` on the caller's thread."""
+    import threading
+
+    from opentinker.engine import host as host_module
+    from opentinker.engine.service import SchedulerService
+
+    seen: dict[str, str] = {}
+    real_fb = host_module.ModelHost.forward_backward
+    real_init = host_module.ModelHost.__init__
+
+    def init(self, *a, **k):
+        seen["load"] = threading.current_thread().name
+        real_init(self, *a, **k)
+
+    def fb(self, *a, **k):
+        seen["train"] = threading.current_thread().name
+        return real_fb(self, *a, **k)
+
+    monkeypatch.setattr(host_module.ModelHost, "__init__", init)
+    monkeypatch.setattr(host_module.ModelHost, "forward_backward", fb)
+    s = SchedulerService(tiny_path, threads=1, device=DEVICE)
+    s.start()
+    toks = np.arange(3, 12, dtype=np.int32)
+    datum = Datum(tokens=toks, loss_inputs={"mask": np.r_[np.zeros(6), np.ones(3)].astype(np.float32),
+                                            "sampler_logprobs": np.zeros(9, np.float32),
+                                            "advantages": np.ones(9, np.float32)})
+
+    async def body(c):
+        await c.request(CreateAdapter(name="pol", spec=LoraSpec(rank=2)))
+        return await c.request(ForwardBackward(adapter="pol", datums=[datum], loss="importance_sampling", normalizer=3.0))
+
+    try:
+        got = run(with_client(s, body, "thread-test"))
+    finally:
+        s.stop()
+    assert np.isfinite(got.loss)
+    assert seen == {"load": "scheduler-compute", "train": "scheduler-compute"}
+    assert threading.current_thread().name != "scheduler-compute"
+
+    bad = SchedulerService(str(tmp_path / "no-model-here"), threads=1, device=DEVICE)
+    with pytest.raises(OSError):
+        bad.start()
+    assert not bad._worker.is_alive()
+    bad.stop()

@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,19 +212,33 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         self.endpoint = ""
 
     def start(self) -> str:
-        """Load the model, start the compute thread and the server; return the endpoint."""
-        from opentinker.engine.host import ModelHost
+        """Start the compute thread, which loads the model and then computes, and the server;
+        return the endpoint (the model's load error, if it fails).
 
-        self.host = ModelHost(self.model_path, device=self.device, threads=self.threads, engine=self.engine,
-                              engine_options=self.engine_options)
-        settle_heap()  # the model stack stays until stop(): full collections skip it meanwhile
-        target = self._work
-        if self.host.engine is not None:
-            from opentinker.engine.step_worker import StepWorker
+        Every torch call of the scheduler runs on that one thread, the load included. Torch's
+        CPU thread pool (GNU OpenMP) belongs to the thread that starts parallel work: a second
+        thread's pool beside the caller's makes libgomp count more threads than cores, and it
+        then barely spins before sleeping at each parallel op's end. A training step ran 1.3-1.8x
+        slower that way (``benchmarks/threads.py``, "a second thread's pool")."""
+        loaded = threading.Event()
+        failed: list[BaseException] = []
 
-            target = StepWorker(self, self.train_share, self.fair_window_s, self.fair_anticipate_s).run
-        self._worker = threading.Thread(target=target, name="scheduler-compute", daemon=True)
+        def compute() -> None:
+            try:
+                target = self._load()
+            except BaseException as e:  # noqa: BLE001 - start() raises it on the caller's thread
+                failed.append(e)
+                return
+            finally:
+                loaded.set()
+            target()
+
+        self._worker = threading.Thread(target=compute, name="scheduler-compute", daemon=True)
         self._worker.start()
+        loaded.wait()
+        if failed:
+            self._worker.join()
+            raise failed[0]
         self.loop = LoopThread("scheduler-bus")
         curve_users = self.tenants.curve_users if self.tenants is not None else None
         if (curve_users is None) != (self.curve_keys is None):
@@ -234,6 +248,19 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
                              keys=self.curve_keys, curve_users=curve_users)
         self.endpoint = self.loop.run(self.server.start(self.loop.ctx))
         return self.endpoint
+
+    def _load(self) -> Callable[[], None]:
+        """Load the model (on the compute thread); the loop that thread then runs."""
+        from opentinker.engine.host import ModelHost
+
+        self.host = ModelHost(self.model_path, device=self.device, threads=self.threads, engine=self.engine,
+                              engine_options=self.engine_options)
+        settle_heap()  # the model stack stays until stop(): full collections skip it meanwhile
+        if self.host.engine is None:
+            return self._work
+        from opentinker.engine.step_worker import StepWorker
+
+        return StepWorker(self, self.train_share, self.fair_window_s, self.fair_anticipate_s).run
 
     # --------------------------------------------------------------------------- bus side
 
