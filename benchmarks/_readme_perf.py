@@ -62,6 +62,13 @@ def render_threads(results: Path, rows: int = 32) -> str:
                   for busy, label in THREAD_BUSY.items()])
 
 
+def render_compute_thread(results: Path) -> str:
+    """One ``forward_backward``'s median seconds per way of placing the scheduler's threads."""
+    rows = load(results, "compute_thread")["rows"]
+    return table(["way (fresh process each)", "median s", "vs main thread", "CPU / wall"],
+                 [[r["label"], f"{r['median_s']:.2f}", x(r["vs_main"]), f"{r['cpu_per_wall']:.2f}"] for r in rows])
+
+
 MULTIPLEX_METHODS = {  # method: (label in the first batch's rows, label after)
     "engine": (("the engine (continuous batching, batched LoRA `bgmv` on the slot store, "
                 "own forward)"), "the engine"),

@@ -29,8 +29,8 @@ from _readme_learning import (
     render_tools_job, render_tools_warm_start,
 )
 from _readme_perf import (
-    render_bus, render_codec, render_engine_overhead, render_exploring_replies, render_multiplex, render_pipeline_pace,
-    render_rollout, render_shared_forward, render_threads,
+    render_bus, render_codec, render_compute_thread, render_engine_overhead, render_exploring_replies, render_multiplex,
+    render_pipeline_pace, render_rollout, render_shared_forward, render_threads,
 )
 
 __all__ = ["BLOCK", "README", "RENDERERS", "RESULTS", "ReadmeError", "check", "render", "write"]
@@ -68,6 +68,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "default_job_sweep": render_default_job_sweep,
     "pipeline_pace": render_pipeline_pace,
     "threads": render_threads,
+    "compute_thread": render_compute_thread,
     "multiplex": render_multiplex,
     "engine_overhead": render_engine_overhead,
     "rollout": render_rollout,
