@@ -9,14 +9,15 @@ only briefly before they sleep, and each small parallel op pays a sleep and a wa
 The step is one ``forward_backward`` of the tic-tac-toe batch of ``shared_forward.py`` (8 groups
 of 4 episodes as a step plays them, the learner's replies the loss tokens; LoRA on attention and
 MLP as in the bundled job, importance-sampling loss), timed ``--repeats`` times after one
-warm-up, in each way:
+warm-up, in each way, the ways taking turns for ``--rounds`` rounds (this machine's pace drifts
+by 10-30% over minutes; the table gives the median of every timing of a way):
 
 * ``main``: loaded and trained on the main thread, as a plain script does (the baseline);
 * ``second``: loaded on the main thread, trained on a second thread (the scheduler before);
 * ``scheduler``: a ``SchedulerService`` started in the process (it loads the model on its
   compute thread) with the step sent as ``ForwardBackward`` over its bus (the scheduler now).
 
-    python benchmarks/compute_thread.py --json benchmarks/results/compute_thread.json   # ~3 minutes
+    python benchmarks/compute_thread.py --json benchmarks/results/compute_thread.json   # ~8 minutes
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Args:
     groups: int = 8
     group_size: int = 4
     repeats: int = 3
+    rounds: int = 3
     threads: int = 2
     seed: int = 0
     json: str = ""
@@ -147,7 +149,8 @@ def _through_scheduler(path: str, datums: list, norm: float, spec, args: Args) -
 
 def measure(way: str, args: Args) -> dict[str, object]:
     """:func:`one` in a fresh process (each way starts with no thread pool at all)."""
-    cmd = [sys.executable, __file__, "--one", way, *(f"--{k}={v}" for k, v in asdict(args).items() if k != "json")]
+    cmd = [sys.executable, __file__, "--one", way,
+           *(f"--{k}={v}" for k, v in asdict(args).items() if k not in ("json", "rounds"))]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{way}: exit {out.returncode}\n{out.stderr[-3000:]}")
@@ -164,18 +167,26 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    for i in range(args.rounds):
+        for way in WAYS:
+            runs[way].append(measure(way, args))
+            print(f"round {i + 1}/{args.rounds}, {way}: median {runs[way][-1]['median_s']:.2f} s", flush=True)
     rows = []
     for way, label in WAYS.items():
-        r = measure(way, args)
-        rows.append({"way": way, "label": label, **r})
-        print(f"{way}: median {r['median_s']:.2f} s", flush=True)
+        times = [t for r in runs[way] for t in r["times_s"]]
+        rows.append({"way": way, "label": label, "median_s": statistics.median(times), "times_s": times,
+                     "round_medians_s": [r["median_s"] for r in runs[way]],
+                     "cpu_per_wall": statistics.median(r["cpu_per_wall"] for r in runs[way]),
+                     "loss": runs[way][-1]["loss"]})
     base = rows[0]["median_s"]
     for r in rows:
         r["vs_main"] = r["median_s"] / base
         if abs(r["loss"] - rows[0]["loss"]) > 1e-4 * max(1.0, abs(rows[0]["loss"])):
             raise AssertionError(f"{r['way']} gives loss {r['loss']}, the main thread {rows[0]['loss']}")
     table = Table(title=f"one forward_backward, {args.groups} x {args.group_size} tic-tac-toe episodes, "
-                        f"{args.model}, {args.threads} threads (median of {args.repeats}, fresh process each)")
+                        f"{args.model}, {args.threads} threads (median of {args.rounds} x {args.repeats}, "
+                        "fresh process each round)")
     for col in ("way", "median s", "vs main thread", "CPU / wall"):
         table.add_column(col, justify="right")
     for r in rows:
