@@ -1,8 +1,10 @@
 """The scheduler: one base model per device, many LoRA adapters, served over the bus.
 
 Requests arrive on an asyncio ROUTER (:class:`opentinker.bus.Server`) and queue for a single
-compute thread, so the bus keeps answering while a training step runs. State-changing
-requests are idempotent by request id (the bus remembers their replies).
+compute thread, so the bus keeps answering while a training step runs. That thread also loads
+the model, so it is the one thread of the process that runs torch (one OpenMP pool: see
+:meth:`SchedulerService.start`). State-changing requests are idempotent by request id (the bus
+remembers their replies).
 
 With the engine's own forward (:class:`~opentinker.engine.step_loop.Engine`), the compute
 thread runs a step loop: the rows of every ``SampleRequest`` join the running batch at the next
