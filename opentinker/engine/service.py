@@ -220,8 +220,8 @@ a tenant (:mod:`opentinker.engine.tenants`); the scheduler's own user opens and 
         Every torch call of the scheduler runs on that one thread, the load included. Torch's
         CPU thread pool (GNU OpenMP) belongs to the thread that starts parallel work: a second
         thread's pool beside the caller's makes libgomp count more threads than cores, and it
-        then barely spins before sleeping at each parallel op's end. A training step ran 1.3-1.8x
-        slower that way (``benchmarks/threads.py``, "a second thread's pool")."""
+        then barely spins before sleeping at each parallel op's end. A training step took 1.22x
+        as long that way (``benchmarks/compute_thread.py``)."""
         loaded = threading.Event()
         failed: list[BaseException] = []
 
