@@ -63,15 +63,13 @@ def _batch(args: Args, path: str) -> list:
 
 def _times(step, repeats: int) -> dict[str, object]:
     """``repeats`` timings of ``step()`` after one warm-up, with the CPU time per wall second."""
-    import time as _time
-
     step()
     times, cpu = [], []
     for _ in range(repeats):
-        t, c = _time.perf_counter(), _time.process_time()
+        t, c = time.perf_counter(), time.process_time()
         step()
-        times.append(_time.perf_counter() - t)
-        cpu.append((_time.process_time() - c) / times[-1])
+        times.append(time.perf_counter() - t)
+        cpu.append((time.process_time() - c) / times[-1])
     return {"times_s": times, "median_s": statistics.median(times), "cpu_per_wall": statistics.median(cpu)}
 
 
@@ -119,30 +117,23 @@ def _through_scheduler(path: str, datums: list, norm: float, spec, args: Args) -
 
     service = SchedulerService(path, threads=args.threads, device="cpu")
     service.start()
+    loop = asyncio.new_event_loop()
+    ctx = zmq.asyncio.Context()
+    client = Client(ctx, service.endpoint, name="compute-thread-bench")
+    fb = ForwardBackward(adapter="bench", datums=datums, loss="importance_sampling", normalizer=norm)
     losses: list[float] = []
 
-    async def body() -> dict[str, object]:
-        ctx = zmq.asyncio.Context()
-        client = Client(ctx, service.endpoint, name="compute-thread-bench")
-        try:
-            await client.request(CreateAdapter(name="bench", spec=spec))
-            fb = ForwardBackward(adapter="bench", datums=datums, loss="importance_sampling", normalizer=norm)
-            times, cpu = [], []
-            for i in range(args.repeats + 1):
-                t, c = time.perf_counter(), time.process_time()
-                losses.append((await client.request(fb)).loss)
-                await client.request(DiscardGradients(adapter="bench"))
-                if i:  # the first is the warm-up
-                    times.append(time.perf_counter() - t)
-                    cpu.append((time.process_time() - c) / times[-1])
-            return {"times_s": times, "median_s": statistics.median(times), "cpu_per_wall": statistics.median(cpu)}
-        finally:
-            client.close()
-            ctx.destroy(0)
+    async def step() -> None:
+        losses.append((await client.request(fb)).loss)
+        await client.request(DiscardGradients(adapter="bench"))
 
     try:
-        out = asyncio.run(asyncio.wait_for(body(), 1800))
+        loop.run_until_complete(asyncio.wait_for(client.request(CreateAdapter(name="bench", spec=spec)), 600))
+        out = _times(lambda: loop.run_until_complete(asyncio.wait_for(step(), 1800)), args.repeats)
     finally:
+        client.close()
+        ctx.destroy(0)
+        loop.close()
         service.stop()
     return {**out, "loss": losses[-1]}
 
