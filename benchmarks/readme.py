@@ -62,6 +62,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
     "learning_suite_n3_20steps": lambda results: render_learning_suite(results, "learning_suite_n3_20steps"),
     "learning_suite_ttt_attention": lambda results: render_learning_suite(results, "learning_suite_ttt_attention"),
+    "learning_suite_ttt_lr1e-3": lambda results: render_learning_suite(results, "learning_suite_ttt_lr1e-3"),
     "tools_warm_start": render_tools_warm_start,
     "leduc_league": lambda results: render_league_runs(results, "leduc_league"),
     "default_job": render_default_job,
