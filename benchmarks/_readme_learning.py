@@ -300,7 +300,9 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
         c, last = run["config"], run["last_eval"]
         k = "eval/main/vs_random/"
         m = "eval/main/vs_tictactoe_minimax/"
-        settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}, explore {c['explore']:g}, "
+        settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}"
+                    + (f" falling {c['lr_schedule']}ly" if c.get("lr_schedule", "constant") != "constant" else "")
+                    + f", explore {c['explore']:g}, "
                     f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
                     + (f", temperature {c['temperature']:g}" if c.get("temperature", 1.0) != 1.0 else "")
                     + (", opponent_draws group" if c["opponent_draws"] == "group" else "")
