@@ -286,8 +286,13 @@ def _suite_target(row: dict[str, Any], target: dict[str, Any]) -> str:
 
 ATTENTION = set(LoraSpec().target_modules)
 """The default LoRA target modules (a run that adapts others says so in its settings)."""
-BUNDLED_MIX = {"random": 0.75, "tictactoe_minimax": 0.25}
-"""The bundled tic-tac-toe job's opponents (a run with another mix says so in its settings)."""
+UNRECORDED_MIX = {"random": 0.75, "tictactoe_minimax": 0.25}
+"""The opponents of the tic-tac-toe runs made before a run's config recorded them (the job's mix
+then); a run with another mix says so in its settings."""
+
+LR_SCHEDULES = {"constant": "", "linear": " falling linearly"}
+"""How a run's ``train.lr_schedule`` reads after its learning rate (a schedule not named here:
+" (<name> schedule)")."""
 
 
 def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
@@ -301,7 +306,7 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
         k = "eval/main/vs_random/"
         m = "eval/main/vs_tictactoe_minimax/"
         settings = (f"{c['groups_per_step']}x{c['group_size']} episodes, lr {c['lr']:g}"
-                    + (f" falling {c['lr_schedule']}ly" if c.get("lr_schedule", "constant") != "constant" else "")
+                    + LR_SCHEDULES.get(schedule := c.get("lr_schedule", "constant"), f" ({schedule} schedule)")
                     + f", explore {c['explore']:g}, "
                     f"max_tokens {c['max_tokens']}" + (", brief" if c["game_kwargs"].get("brief") else "")
                     + (f", temperature {c['temperature']:g}" if c.get("temperature", 1.0) != 1.0 else "")
@@ -314,7 +319,7 @@ def render_tictactoe_runs(results: Path, name: str = "tictactoe_runs") -> str:
                     + (", LoRA on " + "/".join(m.removesuffix("_proj") for m in mods)
                        if (mods := c.get("target_modules", {}).get("main")) and set(mods) != ATTENTION else "")
                     + ("".join(f", {o} {w:g}" for o, w in mix.items()) + " of the games"
-                       if (mix := c.get("opponents", {}).get("main", BUNDLED_MIX)) != BUNDLED_MIX else "")
+                       if (mix := c.get("opponents", {}).get("main", UNRECORDED_MIX)) != UNRECORDED_MIX else "")
                     + (f", {c['advantage']}" + (f" lam {c['lam']:g}" if "gae" in c["advantage"] else "")
                        if c.get("advantage", "dr_grpo") != "dr_grpo" else ""))
         curve = ", ".join(f"{e[k + 'score']:+.3f} ({e['step']})" for e in run["curve"])
