@@ -24,13 +24,29 @@ from pathlib import Path
 
 from _readme_common import ROOT, ReadmeError
 from _readme_learning import (
-    render_compare_learners, render_default_job, render_default_job_sweep, render_default_job_times,
-    render_learning_suite, render_league_runs, render_lora_vs_full, render_tictactoe_exact, render_tictactoe_runs,
-    render_tools_job, render_tools_warm_start,
+    render_compare_learners,
+    render_default_job,
+    render_default_job_sweep,
+    render_default_job_times,
+    render_league_runs,
+    render_learning_suite,
+    render_lora_vs_full,
+    render_tictactoe_exact,
+    render_tictactoe_runs,
+    render_tools_job,
+    render_tools_warm_start,
 )
 from _readme_perf import (
-    render_bus, render_codec, render_compute_thread, render_engine_overhead, render_exploring_replies, render_multiplex,
-    render_pipeline_pace, render_rollout, render_shared_forward, render_threads,
+    render_bus,
+    render_codec,
+    render_compute_thread,
+    render_engine_overhead,
+    render_exploring_replies,
+    render_multiplex,
+    render_pipeline_pace,
+    render_rollout,
+    render_shared_forward,
+    render_threads,
 )
 
 __all__ = ["BLOCK", "README", "RENDERERS", "RESULTS", "ReadmeError", "check", "render", "write"]
@@ -57,6 +73,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "tictactoe_tree_forward": lambda results: render_tictactoe_runs(results, "tictactoe_tree_forward"),
     "tictactoe_seed1_probes": lambda results: render_tictactoe_runs(results, "tictactoe_seed1_probes"),
     "tictactoe_seed2_probes": lambda results: render_tictactoe_runs(results, "tictactoe_seed2_probes"),
+    "tictactoe_mix_probes": lambda results: render_tictactoe_runs(results, "tictactoe_mix_probes"),
     "tictactoe_exact": render_tictactoe_exact,
     "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
     "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
