@@ -231,7 +231,8 @@ def _start_job(run: OpenRun, restarts: int) -> Job:
         except BaseException:
             job.shutdown()
             raise
-        console.print(f"resumed from {ckpt.folder} (step {ckpt.step})")
+        due = "; its evaluation, stopped before it ended, runs first" if ckpt.eval_due else ""
+        console.print(f"resumed from {ckpt.folder} (step {ckpt.step}{due})")
     return job
 
 
@@ -307,6 +308,11 @@ class _Steps:
             run.last = run.first
         else:
             run.first, run.last = run.ckpt.first_eval, run.ckpt.last_eval
+            if run.ckpt.eval_due:  # stopped during the step's evaluation: it runs again, then the steps
+                self.evaluate(run.ckpt.step)
+                self.save_checkpoint(run.ckpt.step)
+                if run.stop.asked:
+                    return True
         self.progress.update(self.task, description="train", status=_status(run.last, run.policies, "eval",
                                                                             run.game_eval))
         for step in range(start, run.cfg.train.steps + 1):
@@ -317,8 +323,9 @@ class _Steps:
         return False
 
     def step(self, step: int) -> bool:
-        """Train ``step``, evaluate and checkpoint it when due; True when a Ctrl-C asks to stop
-        after it (it is saved)."""
+        """Train ``step``, evaluate and checkpoint it when due (a step with both is checkpointed
+        before its evaluation too, so a stop during a long evaluation keeps its training); True
+        when a Ctrl-C asks to stop after it (it is saved)."""
         run, job, progress, task = self.run, self.job, self.progress, self.task
         cfg, ev = run.cfg, run.cfg.eval
         run.now = f"step {step}"
@@ -327,23 +334,36 @@ class _Steps:
         run.log.write(step, "train", m)
         progress.update(task, advance=1, status=self.report(step, "train", m))
         final = step == cfg.train.steps
+        checkpoint = final or bool(cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
         if final or (ev.every and step % ev.every == 0):
-            progress.update(task, description="eval")
-            hands = (ev.final_hands_per_stratum or ev.hands_per_stratum) if final else ev.hands_per_stratum
-            run.last = job.supervised("evaluate", step, final, hands, self.feed)
-            run.log.write(step, "eval", run.last)
-            progress.update(task, description="train", status=self.report(step, "eval", run.last))
-        if final or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or run.stop.asked:
+            if checkpoint or run.stop.asked:
+                self.save_checkpoint(step, eval_due=True)
+            self.evaluate(step)
+        if checkpoint or run.stop.asked:
             self.save_checkpoint(step)
         return run.stop.asked and not final  # Ctrl-C: this step is done and saved
 
-    def save_checkpoint(self, step: int) -> None:
+    def evaluate(self, step: int) -> None:
+        """Evaluate the policies after ``step`` (with the final evaluation's games at the last
+        step) into ``run.last`` and the log."""
+        run, progress, task, ev = self.run, self.progress, self.task, self.run.cfg.eval
+        final = step == run.cfg.train.steps
+        run.now = f"the evaluation of step {step}"
+        progress.update(task, description="eval")
+        hands = (ev.final_hands_per_stratum or ev.hands_per_stratum) if final else ev.hands_per_stratum
+        run.last = self.job.supervised("evaluate", step, final, hands, self.feed)
+        run.log.write(step, "eval", run.last)
+        progress.update(task, description="train", status=self.report(step, "eval", run.last))
+
+    def save_checkpoint(self, step: int, eval_due: bool = False) -> None:
+        """Write the checkpoint of ``step``: ``eval_due`` before its evaluation, with the
+        evaluation before it as ``last_eval``."""
         run, job, cfg = self.run, self.job, self.run.cfg
         write_checkpoint(run.run_dir, step, lambda folder: job.coordinator("save_adapters", folder),
                          lambda paths: save_learner_states(job.learner_states(), paths), run.first, run.last,
                          updates_per_step={p.name: cfg.train_for(p.name).epochs * cfg.train_for(p.name).minibatches
                                            for p in cfg.policies}, wall_s=_wall_s(run),
-                         wall_from_step=run.wall_from_step)
+                         wall_from_step=run.wall_from_step, eval_due=eval_due)
         run.state.saved = step
 
 

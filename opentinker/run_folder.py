@@ -93,12 +93,15 @@ def open_run(cfg: JobConfig, console: Console, run_dir: Path | None, resume: Pat
     with console.status("preparing the base model (first use converts the GGUF, ~20 s)"):
         model_path = resolve_model(cfg.model.base)
     if ckpt is not None:
-        rows = truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
+        rows = truncate_metrics(run_dir / "metrics.jsonl", ckpt.step, ckpt.eval_due)
         for path in sorted((run_dir / "trajectories").glob("*.jsonl")):
             trajectory_log.truncate(path, ckpt.step)  # the steps after it are played again
         transcripts.truncate(run_dir / "transcripts.txt", ckpt.step)
-        log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + 1)
+        # A step whose evaluation runs again: TensorBoard drops the step, and its training is kept.
+        log = MetricsLog(run_dir / "metrics.jsonl", purge_step=ckpt.step + (0 if ckpt.eval_due else 1))
         log.rows = rows
+        if ckpt.eval_due:
+            log.rewrite_tensorboard([r for r in rows if r["step"] == ckpt.step])
         state.run_dir, state.saved = run_dir, ckpt.step
         (run_dir / "config.toml").write_bytes(to_toml(cfg))  # with any --set of the resume
     else:

@@ -150,6 +150,7 @@ CORRUPTIONS = {
     "wall_s -1": _json_edit("state.json", lambda d: d.update(wall_s=-1.0)),
     "wall_s text": _json_edit("state.json", lambda d: d.update(wall_s="an hour")),
     "wall_s_from_step 99": _json_edit("state.json", lambda d: d.update(wall_s_from_step=99)),
+    "eval_due text": _json_edit("state.json", lambda d: d.update(eval_due="yes")),
     "no manifest": lambda folder: (folder / MANIFEST).unlink() or str(folder / MANIFEST),
 }
 

@@ -8,7 +8,8 @@ checkpoint is *verified* when:
   disk, a file cut short or deleted);
 * ``state.json`` names the folder's own step (``1 <= step``), and its run time so far
   (``wall_s``, where recorded) is a finite number of seconds, not negative, counted from a
-  step up to its own (``wall_s_from_step``, where not 0);
+  step up to its own (``wall_s_from_step``, where not 0), and ``eval_due``, where recorded, is
+  true or false;
 * every policy's adapter has a version in ``[0, step x updates per step]``, its weights
   (``*.safetensors``: the adapter, a full policy's weights, the optimizer moments) are finite,
   and the weights are below :data:`MAX_WEIGHT` in magnitude;
@@ -142,6 +143,9 @@ def verify(folder: Path, policies: dict[str, int]) -> list[str]:
         if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float))
                                  or not math.isfinite(wall) or wall < 0):
             problems.append(f"{folder / 'state.json'}: wall_s {wall!r} is not a run time in seconds")
+        due = state.get("eval_due", False) if isinstance(state, dict) else False
+        if not isinstance(due, bool):
+            problems.append(f"{folder / 'state.json'}: eval_due {due!r} is not true or false")
         since = state.get("wall_s_from_step", 0) if isinstance(state, dict) else 0
         if isinstance(since, bool) or not isinstance(since, int) or not 0 <= since <= want:
             problems.append(f"{folder / 'state.json'}: wall_s_from_step {since!r} is not a step up to {want}")

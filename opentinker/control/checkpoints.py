@@ -7,6 +7,11 @@ learner's state beside it (``learner_state.json``: moving-average baselines), an
 ``state.json`` (the step and the evaluations so far). Everything else is a pure function of
 the config and the step (episodes, seeds), so nothing more is needed. A checkpoint is written
 to a hidden temporary folder and renamed into place: a reader never sees half of one.
+
+A step that is evaluated is checkpointed before its evaluation (``"eval_due": true`` in
+``state.json``: the trained weights are safe while an evaluation of many minutes runs) and
+again after it; ``--resume`` from a checkpoint whose evaluation is due runs only that
+evaluation before the next step.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class Checkpoint:
     wall_from_step: int = 0
     """The step :attr:`wall_s` counts from: 0, or the step of an older checkpoint (one without
     the time) that the run was resumed from."""
+    eval_due: bool = False
+    """The step's evaluation had not run when it was written (it was written before it):
+    :attr:`last_eval` is the evaluation before, and a resume runs this step's first."""
 
     @property
     def adapters(self) -> Path:
@@ -59,11 +67,13 @@ KEEP = 2
 def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: Any,
                      first_eval: dict[str, float], last_eval: dict[str, float], keep: int = KEEP,
                      updates_per_step: dict[str, int] | None = None, wall_s: float | None = None,
-                     wall_from_step: int = 0) -> Path:
-    """Write ``checkpoints/step_<step>`` atomically, then delete all but the ``keep`` newest.
+                     wall_from_step: int = 0, eval_due: bool = False) -> Path:
+    """Write ``checkpoints/step_<step>`` atomically (replacing one of that step: the same step
+    written again after its evaluation), then delete all but the ``keep`` newest.
     ``save_adapters(folder) -> {policy: path}`` writes the adapters; ``save_states(paths)``
     writes each learner's state beside its adapter; ``wall_s`` (the run's time so far, counted
-    from step ``wall_from_step``) lets a resumed run count the time before it."""
+    from step ``wall_from_step``) lets a resumed run count the time before it; ``eval_due``:
+    written before the step's evaluation (:attr:`Checkpoint.eval_due`)."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if tmp.exists():
@@ -74,14 +84,22 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
         (tmp / STATE).write_text(json.dumps({"step": step, "first_eval": first_eval, "last_eval": last_eval,
                                              "updates_per_step": updates_per_step or {},
                                              **({"wall_s": wall_s} if wall_s is not None else {}),
-                                             **({"wall_s_from_step": wall_from_step} if wall_from_step else {})}))
+                                             **({"wall_s_from_step": wall_from_step} if wall_from_step else {}),
+                                             **({"eval_due": True} if eval_due else {})}))
         write_manifest(tmp)  # last: a checkpoint without one was cut short
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
         raise
-    if os.path.lexists(final):
+    old = root / f".step_{step}.old"
+    if os.path.lexists(old):
+        _remove(old)
+    if final.is_dir() and not final.is_symlink():
+        os.replace(final, old)  # set aside, not deleted, so the step is missing only between two renames
+    elif os.path.lexists(final):
         _remove(final)
     os.replace(tmp, final)
+    if os.path.lexists(old):
+        _remove(old)
     done = sorted((int(p.name.removeprefix("step_")), p) for p in root.iterdir()
                   if p.name.startswith("step_") and p.name.removeprefix("step_").isdigit())
     for _, old in done[:-keep]:
@@ -139,7 +157,8 @@ def _read(folder: Path, skipped: tuple[str, ...]) -> Checkpoint:
         known = isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0
         return Checkpoint(step=int(state["step"]), folder=folder, first_eval=state["first_eval"],
                           last_eval=state["last_eval"], skipped=skipped, wall_s=float(wall) if known else None,
-                          wall_from_step=since if isinstance(since, int) and since >= 0 else 0)
+                          wall_from_step=since if isinstance(since, int) and since >= 0 else 0,
+                          eval_due=state.get("eval_due") is True)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{folder / STATE} is corrupt: {e}") from None
 
@@ -153,16 +172,18 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
                 yield i, line.rstrip(b"\n"), not line.endswith(b"\n")
 
 
-def metrics_rows(path: Path, step: int) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` up to ``step``, read a line at a time (none when there is
-    no file). A line that is not a JSON object with a step is a ``ValueError`` naming the file
-    and line, but for a torn last line, which is dropped (a crash cut its write short)."""
+def metrics_rows(path: Path, step: int, eval_due: bool = False) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` up to ``step`` (without its evaluation's when
+    ``eval_due``: it is run again), read a line at a time (none when there is no file). A line
+    that is not a JSON object with a step is a ``ValueError`` naming the file and line, but for
+    a torn last line, which is dropped (a crash cut its write short)."""
     rows = []
     if path.is_file():
         for i, line, torn in _lines(path):
             try:
                 row = json.loads(line)
-                keep = int(row.get("step", 0)) <= step
+                at = int(row.get("step", 0))
+                keep = at < step or (at == step and not (eval_due and row.get("kind") == "eval"))
             except (ValueError, AttributeError, TypeError) as e:
                 if torn:
                     break
@@ -172,11 +193,11 @@ def metrics_rows(path: Path, step: int) -> list[dict[str, Any]]:
     return rows
 
 
-def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
-    """Keep the rows of ``metrics.jsonl`` up to ``step`` (a resumed run writes the rest
-    again); returns them (:func:`metrics_rows`: a bad line is an error and nothing is
-    rewritten). The file is rewritten atomically."""
-    rows = metrics_rows(path, step)
+def truncate_metrics(path: Path, step: int, eval_due: bool = False) -> list[dict[str, Any]]:
+    """Keep the rows of ``metrics.jsonl`` up to ``step``, less its evaluation's when
+    ``eval_due`` (a resumed run writes the rest again); returns them (:func:`metrics_rows`: a
+    bad line is an error and nothing is rewritten). The file is rewritten atomically."""
+    rows = metrics_rows(path, step, eval_due)
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 

@@ -42,9 +42,18 @@ class MetricsLog:
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        self._add_tensorboard(row)
+
+    def rewrite_tensorboard(self, rows: list[dict[str, Any]]) -> None:
+        """Write ``rows`` (already in the JSONL file) to TensorBoard again: the rows of
+        ``purge_step`` that a resume keeps (a step whose evaluation runs again)."""
+        for row in rows:
+            self._add_tensorboard(row)
+
+    def _add_tensorboard(self, row: dict[str, Any]) -> None:
         if self._tb is not None:
-            self._tb.add(step, {k: float(v) for k, v in row.items() if k not in ("step", "kind")
-                                and isinstance(v, (int, float)) and math.isfinite(v)})
+            self._tb.add(int(row["step"]), {k: float(v) for k, v in row.items() if k not in ("step", "kind")
+                                            and isinstance(v, (int, float)) and math.isfinite(v)})
 
     def close(self) -> None:
         if self._tb is not None:
