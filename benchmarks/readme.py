@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -59,29 +60,27 @@ BLOCK = re.compile(r"^<!-- results: (?P<name>\S+) -->\n(?P<body>.*?)^<!-- /resul
                    re.MULTILINE | re.DOTALL)
 
 
+def _each(render: Callable[..., str], *names: str) -> dict[str, Callable[[Path], str]]:
+    """A block for each results file ``<name>.json`` that ``render`` reads (``render(results,
+    name)``): the probes and variants of one kind of result, each rendered as the main one."""
+    return {name: functools.partial(render, name=name) for name in names}
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "default_job_times": render_default_job_times,
     "compare_learners": render_compare_learners,
     "lora_vs_full": render_lora_vs_full,
-    "lora_vs_full_tools": lambda results: render_lora_vs_full(results, "lora_vs_full_tools"),
-    "lora_vs_full_tools_warm": lambda results: render_lora_vs_full(results, "lora_vs_full_tools_warm"),
+    **_each(render_lora_vs_full, "lora_vs_full_tools", "lora_vs_full_tools_warm"),
     "tools_job": render_tools_job,
     "learning_suite": render_learning_suite,
     "tictactoe_runs": render_tictactoe_runs,
-    "tictactoe_exact_gae": lambda results: render_tictactoe_runs(results, "tictactoe_exact_gae"),
-    "tictactoe_move_values": lambda results: render_tictactoe_runs(results, "tictactoe_move_values"),
-    "tictactoe_tree_forward": lambda results: render_tictactoe_runs(results, "tictactoe_tree_forward"),
-    "tictactoe_seed1_probes": lambda results: render_tictactoe_runs(results, "tictactoe_seed1_probes"),
-    "tictactoe_seed2_probes": lambda results: render_tictactoe_runs(results, "tictactoe_seed2_probes"),
-    "tictactoe_mix_probes": lambda results: render_tictactoe_runs(results, "tictactoe_mix_probes"),
+    **_each(render_tictactoe_runs, "tictactoe_exact_gae", "tictactoe_move_values", "tictactoe_tree_forward",
+            "tictactoe_seed1_probes", "tictactoe_seed2_probes", "tictactoe_mix_probes"),
     "tictactoe_exact": render_tictactoe_exact,
-    "learning_suite_explore0": lambda results: render_learning_suite(results, "learning_suite_explore0"),
-    "learning_suite_liars_lr3e-4": lambda results: render_learning_suite(results, "learning_suite_liars_lr3e-4"),
-    "learning_suite_n3_20steps": lambda results: render_learning_suite(results, "learning_suite_n3_20steps"),
-    "learning_suite_ttt_attention": lambda results: render_learning_suite(results, "learning_suite_ttt_attention"),
-    "learning_suite_ttt_lr1e-3": lambda results: render_learning_suite(results, "learning_suite_ttt_lr1e-3"),
+    **_each(render_learning_suite, "learning_suite_explore0", "learning_suite_liars_lr3e-4",
+            "learning_suite_n3_20steps", "learning_suite_ttt_attention", "learning_suite_ttt_lr1e-3"),
     "tools_warm_start": render_tools_warm_start,
-    "leduc_league": lambda results: render_league_runs(results, "leduc_league"),
+    **_each(render_league_runs, "leduc_league"),
     "default_job": render_default_job,
     "default_job_sweep": render_default_job_sweep,
     "pipeline_pace": render_pipeline_pace,
