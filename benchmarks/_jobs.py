@@ -100,6 +100,11 @@ class Forward:
             proc.send_signal(signum)
 
 
+class Stopped(RuntimeError):
+    """A job stopped by a signal this script passed on to it (Ctrl-C, SIGTERM): a script that
+    goes on to its next job after a failed one stops instead, as the person who sent it asked."""
+
+
 @contextlib.contextmanager
 def forward_signals() -> Iterator[Forward]:
     """Inside (on the main thread), SIGINT and SIGTERM to this script are passed on to the
@@ -127,8 +132,8 @@ def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str,
     reaches it once, through this script, and it gets SIGTERM when this script dies otherwise
     (SIGKILL, a closed terminal: ``PR_SET_PDEATHSIG``) or fails while it runs, so no job is
     left running unwatched. Raises ``RuntimeError`` naming the log when it fails or was
-    stopped (a job that finished although a signal came is a success). An earlier attempt's
-    ``log`` is kept as ``log.N``."""
+    stopped (:class:`Stopped` when a signal passed on stopped it; a job that finished although
+    a signal came is a success). An earlier attempt's ``log`` is kept as ``log.N``."""
     t0 = time.perf_counter()
     _keep_earlier(log)
     with log.open("w", buffering=1) as f, forward_signals() as forward:  # line-buffered: a run shows its lines
@@ -152,7 +157,7 @@ def run_logged(cmd: list[str], log: Path, prefix: str) -> tuple[float, dict[str,
             mem = peak.stop() if peak is not None else {}
     if rc != 0 and forward.passed:
         names = " then ".join(signal.Signals(s).name for s in forward.passed)
-        raise RuntimeError(f"{prefix}: stopped; {names} passed on to `{shlex.join(cmd)}`, which exited {rc}; "
+        raise Stopped(f"{prefix}: stopped; {names} passed on to `{shlex.join(cmd)}`, which exited {rc}; "
                            f"its output: {log}")
     if rc != 0:
         raise RuntimeError(f"{prefix}: `{shlex.join(cmd)}` exited {rc}; its output: {log}")

@@ -52,6 +52,7 @@ from _args import parse_args
 from _machine import provenance  # isort: skip  (first: before torch)
 from _jobs import (
     PEAK_KEYS,
+    Stopped,
     bootstrap_ci,
     eval_curve,
     final_metrics,
@@ -235,6 +236,8 @@ def dpo_row(args: Args, seed: int, run: Path, ev: games.GameEval, phases: dict[s
     out = Path(args.out).resolve()
     try:
         off, job = run_config(dpo_config(args, seed, run), out, f"seed {seed} dpo")
+    except Stopped:
+        raise  # Ctrl-C or SIGTERM: not a failed learner
     except RuntimeError as e:  # e.g. no pair of trajectories with different outcomes
         log = out / f"compare_dpo_seed{seed}.log"
         lines = log.read_text().splitlines() if log.is_file() else []

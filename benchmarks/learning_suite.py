@@ -10,7 +10,8 @@ evaluated without running it again, and a stopped one goes on from its newest ch
 (``resumed_from_step`` in its row; its wall time counts the time up to that checkpoint, its
 peak memory is the last attempt's), so the suite can be run a few jobs at a time and stopped at
 any point: Ctrl-C (SIGINT) stops the run in progress after its step with a checkpoint of it,
-SIGTERM at once with its newest. Invocations may share ``--out``: a seed another one is making
+SIGTERM at once with its newest; either way no further seed starts, the results so far are
+gathered into the JSON, and the suite exits 130. Invocations may share ``--out``: a seed another one is making
 now (its run or its evaluation, under a lock in its folder) fails with an error for that seed and
 the others go on. The rows of the JSON at ``--json`` (the committed one by default) that were made
 with their job's config as it stands are written back under ``OUT`` first, so a fresh checkout
@@ -45,6 +46,7 @@ from typing import Any
 from _args import parse_args
 from _jobs import (
     PEAK_KEYS,
+    Stopped,
     claimed,
     finished_run,
     opentinker,
@@ -503,12 +505,16 @@ def main() -> None:
     restored = restore(Path(args.out), Path(args.json))
     if restored:
         print(f"  restored {len(restored)} seeds' results from {args.json} into {args.out}")
-    for job in jobs:
-        for seed in seeds:
-            try:
-                run_seed(args, job, seed)
-            except RuntimeError as e:  # a failed run is reported, and the others go on
-                print(f"  [{job} seed {seed}] failed: {e}")
+    stopped = None
+    for job, seed in ((job, seed) for job in jobs for seed in seeds):
+        try:
+            run_seed(args, job, seed)
+        except Stopped as e:  # Ctrl-C or SIGTERM: no further seed; what is done is gathered
+            stopped = e
+            print(f"  [{job} seed {seed}] {e}; no further seed runs, and the results so far are gathered")
+            break
+        except RuntimeError as e:  # a failed run is reported, and the others go on
+            print(f"  [{job} seed {seed}] failed: {e}")
     rows = gather(Path(args.out))
     # Each job's config as the rows were made with it (gather keeps only rows of the config's
     # hash; a row's key adds its --set items), so a row can be checked against a later config.
@@ -531,6 +537,8 @@ def main() -> None:
                   f" ± {ok.get('gain_ci95', float('nan')):.3f}; {r['wall_s']:.0f} s, {_peaks(r)}")
     for line in unfinished(Path(args.out)):
         print(f"not gathered yet: {line}")
+    if stopped is not None:
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

@@ -342,6 +342,46 @@ def test_a_signal_to_the_suite_is_passed_on_to_its_running_job(tmp_path, sig) ->
                 os.kill(child_pid, signal.SIGKILL)
 
 
+_SUITE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+import learning_suite as ls
+from _jobs import run_logged
+
+def run_seed(args, job, seed):  # each seed's run: a child that stops on a signal, as a run does
+    print(f"seed {{seed}} starts", flush=True)
+    run_logged([sys.executable, "-c", {child!r}], Path({out!r}) / f"seed{{seed}}.log", f"{{job}} seed {{seed}}")
+
+ls.run_seed = run_seed
+sys.argv = ["learning_suite.py", "--jobs", "default", "--seeds", "0,1,2", "--out", {out!r}, "--json", {json!r},
+            "--plot", {plot!r}]
+ls.main()
+"""
+
+
+def test_ctrl_c_to_the_suite_stops_it_after_the_seed_in_progress(tmp_path) -> None:
+    """SIGINT to the suite stops the seed in progress (passed on to its run) and starts no
+    further seed (before, the next seed started as if the stopped one had failed); the JSON is
+    still written with what was gathered, and the suite exits 130."""
+    out, js = tmp_path / "out", tmp_path / "suite.json"
+    out.mkdir()
+    script = _SUITE.format(bench=str(ROOT / "benchmarks"), child=_CHILD, out=str(out), json=str(js),
+                           plot=str(tmp_path / "suite.png"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(2)]
+    assert lines[0] == "seed 0 starts\n" and lines[1].startswith("  [default seed 0] started pid="), lines
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, rest
+    assert "[default seed 0] default seed 0: stopped; SIGINT passed on to" in rest
+    assert "no further seed runs, and the results so far are gathered" in rest
+    assert "seed 1 starts" not in rest and "seed 2 starts" not in rest
+    assert json.loads(js.read_text())["rows"] == []
+
+
 _MARKING_CHILD = """
 import os, signal, sys, time
 def stop(signum, frame):
