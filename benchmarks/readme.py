@@ -75,7 +75,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "learning_suite": render_learning_suite,
     "tictactoe_runs": render_tictactoe_runs,
     **_each(render_tictactoe_runs, "tictactoe_exact_gae", "tictactoe_move_values", "tictactoe_tree_forward",
-            "tictactoe_seed1_probes", "tictactoe_seed2_probes", "tictactoe_mix_probes"),
+            "tictactoe_seed1_probes", "tictactoe_seed2_probes", "tictactoe_mix_probes", "tictactoe_seed0_probes"),
     "tictactoe_exact": render_tictactoe_exact,
     **_each(render_learning_suite, "learning_suite_explore0", "learning_suite_liars_lr3e-4",
             "learning_suite_n3_20steps", "learning_suite_ttt_attention", "learning_suite_ttt_lr1e-3"),
