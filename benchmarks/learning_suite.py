@@ -60,6 +60,7 @@ from _machine import script_provenance
 
 import games
 from opentinker.config import load_config, to_toml
+from opentinker.control.checkpoints import latest_checkpoint
 from opentinker.eval.report import rating_history
 
 SUITE = ("default", "tictactoe", "negotiation", "referential", "twenty_questions", "prisoners_dilemma",
@@ -335,8 +336,10 @@ def unfinished(out: Path) -> list[str]:
                 lines.append(f"{job} seed {seed}: trained; its final evaluation runs with {again}")
             elif (stopped := stopped_run(folder, cfg.name, int(seed), verified=False)) is not None:
                 steps = tomllib.loads((stopped[0] / "config.toml").read_text())["train"]["steps"]
-                lines.append(f"{job} seed {seed}: not finished, with the checkpoint of step {stopped[1]} of {steps}; "
-                             f"{again} goes on from it")
+                due = (" (written before its evaluation, which runs first)"
+                       if latest_checkpoint(stopped[0]).eval_due else "")
+                lines.append(f"{job} seed {seed}: not finished, with the checkpoint of step {stopped[1]} of {steps}"
+                             f"{due}; {again} goes on from it")
     return lines
 
 

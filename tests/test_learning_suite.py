@@ -207,11 +207,13 @@ def test_seeds_stopped_or_not_yet_evaluated_are_listed(tmp_path) -> None:
         (path / "config.toml").write_bytes(ls.to_toml(cfg))
         return path
 
-    def checkpoint(path: Path, step: int) -> None:
+    def checkpoint(path: Path, step: int, eval_due: bool = False) -> None:
         (path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        (path / "checkpoints" / f"step_{step}" / "state.json").write_text(json.dumps({"step": step, "first_eval": {}, "last_eval": {}}))
+        (path / "checkpoints" / f"step_{step}" / "state.json").write_text(json.dumps(
+            {"step": step, "first_eval": {}, "last_eval": {}, **({"eval_due": True} if eval_due else {})}))
 
     checkpoint(run(1, sha[:8]), 3)
+    checkpoint(run(5, sha[:8]), steps, eval_due=True)  # stopped during its last evaluation
     (run(2, sha[:8]) / "summary.json").write_text("{}")
     done = run(0, sha[:8])
     (done.parent / "result.json").write_text("{}")
@@ -219,7 +221,9 @@ def test_seeds_stopped_or_not_yet_evaluated_are_listed(tmp_path) -> None:
     checkpoint(run(4, "0" * 8), 7)  # another config's
     assert ls.unfinished(tmp_path) == [
         f"default seed 1: not finished, with the checkpoint of step 3 of {steps}; --jobs default --seeds 1 goes on from it",
-        "default seed 2: trained; its final evaluation runs with --jobs default --seeds 2"]
+        "default seed 2: trained; its final evaluation runs with --jobs default --seeds 2",
+        (f"default seed 5: not finished, with the checkpoint of step {steps} of {steps} (written before its "
+         "evaluation, which runs first); --jobs default --seeds 5 goes on from it")]
 
 
 def test_results_of_another_config_are_not_gathered(tmp_path) -> None:
