@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import tomllib
@@ -509,7 +510,7 @@ def main() -> None:
     if restored:
         print(f"  restored {len(restored)} seeds' results from {args.json} into {args.out}")
     stopped = None
-    for job, seed in ((job, seed) for job in jobs for seed in seeds):
+    for job, seed in itertools.product(jobs, seeds):
         try:
             run_seed(args, job, seed)
         except Stopped as e:  # Ctrl-C or SIGTERM: no further seed; what is done is gathered

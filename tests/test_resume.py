@@ -35,6 +35,10 @@ def _cfg(tmp_path, steps: int, eval_every: int = 0) -> JobConfig:
     }, JobConfig)
 
 
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _tensors(folder):
     return {f.name: load_file(str(f)) for f in sorted(folder.glob("*.safetensors"))}
 
@@ -57,7 +61,7 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypat
         for key in ta[name]:
             assert (ta[name][key] == tb[name][key]).all(), (name, key)
     assert json.loads((a / "learner_state.json").read_text()) == json.loads((b / "learner_state.json").read_text())
-    rows = [json.loads(line) for line in (half.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(half.run_dir)
     assert [(r["step"], r["kind"]) for r in rows if r["kind"] == "train"] == [(1, "train"), (2, "train")]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
     assert sorted(p.name for p in (half.run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
@@ -71,10 +75,6 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_path, monkeypat
     want = {(r["step"], round(r["train/main/reward"], 5)) for r in rows if r["kind"] == "train"}
     assert {(s, round(v, 5)) for s, v in tb["train/main/reward"]} == want and len(tb["train/main/reward"]) == 2
     assert [s for s, _ in tb["eval/main/vs_referential_heuristic/success"]] == [0, 1, 2]
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

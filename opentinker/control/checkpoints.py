@@ -90,16 +90,16 @@ def write_checkpoint(run_dir: Path, step: int, save_adapters: Any, save_states: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: the older checkpoints stay as they were
         raise
-    old = root / f".step_{step}.old"
-    if os.path.lexists(old):
-        _remove(old)
+    aside = root / f".step_{step}.old"
+    if os.path.lexists(aside):
+        _remove(aside)
     if final.is_dir() and not final.is_symlink():
-        os.replace(final, old)  # set aside, not deleted, so the step is missing only between two renames
+        os.replace(final, aside)  # set aside, not deleted, so the step is missing only between two renames
     elif os.path.lexists(final):
         _remove(final)
     os.replace(tmp, final)
-    if os.path.lexists(old):
-        _remove(old)
+    if os.path.lexists(aside):
+        _remove(aside)
     done = sorted((int(p.name.removeprefix("step_")), p) for p in root.iterdir()
                   if p.name.startswith("step_") and p.name.removeprefix("step_").isdigit())
     for _, old in done[:-keep]:
